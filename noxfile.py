@@ -1,0 +1,410 @@
+"""Nox sessions for the hyper-parallel monorepo.
+
+Every package under ``packages/<dist>/`` gets three sessions, generated from its
+``pyproject.toml``:
+
+* ``tests-<dist>``: a fresh venv with only the package and its hp-* DAG closure, installed
+  non-editable from local paths in one pip call (plus the package's ``test`` extra), then
+  pytest on ``packages/<dist>/tests`` from a directory where ``src/`` is not importable;
+* ``mypy-<dist>``: ``mypy --strict`` (root config) over the package's ``src/`` and ``tests/``;
+* ``build-<dist>``: wheel + sdist into ``dist/<dist>/``, wheel contents checked, wheel
+  installed and imported.
+
+Plus ``lint`` (ruff), ``dag`` (tools/check_dag.py, its tests and its types), ``demo`` and
+``ci``. Every check carries the tag ``ci``: ``nox -t ci`` runs them all (that is what CI
+runs); ``nox -s ci`` queues the same sessions. Every pip call is constrained by
+``constraints/ci.txt`` (torch must never be resolved unpinned).
+"""
+
+from __future__ import annotations
+
+import shutil
+import tarfile
+import tomllib
+import zipfile
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import nox
+from nox.command import CommandFailed
+
+ROOT = Path(__file__).resolve().parent
+PACKAGES_DIR = ROOT / "packages"
+CONSTRAINTS = ROOT / "constraints" / "ci.txt"
+PYPROJECT = ROOT / "pyproject.toml"
+DIST_DIR = ROOT / "dist"
+CI_TAG = "ci"
+TEST_EXTRA = "test"
+
+nox.options.default_venv_backend = "venv"
+nox.options.error_on_missing_interpreters = True
+nox.options.error_on_external_run = True
+
+# pip: every install is constrained. PIP_CONSTRAINT also reaches the isolated build
+# environments pip creates for the local packages (so hatchling is pinned too); `-c` alone
+# does not. --no-compile skips byte-compiling torch's thousands of files at install time.
+PIP_ENV: Mapping[str, str] = {"PIP_CONSTRAINT": str(CONSTRAINTS)}
+PIP_ARGS: tuple[str, ...] = ("--no-compile", "-c", str(CONSTRAINTS))
+# Tests: one BLAS/OpenMP thread per process (2-core machines, multi-process tests).
+TEST_ENV: Mapping[str, str] = {"OMP_NUM_THREADS": "1"}
+
+
+def _normalize(name: str) -> str:
+    out = name.strip().lower()
+    for sep in ("_", "."):
+        out = out.replace(sep, "-")
+    while "--" in out:
+        out = out.replace("--", "-")
+    return out
+
+
+def _requirement_name(requirement: str) -> str:
+    end = len(requirement)
+    for i, char in enumerate(requirement):
+        if not (char.isalnum() or char in "-_."):
+            end = i
+            break
+    return _normalize(requirement[:end])
+
+
+@dataclass(frozen=True)
+class Package:
+    """What the noxfile needs to know about one ``packages/<dist>/``."""
+
+    dist: str
+    path: Path
+    deps: tuple[str, ...]  # hp-* dists in [project].dependencies
+    test_deps: tuple[str, ...]  # hp-* dists in the `test` extra
+    extras: frozenset[str]
+    build_requires: tuple[str, ...]
+
+    @property
+    def import_name(self) -> str:
+        return self.dist.replace("-", "_")
+
+
+def _hp_names(requirements: Iterable[str]) -> tuple[str, ...]:
+    names = (_requirement_name(r) for r in requirements)
+    return tuple(sorted({n for n in names if n.startswith("hp-")}))
+
+
+def discover_packages() -> dict[str, Package]:
+    """All ``packages/*/pyproject.toml``, keyed by distribution name (= directory name)."""
+    found: dict[str, Package] = {}
+    for pyproject in sorted(PACKAGES_DIR.glob("*/pyproject.toml")):
+        data = tomllib.loads(pyproject.read_text(encoding="utf-8"))
+        project = data.get("project", {})
+        extras: dict[str, list[str]] = project.get("optional-dependencies", {})
+        dist = pyproject.parent.name
+        found[dist] = Package(
+            dist=dist,
+            path=pyproject.parent,
+            deps=_hp_names(project.get("dependencies", [])),
+            test_deps=_hp_names(extras.get(TEST_EXTRA, [])),
+            extras=frozenset(extras),
+            build_requires=tuple(data.get("build-system", {}).get("requires", [])),
+        )
+    return found
+
+
+PACKAGES = discover_packages()
+
+
+def closure(dist: str, *, with_test: bool) -> list[str]:
+    """``dist`` and its hp-* dependencies, transitively, dependencies first.
+
+    ``with_test`` also follows the hp-* entries of ``dist``'s own ``test`` extra.
+    Raises ValueError for a dependency with no ``packages/<dep>/`` or a cycle.
+    """
+    order: list[str] = []
+    state: dict[str, str] = {}  # "visiting" | "done"
+
+    def visit(name: str, chain: tuple[str, ...], edges: Iterable[str] | None = None) -> None:
+        if state.get(name) == "done":
+            return
+        if state.get(name) == "visiting":
+            raise ValueError(f"dependency cycle: {' -> '.join((*chain, name))}")
+        if name not in PACKAGES:
+            raise ValueError(
+                f"{' -> '.join((*chain, name))}: no packages/{name}/ in this repository"
+            )
+        state[name] = "visiting"
+        for dep in edges if edges is not None else PACKAGES[name].deps:
+            visit(dep, (*chain, name))
+        state[name] = "done"
+        order.append(name)
+
+    root = PACKAGES.get(dist)
+    edges = None
+    if root is not None and with_test:
+        edges = sorted({*root.deps, *root.test_deps})
+    visit(dist, (), edges)
+    return order
+
+
+def _closure_or_error(session: nox.Session, dist: str, *, with_test: bool) -> list[str]:
+    try:
+        return closure(dist, with_test=with_test)
+    except ValueError as exc:
+        session.error(f"cannot install {dist}: {exc}")
+
+
+def install_closure(
+    session: nox.Session,
+    dist: str,
+    *,
+    test_extra: bool,
+    extra_requirements: Iterable[str] = (),
+    replace_self: str | None = None,
+) -> list[str]:
+    """One pip call: ``dist`` (non-editable, local path) + its DAG closure + extras.
+
+    ``replace_self`` installs that file (a built wheel) instead of ``packages/<dist>``.
+    """
+    pkg = PACKAGES[dist]
+    if test_extra and TEST_EXTRA not in pkg.extras:
+        session.error(
+            f"{pkg.path.relative_to(ROOT)}/pyproject.toml has no "
+            f"[project.optional-dependencies] {TEST_EXTRA} = [...] (what its tests need)"
+        )
+    names = _closure_or_error(session, dist, with_test=test_extra)
+    specs: list[str] = []
+    for name in names:
+        if name != dist:
+            specs.append(str(PACKAGES[name].path))
+        elif replace_self is not None:
+            specs.append(replace_self)
+        else:
+            specs.append(str(pkg.path) + (f"[{TEST_EXTRA}]" if test_extra else ""))
+    session.install(*PIP_ARGS, *specs, *extra_requirements, env=PIP_ENV)
+    return names
+
+
+def _check_installed_copy(session: nox.Session, import_name: str) -> None:
+    """Fail if ``import_name`` would be imported from the source tree, not site-packages."""
+    script = (
+        f"import pathlib, sys, {import_name} as m; f = pathlib.Path(m.__file__).resolve(); "
+        f"print('{import_name} is imported from', f); "
+        f"sys.exit('error: that is the source tree' if f.is_relative_to({str(PACKAGES_DIR)!r}) "
+        "else 0)"
+    )
+    session.run("python", "-c", script, log=False)
+
+
+def _has_python(directory: Path) -> bool:
+    return directory.is_dir() and any(directory.rglob("*.py"))
+
+
+# ----------------------------------------------------------------------------------------------
+# Per-package sessions
+# ----------------------------------------------------------------------------------------------
+
+
+def run_tests(session: nox.Session, pkg: Package) -> None:
+    names = install_closure(session, pkg.dist, test_extra=True)
+    session.log(f"DAG closure of {pkg.dist}: {' -> '.join(names)}")
+    # cwd stays the repository root, where no src/ is importable (and `pytest`, unlike
+    # `python -m pytest`, does not put the cwd on sys.path anyway): the tests import the
+    # installed, non-editable copy. _check_installed_copy proves it before pytest starts.
+    _check_installed_copy(session, pkg.import_name)
+    session.run(
+        "pytest",
+        "-c",
+        str(PYPROJECT),
+        "--rootdir",
+        str(ROOT),
+        str(pkg.path / "tests"),
+        *session.posargs,
+        env=TEST_ENV,
+    )
+
+
+def run_mypy(session: nox.Session, pkg: Package) -> None:
+    install_closure(session, pkg.dist, test_extra=True, extra_requirements=["mypy"])
+    targets = [
+        str(d.relative_to(ROOT)) for d in (pkg.path / "src", pkg.path / "tests") if _has_python(d)
+    ]
+    cache = Path(session.create_tmp()) / "mypy_cache"
+    session.run(
+        "mypy",
+        "--config-file",
+        str(PYPROJECT),
+        "--cache-dir",
+        str(cache),
+        *targets,
+        *session.posargs,
+    )
+
+
+def run_build(session: nox.Session, pkg: Package) -> None:
+    # Build against pinned, pre-installed build requirements (no build isolation): an isolated
+    # build would resolve its own, unpinned torch for packages that compile against it.
+    session.install(*PIP_ARGS, "build", *pkg.build_requires, env=PIP_ENV)
+    outdir = DIST_DIR / pkg.dist
+    shutil.rmtree(outdir, ignore_errors=True)
+    session.run("python", "-m", "build", "--no-isolation", "--outdir", str(outdir), str(pkg.path))
+    wheels = sorted(outdir.glob("*.whl"))
+    sdists = sorted(outdir.glob("*.tar.gz"))
+    if len(wheels) != 1 or len(sdists) != 1:
+        session.error(f"expected one wheel and one sdist in {outdir}, got {wheels + sdists}")
+    wheel, sdist = wheels[0], sdists[0]
+
+    imp = pkg.import_name
+    with zipfile.ZipFile(wheel) as zf:
+        in_wheel = set(zf.namelist())
+    missing = [f for f in (f"{imp}/__init__.py", f"{imp}/py.typed") if f not in in_wheel]
+    stray = sorted(n for n in in_wheel if n.split("/", 1)[0] in {"tests", "src"})
+    if missing or stray:
+        session.error(f"{wheel.name}: missing {missing}, unexpected {stray}")
+    with tarfile.open(sdist) as tf:
+        in_sdist = {n.split("/", 1)[1] for n in tf.getnames() if "/" in n}
+    wanted = ("pyproject.toml", "README.md", f"src/{imp}/__init__.py", f"src/{imp}/py.typed")
+    missing = [f for f in wanted if f not in in_sdist]
+    if missing:
+        session.error(f"{sdist.name}: missing {missing}")
+    session.log(f"{wheel.name}: {len(in_wheel)} files incl. {imp}/py.typed; {sdist.name} ok")
+
+    install_closure(session, pkg.dist, test_extra=False, replace_self=str(wheel))
+    session.chdir(session.create_tmp())
+    _check_installed_copy(session, imp)
+
+
+def _register(pkg: Package) -> list[str]:
+    """Define tests-/mypy-/build-<dist> for one package; return their names."""
+
+    def tests(session: nox.Session) -> None:
+        run_tests(session, pkg)
+
+    def mypy(session: nox.Session) -> None:
+        run_mypy(session, pkg)
+
+    def build(session: nox.Session) -> None:
+        run_build(session, pkg)
+
+    tests.__doc__ = f"pytest {pkg.dist} against a non-editable install of its DAG closure."
+    mypy.__doc__ = f"mypy --strict over {pkg.dist}'s src/ and tests/."
+    build.__doc__ = f"Build {pkg.dist}'s wheel + sdist into dist/{pkg.dist}/, install, import."
+    names = []
+    for kind, func in (("tests", tests), ("mypy", mypy), ("build", build)):
+        name = f"{kind}-{pkg.dist}"
+        nox.session(name=name, tags=[CI_TAG])(func)
+        names.append(name)
+    return names
+
+
+# ----------------------------------------------------------------------------------------------
+# Repository-wide sessions
+# ----------------------------------------------------------------------------------------------
+
+
+@nox.session(tags=[CI_TAG])
+def lint(session: nox.Session) -> None:
+    """ruff check + ruff format --check over the whole repository."""
+    session.install(*PIP_ARGS, "ruff", env=PIP_ENV)
+    failed = []
+    for args in (("check", "."), ("format", "--check", "--diff", ".")):
+        try:
+            session.run("ruff", *args)
+        except CommandFailed:
+            failed.append(f"ruff {args[0]}")
+    if failed:
+        session.error(f"{' and '.join(failed)} failed (fix: `ruff check --fix . && ruff format .`)")
+
+
+@nox.session(tags=[CI_TAG])
+def dag(session: nox.Session) -> None:
+    """Enforce the package DAG (tools/check_dag.py), test and type-check the checker."""
+    session.install(
+        *PIP_ARGS,
+        "pytest",
+        "mypy",
+        "-r",
+        str(ROOT / "tools" / "requirements-nox.txt"),
+        env=PIP_ENV,
+    )
+    cache = Path(session.create_tmp()) / "mypy_cache"
+    steps: list[tuple[str, list[str]]] = [
+        ("check_dag.py", ["python", str(ROOT / "tools" / "check_dag.py")]),
+        (
+            "mypy tools noxfile.py",
+            [
+                "mypy",
+                "--config-file",
+                str(PYPROJECT),
+                "--cache-dir",
+                str(cache),
+                "tools",
+                "noxfile.py",
+            ],
+        ),
+        (
+            "pytest tools/tests",
+            [
+                "pytest",
+                "-c",
+                str(PYPROJECT),
+                "--rootdir",
+                str(ROOT),
+                "tools/tests",
+                *session.posargs,
+            ],
+        ),
+    ]
+    failed = []
+    for label, cmd in steps:  # run all three, so the checker's own tests run on a bad tree too
+        try:
+            session.run(*cmd)
+        except CommandFailed:
+            failed.append(label)
+    if failed:
+        session.error(f"failed: {', '.join(failed)}")
+
+
+@nox.session(default=False)
+def demo(session: nox.Session) -> None:
+    """The main job: for now, hp_layout's redistribution-plan demo (python -m hp_layout.demo)."""
+    install_closure(session, "hp-layout", test_extra=False)
+    session.chdir(session.create_tmp())
+    session.run("python", "-m", "hp_layout.demo", *session.posargs, env=TEST_ENV)
+
+
+@nox.session(default=False)
+def bench(session: nox.Session) -> None:
+    """Every benchmark in benchmarks/ (ratios side by side; one JSON line each).
+
+    Pass file names to run only some: ``nox -s bench -- layout_planning.py``.
+    """
+    for dist in _dag_order():
+        install_closure(session, dist, test_extra=False)
+    scripts = sorted((ROOT / "benchmarks").glob("*.py"))
+    chosen = [s for s in scripts if not session.posargs or s.name in session.posargs]
+    if not chosen:
+        session.error(f"no benchmark matches {session.posargs}; have {[s.name for s in scripts]}")
+    session.chdir(session.create_tmp())
+    for script in chosen:
+        session.run("python", str(script), env=TEST_ENV)
+
+
+def _dag_order() -> list[str]:
+    """Package names, dependencies before dependents (ties by name); unknown deps ignored."""
+    order: list[str] = []
+    for dist in sorted(PACKAGES):
+        try:
+            names = closure(dist, with_test=False)
+        except ValueError:  # reported by the package's sessions and by `dag`
+            names = [dist]
+        order += [n for n in names if n not in order]
+    return order
+
+
+CI_SESSIONS: list[str] = ["lint", "dag"]
+for _dist in _dag_order():
+    CI_SESSIONS += _register(PACKAGES[_dist])
+
+
+@nox.session(venv_backend="none", default=False)
+def ci(session: nox.Session) -> None:
+    """Queue every session tagged `ci` (same as `nox -t ci`); nox exits 1 if any fails."""
+    for name in CI_SESSIONS:
+        session.notify(name)

@@ -1,0 +1,559 @@
+#!/usr/bin/env python3
+"""Enforce the package dependency DAG of DESIGN.md ("Packages and the dependency DAG").
+
+Run as ``python tools/check_dag.py [--root DIR]``; exits 1 with one message per problem.
+
+Checks, for every directory ``packages/<dist>/``:
+
+(a) the hp-* dependencies declared in its ``pyproject.toml`` (required and optional) are
+    allowed by ``ALLOWED_DEPS`` and exist under ``packages/``;
+(b) every ``import``/``from ... import`` of an ``hp_*`` module in its ``src/`` and ``tests/``
+    (found with ``ast``, nested imports and ``importlib.import_module("...")`` included) names
+    the package itself or a declared dependency;
+(c) restricted third-party imports (``RESTRICTED_IMPORTS``): ``hp_layout`` never imports torch,
+    and imports numpy only in ``hp_layout/reference.py``; its required dependencies name
+    neither;
+(d) at run time, in a fresh interpreter with only ``packages/hp-layout/src`` added to the path,
+    importing ``hp_layout`` and all its submodules except ``hp_layout.reference`` neither
+    loads nor even tries to import torch or numpy;
+(e) every package directory is in ``ALLOWED_DEPS`` (a new package needs a row there);
+(f) the package layout: ``[project].name`` equals the directory name; ``src/<import>/``
+    (with ``__init__.py`` and ``py.typed``), ``tests/``, ``README.md`` and ``CHANGELOG.md``
+    exist; a ``test`` extra is declared.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import re
+import subprocess
+import sys
+import tomllib
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+TABLE_NAME = "ALLOWED_DEPS in tools/check_dag.py"
+
+_BELOW_SIBLINGS = frozenset({"hp_dtensor", "hp_layout", "hp_kernels"})
+
+#: import name -> the hp_* packages it may depend on (directly). Siblings never import each
+#: other; shared contracts live in the package below them.
+ALLOWED_DEPS: Mapping[str, frozenset[str]] = {
+    "hp_layout": frozenset(),  # pure Python: no torch, no numpy at import time
+    "hp_kernels": frozenset(),  # torch only
+    "hp_dtensor": frozenset({"hp_layout", "hp_kernels"}),
+    "hp_fsdp": _BELOW_SIBLINGS,
+    "hp_muon": _BELOW_SIBLINGS,
+    "hp_mpmd": _BELOW_SIBLINGS,
+    "hp_offload": _BELOW_SIBLINGS,
+}
+
+
+@dataclass(frozen=True)
+class Restriction:
+    """A third-party top-level module a package may import only in the listed modules."""
+
+    module: str
+    only_in: frozenset[str] = frozenset()  # empty: nowhere
+
+
+#: import name -> restricted third-party imports in its src/ (static check (c)).
+RESTRICTED_IMPORTS: Mapping[str, tuple[Restriction, ...]] = {
+    "hp_layout": (
+        Restriction("torch"),
+        Restriction("torch_npu"),
+        Restriction("numpy", only_in=frozenset({"hp_layout.reference"})),
+    ),
+}
+
+
+@dataclass(frozen=True)
+class RuntimeRule:
+    """Importing the package (minus ``excluded`` modules) must not load ``forbidden``."""
+
+    forbidden: frozenset[str]
+    excluded: frozenset[str]
+
+
+#: import name -> runtime import rule (check (d)).
+RUNTIME_RULES: Mapping[str, RuntimeRule] = {
+    "hp_layout": RuntimeRule(
+        forbidden=frozenset({"torch", "numpy"}),
+        excluded=frozenset({"hp_layout.reference"}),
+    ),
+}
+
+_REQ_NAME = re.compile(r"^\s*([A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9])?)")
+_TEST_EXTRA = "test"
+
+
+def normalize(name: str) -> str:
+    """PEP 503 normalization of a distribution name."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def requirement_name(requirement: str) -> str:
+    """The normalized distribution name of a PEP 508 requirement string."""
+    match = _REQ_NAME.match(requirement)
+    if match is None:
+        raise ValueError(f"cannot parse requirement {requirement!r}")
+    return normalize(match.group(1))
+
+
+def import_name(dist: str) -> str:
+    return normalize(dist).replace("-", "_")
+
+
+def dist_name(module: str) -> str:
+    return module.replace("_", "-")
+
+
+def is_hp(module_or_dist: str) -> bool:
+    return module_or_dist.startswith(("hp_", "hp-"))
+
+
+@dataclass(frozen=True)
+class Package:
+    dist: str
+    directory: Path
+    project: Mapping[str, Any]
+
+    @property
+    def import_name(self) -> str:
+        return import_name(self.dist)
+
+    @property
+    def src(self) -> Path:
+        return self.directory / "src"
+
+    def requirements(self, *, include_test: bool) -> dict[str, str]:
+        """Declared requirement strings keyed by normalized name (required + extras)."""
+        reqs: list[str] = list(self.project.get("dependencies", []))
+        extras: Mapping[str, list[str]] = self.project.get("optional-dependencies", {})
+        for extra, items in extras.items():
+            if include_test or extra != _TEST_EXTRA:
+                reqs.extend(items)
+        return {requirement_name(r): r for r in reqs}
+
+    def hp_deps(self, *, include_test: bool) -> set[str]:
+        """Declared hp_* dependencies as import names."""
+        names = self.requirements(include_test=include_test)
+        return {import_name(n) for n in names if is_hp(n)}
+
+
+@dataclass(frozen=True)
+class ImportSite:
+    path: Path
+    lineno: int
+    importer: str  # dotted module name of the importing file
+    imported: str  # dotted module name imported
+
+    @property
+    def top(self) -> str:
+        return self.imported.split(".", 1)[0]
+
+
+class Report:
+    def __init__(self) -> None:
+        self.errors: list[str] = []
+
+    def error(self, message: str) -> None:
+        self.errors.append(message)
+
+
+def discover(root: Path, report: Report) -> list[Package]:
+    packages_dir = root / "packages"
+    if not packages_dir.is_dir():
+        report.error(f"{packages_dir}: no packages/ directory under --root {root}")
+        return []
+    found: list[Package] = []
+    for directory in sorted(p for p in packages_dir.iterdir() if p.is_dir()):
+        if directory.name.startswith((".", "_")):
+            continue
+        pyproject = directory / "pyproject.toml"
+        if not pyproject.is_file():
+            report.error(f"{rel(directory, root)}: package directory without pyproject.toml")
+            continue
+        try:
+            data = tomllib.loads(pyproject.read_text(encoding="utf-8"))
+        except tomllib.TOMLDecodeError as exc:
+            report.error(f"{rel(pyproject, root)}: invalid TOML: {exc}")
+            continue
+        project = data.get("project")
+        if not isinstance(project, dict) or "name" not in project:
+            report.error(f"{rel(pyproject, root)}: missing [project] table with a name")
+            continue
+        found.append(Package(dist=directory.name, directory=directory, project=project))
+    return found
+
+
+def rel(path: Path, root: Path) -> str:
+    try:
+        return str(path.relative_to(root))
+    except ValueError:
+        return str(path)
+
+
+def check_layout(pkg: Package, root: Path, report: Report) -> None:
+    """(f) Directory/name/layout conventions."""
+    name = normalize(str(pkg.project["name"]))
+    where = rel(pkg.directory, root)
+    if name != pkg.dist:
+        report.error(
+            f"{where}: [project].name is {pkg.project['name']!r}, expected {pkg.dist!r} "
+            "(the directory name)"
+        )
+    pkg_dir = pkg.src / pkg.import_name
+    required = [
+        pkg_dir / "__init__.py",
+        pkg_dir / "py.typed",
+        pkg.directory / "tests",
+        pkg.directory / "README.md",
+        pkg.directory / "CHANGELOG.md",
+    ]
+    for path in required:
+        if not path.exists():
+            report.error(f"{rel(path, root)}: missing (every package needs it, see DESIGN.md)")
+    if _TEST_EXTRA not in pkg.project.get("optional-dependencies", {}):
+        report.error(
+            f"{where}/pyproject.toml: no [project.optional-dependencies] {_TEST_EXTRA} = [...] "
+            "(what the package's tests need; CI installs it)"
+        )
+
+
+def check_known(packages: Sequence[Package], root: Path, report: Report) -> None:
+    """(e) Every package directory has a row in the DAG table."""
+    for pkg in packages:
+        if pkg.import_name not in ALLOWED_DEPS:
+            report.error(
+                f"{rel(pkg.directory, root)}: unknown package {pkg.dist!r} "
+                f"({pkg.import_name}): add a row for it to {TABLE_NAME} "
+                "(and to DESIGN.md's dependency DAG) before adding the package"
+            )
+
+
+def check_declared(packages: Sequence[Package], root: Path, report: Report) -> None:
+    """(a) Declared hp-* dependencies are allowed by the table and exist."""
+    present = {pkg.import_name for pkg in packages}
+    for pkg in packages:
+        allowed = ALLOWED_DEPS.get(pkg.import_name)
+        pyproject = rel(pkg.directory / "pyproject.toml", root)
+        for name, requirement in sorted(pkg.requirements(include_test=True).items()):
+            if not is_hp(name):
+                continue
+            dep = import_name(name)
+            if dep == pkg.import_name:
+                report.error(f"{pyproject}: {pkg.dist} declares a dependency on itself")
+                continue
+            if dep not in ALLOWED_DEPS:
+                report.error(
+                    f"{pyproject}: {pkg.dist} depends on unknown package {name!r} "
+                    f"(not in {TABLE_NAME})"
+                )
+                continue
+            if allowed is not None and dep not in allowed:
+                report.error(
+                    f"{pyproject}: {pkg.dist} declares {requirement!r}, which the DAG forbids; "
+                    f"{pkg.dist} may depend only on {fmt_set(allowed)}"
+                )
+            if dep not in present:
+                report.error(
+                    f"{pyproject}: {pkg.dist} depends on {name!r}, but there is no packages/{name}/"
+                )
+    for pkg, restrictions in _restricted(packages):
+        required = {requirement_name(r): r for r in pkg.project.get("dependencies", [])}
+        for restriction in restrictions:
+            name = normalize(restriction.module)
+            if name in required:
+                report.error(
+                    f"{rel(pkg.directory / 'pyproject.toml', root)}: {pkg.dist} must not "
+                    f"require {name} (found {required[name]!r} in [project].dependencies)"
+                )
+
+
+def _restricted(packages: Sequence[Package]) -> Iterator[tuple[Package, tuple[Restriction, ...]]]:
+    for pkg in packages:
+        restrictions = RESTRICTED_IMPORTS.get(pkg.import_name)
+        if restrictions:
+            yield pkg, restrictions
+
+
+def fmt_set(names: frozenset[str] | set[str]) -> str:
+    return "{" + ", ".join(sorted(names)) + "}" if names else "nothing (no hp-* packages)"
+
+
+def module_name(path: Path, base: Path) -> str:
+    """Dotted module name of ``path`` relative to the import root ``base``."""
+    parts = list(path.relative_to(base).with_suffix("").parts)
+    if parts and parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _dynamic_import_target(node: ast.Call) -> str | None:
+    func = node.func
+    name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+    if name not in {"import_module", "__import__"} or not node.args:
+        return None
+    first = node.args[0]
+    if isinstance(first, ast.Constant) and isinstance(first.value, str):
+        return first.value
+    return None
+
+
+def iter_imports(path: Path, base: Path, report: Report, root: Path) -> Iterator[ImportSite]:
+    """Every absolute import in ``path`` (at any nesting depth)."""
+    try:
+        tree = ast.parse(path.read_bytes(), filename=str(path))
+    except SyntaxError as exc:
+        report.error(f"{rel(path, root)}:{exc.lineno}: cannot parse: {exc.msg}")
+        return
+    importer = module_name(path, base)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield ImportSite(path, node.lineno, importer, alias.name)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level == 0 and node.module:
+                yield ImportSite(path, node.lineno, importer, node.module)
+        elif isinstance(node, ast.Call):
+            target = _dynamic_import_target(node)
+            if target is not None and not target.startswith("."):
+                yield ImportSite(path, node.lineno, importer, target)
+
+
+def python_files(directory: Path) -> list[Path]:
+    if not directory.is_dir():
+        return []
+    return sorted(
+        p
+        for p in directory.rglob("*.py")
+        if not any(part.startswith(".") for part in p.relative_to(directory).parts)
+    )
+
+
+@dataclass
+class ImportStats:
+    files: int = 0
+    hp_imports: int = 0
+
+
+def check_imports(
+    packages: Sequence[Package], root: Path, report: Report, stats: ImportStats
+) -> None:
+    """(b) hp_* imports are declared; (c) restricted third-party imports."""
+    for pkg in packages:
+        restrictions = {r.module: r for r in RESTRICTED_IMPORTS.get(pkg.import_name, ())}
+        tests = pkg.directory / "tests"
+        for base, files, include_test in (
+            (pkg.src, python_files(pkg.src), False),
+            (tests, python_files(tests), True),
+        ):
+            declared = pkg.hp_deps(include_test=include_test)
+            stats.files += len(files)
+            for path in files:
+                for site in iter_imports(path, base, report, root):
+                    where = f"{rel(site.path, root)}:{site.lineno}"
+                    if is_hp(site.top):
+                        stats.hp_imports += 1
+                        _check_hp_import(pkg, site, where, declared, include_test, report)
+                    elif not include_test and site.top in restrictions:
+                        restriction = restrictions[site.top]
+                        if site.importer not in restriction.only_in:
+                            allowed = (
+                                f"only in {fmt_set(restriction.only_in)}"
+                                if restriction.only_in
+                                else "nowhere"
+                            )
+                            report.error(
+                                f"{where}: {site.importer} imports {site.imported}; "
+                                f"{pkg.import_name} may import {site.top} {allowed}"
+                            )
+
+
+def _check_hp_import(
+    pkg: Package,
+    site: ImportSite,
+    where: str,
+    declared: set[str],
+    include_test: bool,
+    report: Report,
+) -> None:
+    if site.top == pkg.import_name or site.top in declared:
+        return
+    allowed = ALLOWED_DEPS.get(pkg.import_name, frozenset())
+    scope = "its dependencies (incl. extras)" if include_test else "[project].dependencies"
+    if site.top not in ALLOWED_DEPS:
+        why = f"{site.top} is not a known package (not in {TABLE_NAME})"
+    elif site.top in allowed:
+        why = f"{dist_name(site.top)} is not in {pkg.dist}'s {scope}: declare it"
+    else:
+        why = (
+            f"the DAG forbids {pkg.import_name} -> {site.top} "
+            f"({pkg.import_name} may import only {fmt_set(allowed)})"
+        )
+    report.error(f"{where}: {site.importer} imports {site.imported}; {why}")
+
+
+# Runs in a fresh interpreter: argv = [src, package, forbidden (comma list), excluded (comma)].
+_RUNTIME_PROBE = r"""
+import importlib, importlib.abc, json, pkgutil, sys, traceback
+
+src, package, forbidden, excluded = sys.argv[1:5]
+forbidden = set(filter(None, forbidden.split(",")))
+excluded = set(filter(None, excluded.split(",")))
+sys.path.insert(0, src)
+state = {"current": package}
+result = {"imported": [], "attempts": [], "loaded": [], "errors": []}
+
+
+class Spy(importlib.abc.MetaPathFinder):
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname.split(".")[0] in forbidden:
+            frames = [f for f in traceback.extract_stack() if f.filename.startswith(src)]
+            where = f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "?"
+            result["attempts"].append([state["current"], fullname, where])
+        return None
+
+
+sys.meta_path.insert(0, Spy())
+
+
+def load(name):
+    state["current"] = name
+    before = set(sys.modules)
+    try:
+        module = importlib.import_module(name)
+    except BaseException as exc:
+        result["errors"].append([name, f"{type(exc).__name__}: {exc}"])
+        return None
+    result["imported"].append(name)
+    for mod in sorted(set(sys.modules) - before):
+        if mod in forbidden:
+            result["loaded"].append([name, mod])
+    return module
+
+
+def skip(name):
+    return name.rsplit(".", 1)[-1] == "__main__" or any(
+        name == e or name.startswith(e + ".") for e in excluded
+    )
+
+
+def walk(module):
+    for info in pkgutil.iter_modules(getattr(module, "__path__", []), module.__name__ + "."):
+        if skip(info.name):
+            continue
+        child = load(info.name)
+        if child is not None and info.ispkg:
+            walk(child)
+
+
+top = load(package)
+if top is not None:
+    walk(top)
+print(json.dumps(result))
+"""
+
+
+def check_runtime(packages: Sequence[Package], root: Path, report: Report) -> list[str]:
+    """(d) Import the package and its submodules in a subprocess; watch sys.modules."""
+    summaries: list[str] = []
+    for pkg in packages:
+        rule = RUNTIME_RULES.get(pkg.import_name)
+        if rule is None or not (pkg.src / pkg.import_name).is_dir():
+            continue
+        cmd = [
+            sys.executable,
+            "-I",
+            "-c",
+            _RUNTIME_PROBE,
+            str(pkg.src.resolve()),
+            pkg.import_name,
+            ",".join(sorted(rule.forbidden)),
+            ",".join(sorted(rule.excluded)),
+        ]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
+        if proc.returncode != 0:
+            report.error(
+                f"(d) import probe for {pkg.import_name} crashed (exit {proc.returncode}):\n"
+                f"{proc.stderr.strip()}"
+            )
+            continue
+        result = json.loads(proc.stdout.strip().splitlines()[-1])
+        for name, message in result["errors"]:
+            report.error(f"(d) importing {name} failed: {message}")
+        for importer, mod, where in result["attempts"]:
+            report.error(
+                f"(d) importing {importer} tries to import {mod} (at {where}); "
+                f"{pkg.import_name} must not import {fmt_set(rule.forbidden)} "
+                f"outside {fmt_set(rule.excluded)}"
+            )
+        for importer, mod in result["loaded"]:
+            report.error(f"(d) importing {importer} loads {mod} into sys.modules")
+        summaries.append(
+            f"{pkg.import_name}: {len(result['imported'])} modules imported "
+            f"(excluding {fmt_set(rule.excluded)}); none loads {fmt_set(rule.forbidden)}"
+        )
+    return summaries
+
+
+def run(root: Path) -> int:
+    root = root.resolve()
+    report = Report()
+    packages = discover(root, report)
+    for pkg in packages:
+        check_layout(pkg, root, report)
+    check_known(packages, root, report)
+    check_declared(packages, root, report)
+    stats = ImportStats()
+    check_imports(packages, root, report, stats)
+    runtime = check_runtime(packages, root, report)
+
+    listing = ", ".join(f"{p.dist} -> {fmt_set(p.hp_deps(include_test=True))}" for p in packages)
+    print(f"check_dag: {len(packages)} package(s) under {root / 'packages'}: {listing or '-'}")
+    print("  (a) declared hp-* dependencies allowed by the DAG table and present")
+    print(
+        f"  (b) {stats.hp_imports} hp_* import(s) in {stats.files} file(s) of src/ and tests/ "
+        "are declared dependencies"
+    )
+    for pkg_name, restrictions in RESTRICTED_IMPORTS.items():
+        rules = ", ".join(
+            f"{r.module} only in {fmt_set(r.only_in)}" if r.only_in else f"{r.module} never"
+            for r in restrictions
+        )
+        print(f"  (c) {pkg_name} imports {rules}")
+    for line in runtime or ["no package with a runtime rule present"]:
+        print(f"  (d) runtime: {line}")
+    print(f"  (e) every package directory has a row in {TABLE_NAME}")
+    print(
+        "  (f) layout: name, src/<import>/{__init__.py,py.typed}, tests/, README.md, "
+        "CHANGELOG.md, [test] extra"
+    )
+    if report.errors:
+        print(f"\ncheck_dag: FAILED, {len(report.errors)} problem(s):", file=sys.stderr)
+        for message in report.errors:
+            print(f"  - {message}", file=sys.stderr)
+        return 1
+    print("check_dag: OK")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument(
+        "--root",
+        type=Path,
+        default=Path(__file__).resolve().parent.parent,
+        help="repository root holding packages/ (default: this checkout)",
+    )
+    args = parser.parse_args(argv)
+    return run(args.root)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,290 @@
+"""Tests for tools/check_dag.py on small fake repositories built in tmp_path."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import pytest
+
+import check_dag
+
+CHECKER = Path(check_dag.__file__).resolve()
+
+
+def write_package(
+    root: Path,
+    dist: str,
+    *,
+    deps: Sequence[str] = (),
+    test_deps: Sequence[str] = (),
+    files: Mapping[str, str] | None = None,
+    tests: Mapping[str, str] | None = None,
+    readme: bool = True,
+) -> Path:
+    """A minimal well-formed package ``packages/<dist>/`` with the given modules."""
+    imp = dist.replace("-", "_")
+    pkg = root / "packages" / dist
+    src = pkg / "src" / imp
+    src.mkdir(parents=True)
+    (pkg / "tests").mkdir()
+    dep_list = ", ".join(f'"{d}>=0.1,<0.2"' for d in deps)
+    test_list = ", ".join(['"pytest>=8"', *(f'"{d}>=0.1,<0.2"' for d in test_deps)])
+    (pkg / "pyproject.toml").write_text(
+        textwrap.dedent(
+            f"""\
+            [project]
+            name = "{dist}"
+            version = "0.1.0"
+            dependencies = [{dep_list}]
+
+            [project.optional-dependencies]
+            test = [{test_list}]
+            """
+        ),
+        encoding="utf-8",
+    )
+    if readme:
+        (pkg / "README.md").write_text(f"# {dist}\n", encoding="utf-8")
+    (pkg / "CHANGELOG.md").write_text("# Changelog\n", encoding="utf-8")
+    (src / "py.typed").write_text("", encoding="utf-8")
+    all_files = {"__init__.py": '"""Package."""\n', **(files or {})}
+    for name, text in all_files.items():
+        path = src / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(textwrap.dedent(text), encoding="utf-8")
+    for name, text in (tests or {}).items():
+        (pkg / "tests" / name).write_text(textwrap.dedent(text), encoding="utf-8")
+    return pkg
+
+
+def good_repo(root: Path) -> Path:
+    write_package(
+        root,
+        "hp-layout",
+        files={
+            "mesh.py": "import math\n",
+            "reference.py": "import numpy as np\n",
+        },
+        tests={"test_mesh.py": "import numpy\nimport hp_layout.mesh\n"},
+    )
+    write_package(root, "hp-kernels")
+    write_package(
+        root,
+        "hp-dtensor",
+        deps=["hp-layout", "hp-kernels"],
+        files={"api.py": "from hp_layout import mesh\nimport hp_kernels\n"},
+    )
+    write_package(
+        root,
+        "hp-fsdp",
+        deps=["hp-dtensor", "hp-layout"],
+        files={"shard.py": "def f() -> None:\n    import hp_dtensor.api\n"},
+    )
+    return root
+
+
+def check(root: Path, capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    code = check_dag.main(["--root", str(root)])
+    captured = capsys.readouterr()
+    return code, captured.out + captured.err
+
+
+def test_good_repo_passes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out = check(good_repo(tmp_path), capsys)
+    assert code == 0, out
+    assert "check_dag: OK" in out
+    assert "4 package(s)" in out
+
+
+def test_sibling_dependency_declared(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    good_repo(tmp_path)
+    write_package(tmp_path, "hp-muon", deps=["hp-fsdp"])
+    code, out = check(tmp_path, capsys)
+    assert code == 1
+    assert "hp-muon declares 'hp-fsdp>=0.1,<0.2', which the DAG forbids" in out
+
+
+def test_sibling_in_test_extra_is_forbidden(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    good_repo(tmp_path)
+    write_package(tmp_path, "hp-muon", deps=["hp-dtensor"], test_deps=["hp-fsdp"])
+    code, out = check(tmp_path, capsys)
+    assert code == 1
+    assert "which the DAG forbids" in out
+
+
+def test_upward_dependency_declared(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    write_package(tmp_path, "hp-layout", deps=["hp-dtensor"])
+    write_package(tmp_path, "hp-kernels")
+    write_package(tmp_path, "hp-dtensor", deps=["hp-layout", "hp-kernels"])
+    code, out = check(tmp_path, capsys)
+    assert code == 1
+    assert "hp-layout may depend only on nothing" in out
+
+
+def test_undeclared_nested_import(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    good_repo(tmp_path)
+    write_package(
+        tmp_path,
+        "hp-offload",
+        deps=["hp-dtensor"],
+        files={
+            "swap.py": "class A:\n    def f(self) -> None:\n        from hp_layout import mesh\n"
+        },
+    )
+    code, out = check(tmp_path, capsys)
+    assert code == 1
+    assert "packages/hp-offload/src/hp_offload/swap.py:3" in out
+    assert "hp-layout is not in hp-offload's [project].dependencies: declare it" in out
+
+
+def test_sibling_import_in_source(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    good_repo(tmp_path)
+    write_package(
+        tmp_path,
+        "hp-muon",
+        deps=["hp-dtensor"],
+        files={"opt.py": "import importlib\nX = importlib.import_module('hp_fsdp.shard')\n"},
+    )
+    code, out = check(tmp_path, capsys)
+    assert code == 1
+    assert "the DAG forbids hp_muon -> hp_fsdp" in out
+
+
+def test_unknown_hp_import(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    good_repo(tmp_path)
+    (tmp_path / "packages/hp-layout/src/hp_layout/bad.py").write_text("import hp_magic\n")
+    code, out = check(tmp_path, capsys)
+    assert code == 1
+    assert "hp_magic is not a known package" in out
+
+
+def test_layout_imports_torch(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    good_repo(tmp_path)
+    (tmp_path / "packages/hp-layout/src/hp_layout/mesh.py").write_text(
+        "def f() -> None:\n    import torch.distributed\n"
+    )
+    code, out = check(tmp_path, capsys)
+    assert code == 1
+    assert "hp_layout.mesh imports torch.distributed; hp_layout may import torch nowhere" in out
+
+
+def test_layout_numpy_outside_reference(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    good_repo(tmp_path)
+    (tmp_path / "packages/hp-layout/src/hp_layout/mesh.py").write_text(
+        "from numpy import ndarray\n"
+    )
+    code, out = check(tmp_path, capsys)
+    assert code == 1
+    assert "hp_layout may import numpy only in {hp_layout.reference}" in out
+
+
+def test_layout_requires_numpy(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    good_repo(tmp_path)
+    pyproject = tmp_path / "packages/hp-layout/pyproject.toml"
+    pyproject.write_text(
+        pyproject.read_text().replace("dependencies = []", 'dependencies = ["numpy>=1.26"]')
+    )
+    code, out = check(tmp_path, capsys)
+    assert code == 1
+    assert "hp-layout must not require numpy" in out
+
+
+def test_runtime_import_of_reference(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # Statically fine (relative import of the one module allowed to use numpy), but importing
+    # hp_layout now pulls numpy in at import time.
+    good_repo(tmp_path)
+    (tmp_path / "packages/hp-layout/src/hp_layout/__init__.py").write_text(
+        "from . import reference\n"
+    )
+    code, out = check(tmp_path, capsys)
+    assert code == 1
+    assert "(d) importing hp_layout tries to import numpy" in out
+
+
+def test_runtime_hidden_torch_import(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # Invisible to the static check; caught (even if torch is absent) by the import probe.
+    good_repo(tmp_path)
+    (tmp_path / "packages/hp-layout/src/hp_layout/accel.py").write_text(
+        "import importlib\n"
+        "try:\n"
+        "    importlib.import_module('tor' + 'ch')\n"
+        "except ImportError:\n"
+        "    pass\n"
+    )
+    code, out = check(tmp_path, capsys)
+    assert code == 1
+    assert "(d) importing hp_layout.accel tries to import torch" in out
+
+
+def test_runtime_broken_module(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    good_repo(tmp_path)
+    (tmp_path / "packages/hp-layout/src/hp_layout/broken.py").write_text("raise ValueError('x')\n")
+    code, out = check(tmp_path, capsys)
+    assert code == 1
+    assert "(d) importing hp_layout.broken failed: ValueError: x" in out
+
+
+def test_unknown_package_dir(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    good_repo(tmp_path)
+    write_package(tmp_path, "hp-serve", deps=["hp-dtensor"])
+    code, out = check(tmp_path, capsys)
+    assert code == 1
+    assert "unknown package 'hp-serve'" in out
+    assert "add a row for it to ALLOWED_DEPS in tools/check_dag.py" in out
+
+
+def test_missing_dependency_dir(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    write_package(tmp_path, "hp-layout")
+    write_package(tmp_path, "hp-muon", deps=["hp-dtensor"])
+    code, out = check(tmp_path, capsys)
+    assert code == 1
+    assert "but there is no packages/hp-dtensor/" in out
+
+
+def test_layout_problems(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    good_repo(tmp_path)
+    write_package(tmp_path, "hp-mpmd", deps=["hp-dtensor"], readme=False)
+    (tmp_path / "packages/hp-mpmd/src/hp_mpmd/py.typed").unlink()
+    code, out = check(tmp_path, capsys)
+    assert code == 1
+    assert "packages/hp-mpmd/README.md: missing" in out
+    assert "packages/hp-mpmd/src/hp_mpmd/py.typed: missing" in out
+
+
+@pytest.mark.parametrize(
+    ("requirement", "name"),
+    [
+        ("hp-layout>=0.1,<0.2", "hp-layout"),
+        ("hp_layout [reference] >=0.1", "hp-layout"),
+        ("Hp.Layout==0.1; python_version>'3'", "hp-layout"),
+        ("numpy", "numpy"),
+    ],
+)
+def test_requirement_name(requirement: str, name: str) -> None:
+    assert check_dag.requirement_name(requirement) == name
+
+
+def test_cli_exit_code(tmp_path: Path) -> None:
+    good_repo(tmp_path)
+    ok = subprocess.run(
+        [sys.executable, str(CHECKER), "--root", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    (tmp_path / "packages/hp-layout/src/hp_layout/mesh.py").write_text("import torch\n")
+    bad = subprocess.run(
+        [sys.executable, str(CHECKER), "--root", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert bad.returncode == 1
+    assert "check_dag: FAILED" in bad.stderr
