@@ -35,3 +35,12 @@ def test_assemble_rejects_disagreeing_replicas_and_bad_shapes() -> None:
     del shards[0]
     with pytest.raises(LayoutError, match=r"no shard given for ranks \[0\]"):
         assemble(shards, layout)
+
+
+def test_scatter_gives_replicas_identical_partial_pieces() -> None:
+    layout = Layout((3, 4), MESH, [Replicate(), Partial()])
+    shards = scatter(np.arange(12).reshape(3, 4), layout, rng=np.random.default_rng(5))
+    for rank in MESH.ranks:
+        for replica in layout.replica_group(rank):
+            np.testing.assert_array_equal(shards[rank], shards[replica])
+    assert not np.array_equal(shards[0], shards[1])

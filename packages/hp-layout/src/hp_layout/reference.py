@@ -87,12 +87,18 @@ def scatter(array: Array, layout: Layout, rng: np.random.Generator | None = None
     whole = Region(tuple((0, n) for n in layout.global_shape))
     shards = {r: _take(array, layout.local_region(r), whole).copy() for r in layout.mesh.ranks}
     mesh = layout.mesh
+    replicated = [mesh.axis_index(n) for n in layout.replicated_axes]
     for name, placement in zip(mesh.axis_names, layout.placements, strict=True):
         if not isinstance(placement, Partial):
             continue
+        # Replicas (groups that differ only along Replicate axes) must get identical parts.
+        splits: dict[tuple[int, ...], list[Array]] = {}
         for group in mesh.groups(name):
-            parts = _split(placement.op, shards[group[0]], len(group), rng)
-            shards.update(zip(group, parts, strict=True))
+            coordinate = mesh.coordinate(group[0])
+            key = tuple(c for i, c in enumerate(coordinate) if i not in replicated)
+            if key not in splits:
+                splits[key] = _split(placement.op, shards[group[0]], len(group), rng)
+            shards.update(zip(group, (p.copy() for p in splits[key]), strict=True))
     return shards
 
 
