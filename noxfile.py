@@ -47,7 +47,9 @@ nox.options.error_on_external_run = True
 PIP_ENV: Mapping[str, str] = {"PIP_CONSTRAINT": str(CONSTRAINTS)}
 PIP_ARGS: tuple[str, ...] = ("--no-compile", "-c", str(CONSTRAINTS))
 # Tests: one BLAS/OpenMP thread per process (2-core machines, multi-process tests).
-TEST_ENV: Mapping[str, str] = {"OMP_NUM_THREADS": "1"}
+# PYTHONDONTWRITEBYTECODE is emptied: venvs install with --no-compile, so without it every
+# spawned rank process would recompile torch's modules on import.
+TEST_ENV: Mapping[str, str] = {"OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": ""}
 
 
 def _normalize(name: str) -> str:

@@ -19,7 +19,12 @@ Checks, for every directory ``packages/<dist>/``:
 (e) every package directory is in ``ALLOWED_DEPS`` (a new package needs a row there);
 (f) the package layout: ``[project].name`` equals the directory name; ``src/<import>/``
     (with ``__init__.py`` and ``py.typed``), ``tests/``, ``README.md`` and ``CHANGELOG.md``
-    exist; a ``test`` extra is declared.
+    exist; a ``test`` extra is declared;
+(g) test-only packages (``TEST_ONLY``, i.e. ``hp_testing``): other packages list them only in
+    their ``test`` extra (never in ``[project].dependencies`` or another extra) and import
+    them only from ``tests/``, never from ``src/``; and ``hp_testing``'s own ``src/`` imports
+    only the standard library and ``ALLOWED_THIRD_PARTY`` (torch, pytest), which are also
+    the only third-party requirements it may declare.
 """
 
 from __future__ import annotations
@@ -38,14 +43,20 @@ from typing import Any
 
 TABLE_NAME = "ALLOWED_DEPS in tools/check_dag.py"
 
-_BELOW_SIBLINGS = frozenset({"hp_dtensor", "hp_layout", "hp_kernels"})
+#: Test-only packages: others may list them only in their `test` extra and import them only
+#: from tests/ (check (g)); they are never runtime dependencies.
+TEST_ONLY: frozenset[str] = frozenset({"hp_testing"})
+
+_BELOW_SIBLINGS = frozenset({"hp_dtensor", "hp_layout", "hp_kernels"}) | TEST_ONLY
 
 #: import name -> the hp_* packages it may depend on (directly). Siblings never import each
-#: other; shared contracts live in the package below them.
+#: other; shared contracts live in the package below them. TEST_ONLY entries are allowed in
+#: the `test` extra only (check (g)).
 ALLOWED_DEPS: Mapping[str, frozenset[str]] = {
+    "hp_testing": frozenset(),  # test helpers: torch and pytest only, no hp_* package
     "hp_layout": frozenset(),  # pure Python: no torch, no numpy at import time
     "hp_kernels": frozenset(),  # torch only
-    "hp_dtensor": frozenset({"hp_layout", "hp_kernels"}),
+    "hp_dtensor": frozenset({"hp_layout", "hp_kernels"}) | TEST_ONLY,
     "hp_fsdp": _BELOW_SIBLINGS,
     "hp_muon": _BELOW_SIBLINGS,
     "hp_mpmd": _BELOW_SIBLINGS,
@@ -85,6 +96,12 @@ RUNTIME_RULES: Mapping[str, RuntimeRule] = {
         forbidden=frozenset({"torch", "numpy"}),
         excluded=frozenset({"hp_layout.reference"}),
     ),
+}
+
+#: import name -> the only third-party top-level modules its src/ may import (the standard
+#: library aside), and the only non-hp requirements its [project].dependencies may name.
+ALLOWED_THIRD_PARTY: Mapping[str, frozenset[str]] = {
+    "hp_testing": frozenset({"torch", "pytest"}),
 }
 
 _REQ_NAME = re.compile(r"^\s*([A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9])?)")
@@ -138,6 +155,16 @@ class Package:
             if include_test or extra != _TEST_EXTRA:
                 reqs.extend(items)
         return {requirement_name(r): r for r in reqs}
+
+    def requirement_sections(self) -> Iterator[tuple[str, str]]:
+        """(section, requirement) for every declared requirement; section is
+        ``"[project].dependencies"`` or the extra's name."""
+        for requirement in self.project.get("dependencies", []):
+            yield "[project].dependencies", requirement
+        extras: Mapping[str, list[str]] = self.project.get("optional-dependencies", {})
+        for extra, items in extras.items():
+            for requirement in items:
+                yield extra, requirement
 
     def hp_deps(self, *, include_test: bool) -> set[str]:
         """Declared hp_* dependencies as import names."""
@@ -264,6 +291,7 @@ def check_declared(packages: Sequence[Package], root: Path, report: Report) -> N
                 report.error(
                     f"{pyproject}: {pkg.dist} depends on {name!r}, but there is no packages/{name}/"
                 )
+    check_test_only_declared(packages, root, report)
     for pkg, restrictions in _restricted(packages):
         required = {requirement_name(r): r for r in pkg.project.get("dependencies", [])}
         for restriction in restrictions:
@@ -272,6 +300,33 @@ def check_declared(packages: Sequence[Package], root: Path, report: Report) -> N
                 report.error(
                     f"{rel(pkg.directory / 'pyproject.toml', root)}: {pkg.dist} must not "
                     f"require {name} (found {required[name]!r} in [project].dependencies)"
+                )
+
+
+def check_test_only_declared(packages: Sequence[Package], root: Path, report: Report) -> None:
+    """(g) TEST_ONLY packages only in `test` extras; allow-listed third-party requirements."""
+    for pkg in packages:
+        pyproject = rel(pkg.directory / "pyproject.toml", root)
+        allowed_third_party = ALLOWED_THIRD_PARTY.get(pkg.import_name)
+        for section, requirement in pkg.requirement_sections():
+            name = requirement_name(requirement)
+            dep = import_name(name)
+            if dep in TEST_ONLY and dep != pkg.import_name and section != _TEST_EXTRA:
+                where = section if section.startswith("[") else f"the {section!r} extra"
+                report.error(
+                    f"{pyproject}: {pkg.dist} declares {requirement!r} in {where}; "
+                    f"{name} is test-only: list it only in [project.optional-dependencies] "
+                    f"{_TEST_EXTRA}"
+                )
+            if (
+                allowed_third_party is not None
+                and section == "[project].dependencies"
+                and not is_hp(name)
+                and dep not in allowed_third_party
+            ):
+                report.error(
+                    f"{pyproject}: {pkg.dist} requires {requirement!r}; its only third-party "
+                    f"dependencies may be {fmt_set(allowed_third_party)}"
                 )
 
 
@@ -348,6 +403,7 @@ def check_imports(
     """(b) hp_* imports are declared; (c) restricted third-party imports."""
     for pkg in packages:
         restrictions = {r.module: r for r in RESTRICTED_IMPORTS.get(pkg.import_name, ())}
+        third_party = ALLOWED_THIRD_PARTY.get(pkg.import_name)
         tests = pkg.directory / "tests"
         for base, files, include_test in (
             (pkg.src, python_files(pkg.src), False),
@@ -361,6 +417,17 @@ def check_imports(
                     if is_hp(site.top):
                         stats.hp_imports += 1
                         _check_hp_import(pkg, site, where, declared, include_test, report)
+                    elif (
+                        not include_test
+                        and third_party is not None
+                        and site.top not in third_party
+                        and site.top not in sys.stdlib_module_names
+                    ):
+                        report.error(
+                            f"{where}: {site.importer} imports {site.imported}; "
+                            f"{pkg.import_name} may import only the standard library and "
+                            f"{fmt_set(third_party)}"
+                        )
                     elif not include_test and site.top in restrictions:
                         restriction = restrictions[site.top]
                         if site.importer not in restriction.only_in:
@@ -383,6 +450,12 @@ def _check_hp_import(
     include_test: bool,
     report: Report,
 ) -> None:
+    if site.top in TEST_ONLY and site.top != pkg.import_name and not include_test:
+        report.error(
+            f"{where}: {site.importer} imports {site.imported}; {site.top} is test-only: "
+            "import it only from tests/, never from src/"
+        )
+        return
     if site.top == pkg.import_name or site.top in declared:
         return
     allowed = ALLOWED_DEPS.get(pkg.import_name, frozenset())
@@ -533,6 +606,14 @@ def run(root: Path) -> int:
     print(
         "  (f) layout: name, src/<import>/{__init__.py,py.typed}, tests/, README.md, "
         "CHANGELOG.md, [test] extra"
+    )
+    print(
+        f"  (g) test-only {fmt_set(set(TEST_ONLY))}: only in `test` extras, imported only from "
+        "tests/; "
+        + ", ".join(
+            f"{name} imports only the standard library and {fmt_set(allowed)}"
+            for name, allowed in ALLOWED_THIRD_PARTY.items()
+        )
     )
     if report.errors:
         print(f"\ncheck_dag: FAILED, {len(report.errors)} problem(s):", file=sys.stderr)

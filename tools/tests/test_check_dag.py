@@ -24,6 +24,7 @@ def write_package(
     files: Mapping[str, str] | None = None,
     tests: Mapping[str, str] | None = None,
     readme: bool = True,
+    extras: Mapping[str, Sequence[str]] | None = None,
 ) -> Path:
     """A minimal well-formed package ``packages/<dist>/`` with the given modules."""
     imp = dist.replace("-", "_")
@@ -33,6 +34,9 @@ def write_package(
     (pkg / "tests").mkdir()
     dep_list = ", ".join(f'"{d}>=0.1,<0.2"' for d in deps)
     test_list = ", ".join(['"pytest>=8"', *(f'"{d}>=0.1,<0.2"' for d in test_deps)])
+    extra_lines = "".join(
+        f"{name} = [{', '.join(repr(r) for r in reqs)}]\n" for name, reqs in (extras or {}).items()
+    )
     (pkg / "pyproject.toml").write_text(
         textwrap.dedent(
             f"""\
@@ -44,7 +48,8 @@ def write_package(
             [project.optional-dependencies]
             test = [{test_list}]
             """
-        ),
+        )
+        + extra_lines,
         encoding="utf-8",
     )
     if readme:
@@ -255,6 +260,126 @@ def test_layout_problems(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     assert code == 1
     assert "packages/hp-mpmd/README.md: missing" in out
     assert "packages/hp-mpmd/src/hp_mpmd/py.typed: missing" in out
+
+
+# --- (g) the test-only package hp-testing -------------------------------------------------
+
+
+def repo_with_hp_testing(root: Path) -> Path:
+    """good_repo plus hp-testing, used by hp-dtensor's tests (the allowed way)."""
+    good_repo(root)
+    write_package(
+        root,
+        "hp-testing",
+        deps=["torch", "pytest"],
+        files={
+            "pool.py": "import multiprocessing\nimport torch.distributed as dist\n",
+            "plugin.py": "import pytest\nfrom hp_testing import pool\n",
+        },
+        tests={"test_pool.py": "import numpy\nimport hp_testing.pool\n"},
+    )
+    pyproject = root / "packages/hp-dtensor/pyproject.toml"
+    pyproject.write_text(
+        pyproject.read_text().replace('test = ["pytest>=8"]', 'test = ["pytest>=8", "hp-testing"]')
+    )
+    (root / "packages/hp-dtensor/tests/conftest.py").write_text(
+        "from hp_testing import run_on_ranks\n"
+    )
+    return root
+
+
+def test_testing_package_used_from_tests_passes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out = check(repo_with_hp_testing(tmp_path), capsys)
+    assert code == 0, out
+    assert "hp-dtensor -> {hp_kernels, hp_layout, hp_testing}" in out
+    assert "(g) test-only {hp_testing}" in out
+
+
+def test_testing_package_as_runtime_dependency(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    repo_with_hp_testing(tmp_path)
+    write_package(tmp_path, "hp-muon", deps=["hp-dtensor", "hp-testing"])
+    code, out = check(tmp_path, capsys)
+    assert code == 1
+    assert (
+        "hp-muon declares 'hp-testing>=0.1,<0.2' in [project].dependencies; hp-testing is "
+        "test-only: list it only in [project.optional-dependencies] test"
+    ) in out
+
+
+def test_testing_package_in_another_extra(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    repo_with_hp_testing(tmp_path)
+    write_package(
+        tmp_path, "hp-offload", deps=["hp-dtensor"], extras={"dev": ["hp-testing", "ruff"]}
+    )
+    code, out = check(tmp_path, capsys)
+    assert code == 1
+    assert "hp-offload declares 'hp-testing' in the 'dev' extra; hp-testing is test-only" in out
+
+
+def test_testing_package_imported_from_src(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    repo_with_hp_testing(tmp_path)
+    write_package(
+        tmp_path,
+        "hp-mpmd",
+        deps=["hp-dtensor"],
+        test_deps=["hp-testing"],
+        files={"stage.py": "def f() -> None:\n    from hp_testing.pool import RankPool\n"},
+    )
+    code, out = check(tmp_path, capsys)
+    assert code == 1
+    assert (
+        "packages/hp-mpmd/src/hp_mpmd/stage.py:2: hp_mpmd.stage imports hp_testing.pool; "
+        "hp_testing is test-only: import it only from tests/, never from src/"
+    ) in out
+
+
+def test_layout_may_not_use_testing_package(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    repo_with_hp_testing(tmp_path)
+    pyproject = tmp_path / "packages/hp-layout/pyproject.toml"
+    pyproject.write_text(
+        pyproject.read_text().replace('test = ["pytest>=8"]', 'test = ["pytest>=8", "hp-testing"]')
+    )
+    code, out = check(tmp_path, capsys)
+    assert code == 1
+    assert "hp-layout declares 'hp-testing', which the DAG forbids" in out
+
+
+def test_testing_package_imports_hp_package(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    repo_with_hp_testing(tmp_path)
+    (tmp_path / "packages/hp-testing/src/hp_testing/mesh.py").write_text("import hp_layout.mesh\n")
+    code, out = check(tmp_path, capsys)
+    assert code == 1
+    assert "the DAG forbids hp_testing -> hp_layout" in out
+
+
+def test_testing_package_third_party(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    repo_with_hp_testing(tmp_path)
+    (tmp_path / "packages/hp-testing/src/hp_testing/data.py").write_text(
+        "import json\nimport numpy as np\nfrom hypothesis import given\n"
+    )
+    pyproject = tmp_path / "packages/hp-testing/pyproject.toml"
+    pyproject.write_text(pyproject.read_text().replace('"torch>=0.1,<0.2"', '"numpy>=1.26"'))
+    code, out = check(tmp_path, capsys)
+    assert code == 1
+    assert (
+        "hp_testing.data imports numpy; hp_testing may import only the standard library and "
+        "{pytest, torch}"
+    ) in out
+    assert "hp_testing.data imports hypothesis" in out
+    assert "hp_testing.data imports json" not in out
+    assert "hp-testing requires 'numpy>=1.26'; its only third-party dependencies" in out
 
 
 @pytest.mark.parametrize(
