@@ -1,0 +1,180 @@
+"""Raw collectives over one mesh axis, uneven sizes included (no autograd).
+
+Every function takes and returns plain tensors and orders pieces by coordinate along the
+axis. Uneven pieces are padded to the largest for the wire and trimmed after; sizes are
+passed in (the caller's layout knows them), so no size exchange happens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from hp_dtensor.device_mesh import DeviceMesh
+from hp_layout import ReduceOp
+
+__all__ = [
+    "AxisGroup",
+    "all_gather_dim",
+    "all_reduce",
+    "all_to_all_dims",
+    "broadcast",
+    "reduce_scatter_dim",
+]
+
+
+@dataclass(frozen=True)
+class AxisGroup:
+    """This rank's group along one mesh axis.
+
+    Attributes:
+        process_group: the group; its rank ``i`` is coordinate ``i`` along the axis.
+        size: number of ranks along the axis.
+        index: this rank's coordinate along the axis.
+    """
+
+    process_group: dist.ProcessGroup
+    size: int
+    index: int
+
+    @classmethod
+    def of(cls, mesh: DeviceMesh, axis: str | int) -> AxisGroup:
+        """The group of the calling rank along ``axis`` of ``mesh``."""
+        return cls(mesh.get_group(axis), mesh.size(axis), mesh.get_local_rank(axis))
+
+
+_TORCH_OPS = {
+    ReduceOp.SUM: dist.ReduceOp.SUM,
+    ReduceOp.MAX: dist.ReduceOp.MAX,
+    ReduceOp.MIN: dist.ReduceOp.MIN,
+}
+
+
+def _wire_op(op: ReduceOp) -> dist.ReduceOp.RedOpType:
+    # AVG is not available on every backend (gloo); it is a SUM followed by a division.
+    return _TORCH_OPS[ReduceOp.SUM if op is ReduceOp.AVG else op]
+
+
+def _pad_dim(x: torch.Tensor, dim: int, length: int) -> torch.Tensor:
+    if x.shape[dim] == length:
+        return x
+    shape = list(x.shape)
+    shape[dim] = length - x.shape[dim]
+    return torch.cat([x, x.new_zeros(shape)], dim=dim)
+
+
+def all_gather_dim(
+    x: torch.Tensor, dim: int, sizes: Sequence[int], group: AxisGroup
+) -> torch.Tensor:
+    """Concatenate every rank's ``x`` along ``dim`` in coordinate order.
+
+    ``sizes[i]`` is the extent of coordinate ``i``'s piece along ``dim``.
+    """
+    if group.size == 1:
+        return x
+    if x.shape[dim] != sizes[group.index]:
+        raise ValueError(
+            f"all_gather_dim: local extent {x.shape[dim]} along dim {dim} differs from "
+            f"sizes[{group.index}] = {sizes[group.index]}"
+        )
+    longest = max(sizes)
+    send = _pad_dim(x, dim, longest).movedim(dim, 0).contiguous()
+    out = send.new_empty((group.size * longest, *send.shape[1:]))
+    dist.all_gather_single(out, send, group=group.process_group)
+    pieces = [out.narrow(0, i * longest, n) for i, n in enumerate(sizes)]
+    return torch.cat(pieces, dim=0).movedim(0, dim)
+
+
+def reduce_scatter_dim(
+    x: torch.Tensor, dim: int, sizes: Sequence[int], op: ReduceOp, group: AxisGroup
+) -> torch.Tensor:
+    """Reduce ``x`` over the group and keep this rank's piece along ``dim``.
+
+    ``sizes`` splits ``x.shape[dim]`` into the pieces of coordinates ``0 .. size - 1``.
+    """
+    if sum(sizes) != x.shape[dim]:
+        raise ValueError(
+            f"reduce_scatter_dim: sizes {list(sizes)} do not split extent {x.shape[dim]}"
+        )
+    if group.size == 1:
+        return x.clone()
+    longest = max(sizes)
+    pieces = [_pad_dim(p, dim, longest).movedim(dim, 0) for p in x.split(list(sizes), dim)]
+    send = torch.cat(pieces, dim=0).contiguous()
+    out = send.new_empty((longest, *send.shape[1:]))
+    dist.reduce_scatter_single(out, send, op=_wire_op(op), group=group.process_group)
+    if op is ReduceOp.AVG:
+        out = out / group.size
+    return out.narrow(0, 0, sizes[group.index]).movedim(0, dim)
+
+
+def all_reduce(x: torch.Tensor, op: ReduceOp, group: AxisGroup) -> torch.Tensor:
+    """Reduce ``x`` over the group; every rank gets the result (``x`` is not modified)."""
+    out = x.clone()
+    if group.size == 1:
+        return out
+    dist.all_reduce(out, op=_wire_op(op), group=group.process_group)
+    if op is ReduceOp.AVG:
+        out = out / group.size
+    return out
+
+
+def all_to_all_dims(
+    x: torch.Tensor,
+    split_dim: int,
+    concat_dim: int,
+    split_sizes: Sequence[int],
+    concat_sizes: Sequence[int],
+    group: AxisGroup,
+) -> torch.Tensor:
+    """Send piece ``j`` of ``x`` along ``split_dim`` to coordinate ``j``; concatenate the
+    received pieces along ``concat_dim`` in coordinate order.
+
+    ``split_sizes`` splits this rank's ``x`` along ``split_dim``; ``concat_sizes[i]`` is the
+    extent along ``concat_dim`` of the piece coordinate ``i`` sends (its local extent).
+    """
+    if split_dim == concat_dim:
+        raise ValueError("all_to_all_dims needs two different dims")
+    if sum(split_sizes) != x.shape[split_dim] or x.shape[concat_dim] != concat_sizes[group.index]:
+        raise ValueError(
+            f"all_to_all_dims: x of shape {tuple(x.shape)} does not match split sizes "
+            f"{list(split_sizes)} on dim {split_dim} / extent {concat_sizes[group.index]} on "
+            f"dim {concat_dim}"
+        )
+    if group.size == 1:
+        return x.clone()
+    send_pieces = [p.contiguous().reshape(-1) for p in x.split(list(split_sizes), split_dim)]
+    send = torch.cat(send_pieces)
+    recv_shapes = []
+    for n in concat_sizes:
+        shape = list(x.shape)
+        shape[split_dim] = split_sizes[group.index]
+        shape[concat_dim] = n
+        recv_shapes.append(shape)
+    recv_numels = [int(torch.Size(s).numel()) for s in recv_shapes]
+    recv = x.new_empty(sum(recv_numels))
+    dist.all_to_all_single(
+        recv,
+        send,
+        output_split_sizes=recv_numels,
+        input_split_sizes=[p.numel() for p in send_pieces],
+        group=group.process_group,
+    )
+    pieces = [
+        chunk.reshape(shape)
+        for chunk, shape in zip(recv.split(recv_numels), recv_shapes, strict=True)
+    ]
+    return torch.cat(pieces, dim=concat_dim)
+
+
+def broadcast(x: torch.Tensor, src_index: int, group: AxisGroup) -> torch.Tensor:
+    """Every rank gets coordinate ``src_index``'s ``x`` (same shape on every rank)."""
+    out = x.clone().contiguous()
+    if group.size == 1:
+        return out
+    src = dist.get_global_rank(group.process_group, src_index)
+    dist.broadcast(out, src=src, group=group.process_group)
+    return out

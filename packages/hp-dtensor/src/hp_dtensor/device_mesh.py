@@ -1,0 +1,258 @@
+"""DeviceMesh: an ``hp_layout.Mesh`` bound to ``torch.distributed`` process groups.
+
+Process groups are created lazily, the first time a group along an axis is needed, and then
+reused: one process group per rank list, shared by every mesh that has that group. Creation is
+collective over the whole job, as for torch's DeviceMesh: all groups along the axis of the
+*root* mesh (the mesh a sub-mesh was cut from) are created at once, in the same order on every
+rank, so every rank must reach its first use of an axis (SPMD code does). Group ranks follow
+the mesh's coordinate order (``sort_ranks=False``), so collectives return pieces in coordinate
+order.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hp_dtensor.device import backend_for, local_device, prepare_device_type
+from hp_layout import Mesh
+
+__all__ = ["DeviceMesh", "init_device_mesh"]
+
+# Every group created in this job (None where this rank is not a member), by rank list. All
+# ranks create the same groups in the same order, so these tables agree across ranks.
+_CREATED: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
+_WORLD: list[Any] = [None]
+# torch DeviceMeshes built by DeviceMesh.to_torch, per (device type, mesh), for this world.
+_TORCH_MESHES: dict[Any, Any] = {}
+
+
+def _default_group() -> dist.ProcessGroup:
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "torch.distributed is not initialized; call torch.distributed.init_process_group "
+            "(or launch with torchrun and use init_device_mesh) first"
+        )
+    group = dist.group.WORLD
+    assert group is not None
+    if _WORLD[0] is not group:
+        # A new default group (re-initialized world): the cached groups are dead.
+        _CREATED.clear()
+        _TORCH_MESHES.clear()
+        _WORLD[0] = group
+    return group
+
+
+def ensure_groups(groups: Sequence[Sequence[int]]) -> None:
+    """Create every group in ``groups`` that does not exist yet, collectively.
+
+    Every rank of the job must call this with the same ``groups`` in the same order.
+    """
+    world = _default_group()
+    world_ranks = tuple(range(dist.get_world_size()))
+    me = dist.get_rank()
+    for ranks in groups:
+        key = tuple(ranks)
+        if key in _CREATED:
+            continue
+        if key == world_ranks:
+            _CREATED[key] = world
+            continue
+        created = dist.new_group(list(key), sort_ranks=False)
+        _CREATED[key] = created if me in key and isinstance(created, dist.ProcessGroup) else None
+
+
+def process_group(ranks: Sequence[int]) -> dist.ProcessGroup:
+    """The existing process group over ``ranks`` (its rank ``i`` is ``ranks[i]``)."""
+    _default_group()
+    group = _CREATED.get(tuple(ranks))
+    if group is None:
+        raise RuntimeError(
+            f"no process group over ranks {list(ranks)} on rank {dist.get_rank()}: create it "
+            "with ensure_groups (collectively) first"
+        )
+    return group
+
+
+class DeviceMesh:
+    """A mesh of ranks for one device type, with its process groups.
+
+    Args:
+        device_type: ``"cpu"``, ``"cuda"`` or ``"npu"``.
+        mesh: the rank grid and axis names.
+
+    The mesh may be built on every rank of the job or only on the ranks it contains; methods
+    that need this rank's position raise if the rank is not in the mesh.
+    """
+
+    def __init__(self, device_type: str, mesh: Mesh, *, root: Mesh | None = None) -> None:
+        self.device_type = prepare_device_type(device_type)
+        if not isinstance(mesh, Mesh):
+            raise TypeError(f"DeviceMesh needs an hp_layout.Mesh, got {type(mesh).__name__}")
+        self.mesh = mesh
+        # Groups are created for the root mesh's axes, so that every rank creates the same
+        # groups whichever sub-mesh it holds.
+        self._root = mesh if root is None else root
+
+    # Value semantics -------------------------------------------------------------------------
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, DeviceMesh):
+            return NotImplemented
+        return self.device_type == other.device_type and self.mesh == other.mesh
+
+    def __hash__(self) -> int:
+        return hash((self.device_type, self.mesh))
+
+    def __repr__(self) -> str:
+        return f"DeviceMesh({self.device_type!r}, {self.mesh!r})"
+
+    # Shape -----------------------------------------------------------------------------------
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """Size of each axis."""
+        return self.mesh.shape
+
+    @property
+    def ndim(self) -> int:
+        """Number of axes."""
+        return self.mesh.ndim
+
+    @property
+    def mesh_dim_names(self) -> tuple[str, ...]:
+        """Axis names (``torch.distributed.device_mesh`` calls them mesh dim names)."""
+        return self.mesh.axis_names
+
+    def size(self, axis: str | int | None = None) -> int:
+        """Number of ranks in the mesh, or along ``axis``."""
+        return self.mesh.size if axis is None else self.mesh.axis_size(axis)
+
+    @property
+    def device(self) -> torch.device:
+        """The device this process computes on."""
+        return local_device(self.device_type)
+
+    # This rank -------------------------------------------------------------------------------
+
+    def get_rank(self) -> int:
+        """This process's global rank."""
+        world = _default_group()
+        cached = self.__dict__.get("_rank")
+        if cached is not None and cached[0] is world:
+            return int(cached[1])
+        rank = dist.get_rank()
+        self.__dict__["_rank"] = (world, rank)
+        return rank
+
+    def get_coordinate(self) -> tuple[int, ...] | None:
+        """This rank's coordinate in the mesh, or None if it is not in the mesh."""
+        rank = self.get_rank()
+        return self.mesh.coordinate(rank) if rank in self.mesh else None
+
+    def _coordinate(self) -> tuple[int, ...]:
+        coordinate = self.get_coordinate()
+        if coordinate is None:
+            raise RuntimeError(f"rank {self.get_rank()} is not in {self!r}")
+        return coordinate
+
+    def get_local_rank(self, axis: str | int) -> int:
+        """This rank's coordinate along ``axis``."""
+        return self._coordinate()[self.mesh.axis_index(axis)]
+
+    def group_ranks(self, axis: str | int) -> tuple[int, ...]:
+        """Global ranks of this rank's group along ``axis``, in coordinate order."""
+        self._coordinate()
+        return self.mesh.group_of(self.get_rank(), axis)
+
+    def get_group(self, axis: str | int = 0) -> dist.ProcessGroup:
+        """This rank's process group along ``axis`` (created on first use, then reused).
+
+        The first use of an axis creates the groups of every rank along it, collectively: all
+        ranks of the job must reach it.
+        """
+        ranks = self.group_ranks(axis)
+        if tuple(ranks) not in _CREATED:
+            ensure_groups(self._root.groups(self.mesh.axis_names[self.mesh.axis_index(axis)]))
+        return process_group(ranks)
+
+    def get_mesh_group(self) -> dist.ProcessGroup:
+        """The process group over all ranks of this mesh (created collectively on first use)."""
+        self._coordinate()
+        ranks = self.mesh.ranks
+        if tuple(ranks) not in _CREATED:
+            ensure_groups(self._root.groups(self.mesh.axis_names))
+        return process_group(ranks)
+
+    def __getitem__(self, axes: str | Sequence[str]) -> DeviceMesh:
+        """The sub-mesh over ``axes`` that contains this rank."""
+        names = [axes] if isinstance(axes, str) else list(axes)
+        self._coordinate()
+        return DeviceMesh(
+            self.device_type, self.mesh.submesh(names, self.get_rank()), root=self._root
+        )
+
+    # Interop ---------------------------------------------------------------------------------
+
+    def to_torch(self) -> Any:
+        """The equivalent ``torch.distributed.device_mesh.DeviceMesh`` (built once per mesh
+        and world; building one is collective over the job, like torch's own)."""
+        _default_group()
+        cached = _TORCH_MESHES.get(self)
+        if cached is not None:
+            return cached
+        from torch.distributed.device_mesh import DeviceMesh as TorchDeviceMesh
+
+        grid = torch.tensor(self.mesh.ranks, dtype=torch.int).reshape(self.mesh.shape)
+        torch_mesh = TorchDeviceMesh(self.device_type, grid, mesh_dim_names=self.mesh.axis_names)
+        _TORCH_MESHES[self] = torch_mesh
+        return torch_mesh
+
+    @classmethod
+    def from_torch(cls, mesh: Any) -> DeviceMesh:
+        """Wrap a ``torch.distributed.device_mesh.DeviceMesh`` (same ranks and axis names)."""
+        grid = mesh.mesh
+        names = mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(grid.ndim))
+        return cls(mesh.device_type, Mesh(tuple(grid.shape), names, grid.flatten().tolist()))
+
+
+def init_device_mesh(
+    device_type: str,
+    mesh_shape: Sequence[int],
+    *,
+    mesh_dim_names: Sequence[str] | None = None,
+    timeout_s: float | None = None,
+) -> DeviceMesh:
+    """Initialize ``torch.distributed`` if needed and return a mesh over all ranks.
+
+    The grid is ``range(world_size)`` reshaped row-major, so the last axis holds consecutive
+    ranks (the fast tier under ``hp_layout.Topology.from_env``). Reads torchrun's environment
+    (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``).
+    """
+    backend = backend_for(device_type)
+    if not dist.is_initialized():
+        kwargs: dict[str, Any] = {"backend": backend}
+        if timeout_s is not None:
+            from datetime import timedelta
+
+            kwargs["timeout"] = timedelta(seconds=timeout_s)
+        if device_type != "cpu":
+            torch.accelerator.set_device_index(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(**kwargs)
+    shape = tuple(mesh_shape)
+    world = dist.get_world_size()
+    if math.prod(shape) != world:
+        raise ValueError(
+            f"mesh shape {shape} holds {math.prod(shape)} ranks but the job has {world}"
+        )
+    names = (
+        tuple(mesh_dim_names)
+        if mesh_dim_names is not None
+        else tuple(f"dim{i}" for i in range(len(shape)))
+    )
+    return DeviceMesh(device_type, Mesh(shape, names))

@@ -1,0 +1,25 @@
+"""Sharding rules, registered on import (one module per family of ops)."""
+
+from hp_dtensor.rules import contraction, factories, indexing, nn, pointwise, reductions, views
+from hp_dtensor.rules.registry import (
+    OpCall,
+    ShardingDecision,
+    ShardingRuleError,
+    register_sharding_rule,
+    rule_for,
+)
+
+__all__ = [
+    "OpCall",
+    "ShardingDecision",
+    "ShardingRuleError",
+    "contraction",
+    "factories",
+    "indexing",
+    "nn",
+    "pointwise",
+    "reductions",
+    "register_sharding_rule",
+    "rule_for",
+    "views",
+]
