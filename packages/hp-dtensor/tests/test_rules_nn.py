@@ -284,8 +284,6 @@ def _dropout_check(
     assert isinstance(out, DTensor)
     label = f"{name} {list(placements)}"
     want = [Replicate() if isinstance(q, Partial) else q for q in placements]
-    if name == "feature_dropout":  # the spatial dim (2) is gathered
-        want = [Replicate() if q == Shard(2) else q for q in want]
     problems = []
     if list(out.placements) != want:
         problems.append(f"{label}: output placements {list(out.placements)}, want {want}")
@@ -460,8 +458,8 @@ def test_dropout_decisions() -> None:
     assert _decide(F.dropout, x, 0.1).outputs.placements == (Replicate(),)
     assert _decide(F.dropout, x, 0.1, training=False).outputs.placements == (Partial(),)
     assert _decide(torch.dropout, x, 0.0, True).outputs.placements == (Partial(),)
-    spatial = _layout((2, 3, 8), Shard(2))
-    assert _decide(F.dropout1d, spatial, 0.5).outputs.placements == (Replicate(),)
+    spatial = _layout((2, 3, 8), Shard(2))  # channel-wise dropout keeps spatial shards too
+    assert _decide(F.dropout1d, spatial, 0.5).outputs.placements == (Shard(2),)
     assert _decide(F.dropout, spatial, 0.5).outputs.placements == (Shard(2),)
     with pytest.raises(ShardingRuleError, match="in-place dropout"):
         _decide(F.dropout, x, 0.1, inplace=True)

@@ -58,7 +58,9 @@ def _get_grad(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str,
     grad = self._local.grad
     if grad is None:
         return None
-    return DTensor(grad, grad_layout(self._dist_layout), self._device_mesh)
+    # A parallelized parameter whose gradient was reduced in backward carries its layout.
+    layout = getattr(self, "_grad_layout", None) or grad_layout(self._dist_layout)
+    return DTensor(grad, layout, self._device_mesh)
 
 
 def _set_grad(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

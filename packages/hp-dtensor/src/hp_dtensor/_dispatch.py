@@ -120,6 +120,14 @@ class _Prepared:
 
 _PREPARED: OrderedDict[Any, _Prepared] = OrderedDict()
 
+OpObserver = Callable[
+    [Callable[..., Any], tuple[Any, ...], dict[str, Any], Sequence[DTensor], "_Prepared", Any],
+    None,
+]
+OBSERVERS: list[OpObserver] = []
+"""Called after every dispatched op as ``observer(func, args, kwargs, dtensors, prepared,
+result)`` (validation mode checks ops with it). Empty in normal use: no cost."""
+
 
 def _prepare(call: OpCall, decision: ShardingDecision, dtensors: Sequence[DTensor]) -> _Prepared:
     if len(decision.inputs) != len(dtensors):
@@ -300,7 +308,10 @@ def dispatch(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, 
         _PREPARED[key] = prepared
         if len(_PREPARED) > _CACHE_SIZE:
             _PREPARED.popitem(last=False)
-    return _run(prepared, dtensors, mesh)
+    result = _run(prepared, dtensors, mesh)
+    for observer in OBSERVERS:
+        observer(func, args, kwargs, dtensors, prepared, result)
+    return result
 
 
 def _dispatch_uncached(
@@ -333,4 +344,7 @@ def _dispatch_uncached(
     call_args, call_kwargs = tree_unflatten(placeholders, spec)
     call = OpCall(func, name, tuple(call_args), call_kwargs, mesh.get_rank(), inplace)
     prepared = _prepare(call, _decide(func, call), dtensors)
-    return _run(prepared, dtensors, mesh)
+    result = _run(prepared, dtensors, mesh)
+    for observer in OBSERVERS:
+        observer(func, args, kwargs, dtensors, prepared, result)
+    return result

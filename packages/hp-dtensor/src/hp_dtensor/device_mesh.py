@@ -30,6 +30,8 @@ _CREATED: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
 _WORLD: list[Any] = [None]
 # torch DeviceMeshes built by DeviceMesh.to_torch, per (device type, mesh), for this world.
 _TORCH_MESHES: dict[Any, Any] = {}
+# The DeviceMesh to use for a (device type, mesh): see DeviceMesh.lookup.
+_KNOWN: dict[tuple[str, Mesh], DeviceMesh] = {}
 
 
 def _default_group() -> dist.ProcessGroup:
@@ -98,6 +100,17 @@ class DeviceMesh:
         # Groups are created for the root mesh's axes, so that every rank creates the same
         # groups whichever sub-mesh it holds.
         self._root = mesh if root is None else root
+        known = _KNOWN.get((self.device_type, mesh))
+        if known is None or known._root.size < self._root.size:
+            _KNOWN[(self.device_type, mesh)] = self
+
+    @classmethod
+    def lookup(cls, device_type: str, mesh: Mesh) -> DeviceMesh:
+        """The DeviceMesh already built for ``mesh`` (the one cut from the largest root), or a
+        new one. Code that only has a layout's mesh uses this, so process groups are created
+        from the same root as the mesh the tensors live on."""
+        known = _KNOWN.get((device_type, mesh))
+        return known if known is not None else cls(device_type, mesh)
 
     # Value semantics -------------------------------------------------------------------------
 

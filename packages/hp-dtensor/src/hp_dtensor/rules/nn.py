@@ -24,24 +24,31 @@ rejecting where an exact local computation exists):
   ``Partial(sum)`` over the batch-sharding axes, and ``'mean'`` is ``Partial(sum)`` of the
   local sum divided by the *global* count (non-ignored targets, or their summed class weights),
   which one all-reduce of the local count finds. Class weights are replicated.
+  Under ``hp_dtensor.parallel.loss_parallel()`` F.cross_entropy is dispatched as its own op
+  (see :func:`vocab_parallel_cross_entropy_rule`): a class dim sharded on one mesh axis stays
+  sharded and the loss is computed vocab-parallel.
 * dropout (``dropout``, ``alpha_dropout``, and the channel-wise ``feature_*`` /
-  ``dropout1d/2d/3d``): the input layout is kept, Partial inputs are reduced (the mask must
-  hit the whole value), channel-wise forms gather the spatial dims; with ``training=False`` or
-  ``p == 0`` it is the identity and keeps every placement, Partial included.
+  ``dropout1d/2d/3d``): the input layout is kept (any Shard, nested, uneven or empty shards,
+  RaggedShard), Partial inputs are reduced (the mask must hit the whole value); with
+  ``training=False`` or ``p == 0`` it is the identity and keeps every placement, Partial
+  included.
 
-Randomness (dropout): every rank draws the mask for its own shard from its global RNG. Ranks
-that hold the same data (along Replicate axes) therefore need identical RNG states, which they
-have when seeded identically and when they have drawn the same numbers since. Results equal to
-a single-device run under sharding (distributed RNG) are a separate feature.
+Randomness (dropout): distributed RNG. Every rank draws the *global-size* noise from its
+global generator with the same call as the single-device op, and keeps its own region
+(:func:`hp_dtensor.parallel.random.distributed_dropout`). With every rank seeded identically,
+the output and its gradient are the single-device ones under the same seed (bit-identical on
+CPU), for every layout, and the generator advances as on one device on every rank. The cost
+is a transient global-size noise tensor per call on every rank.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -59,6 +66,9 @@ from hp_dtensor.rules.registry import (
     register_sharding_rule,
 )
 from hp_layout import Layout, Mesh, Partial, Placement, ReduceOp, Replicate, Shard
+
+if TYPE_CHECKING:
+    from hp_dtensor.parallel.random import DropoutVariant
 
 __all__: list[str] = []
 
@@ -734,7 +744,7 @@ class _MeanOver:
             else:
                 picked = weight.detach()[torch.where(kept, target, torch.zeros_like(target))]
                 count = (picked * kept).sum().to(torch.float64)
-            mesh = DeviceMesh(target.device.type, self.mesh)
+            mesh = DeviceMesh.lookup(target.device.type, self.mesh)
             for axis in self.axes:
                 count = collectives.all_reduce(count, mesh, axis)
         return count
@@ -766,6 +776,93 @@ def _cross_entropy(call: OpCall) -> ShardingDecision:
     return _loss_rule(call, _CROSS_ENTROPY_PARAMS, F.cross_entropy)
 
 
+def vocab_parallel_cross_entropy_rule(
+    call: OpCall, local: Callable[..., torch.Tensor]
+) -> ShardingDecision:
+    """cross_entropy under ``loss_parallel``: a sharded class dim stays sharded.
+
+    Applies when the logits' class dim (1, or 0 for 1-d logits) is sharded (``Shard``) on
+    exactly one mesh axis, the targets are a DTensor of class indices and there are no class
+    weights; any other call is decided exactly as a plain ``F.cross_entropy`` (the class dim
+    is gathered). On the vocab axis the logits keep their shard, the targets are replicated
+    and the loss is ``Replicate``: every rank of the axis holds the complete value (the local
+    work all-reduces the row maxima, the sums of exponentials and the target logits over the
+    axis). Other axes follow the plain rule: batch shards kept consistently on logits and
+    targets (Partial logits reduced), ``'none'`` sharded like the targets, ``'sum'`` and
+    ``'mean'`` ``Partial(sum)`` over batch-sharding axes, the mean divided by the global count
+    of non-ignored targets.
+
+    ``local(input, target, *, mesh, axis, num_classes, reduction, ignore_index,
+    label_smoothing)`` computes the local loss (``mesh`` is the ``hp_layout.Mesh``, ``axis``
+    the vocab axis); its backward must follow the adjoint convention (all-reduce the upstream
+    gradient over ``axis``).
+    """
+    bound = _bind(call, _CROSS_ENTROPY_PARAMS)
+    logits, target = bound.layout("input"), bound.layout("target")
+    plain = dataclasses.replace(call, func=F.cross_entropy, name="cross_entropy")
+    if logits is None or target is None or bound.get("weight") is not None:
+        return _cross_entropy(plain)
+    class_dim = 1 if logits.ndim >= 2 else 0
+    axes = logits.dim_sharding(class_dim) if logits.ndim else ()
+    if len(axes) != 1 or logits.ragged_axis is not None or target.ndim != logits.ndim - 1:
+        return _cross_entropy(plain)
+    dims = _LossDims(class_dim, probabilities=False)
+    lp, tp = _loss_placements(logits, target, dims)
+    vocab = logits.mesh.axis_index(axes[0])
+    lp[vocab], tp[vocab] = Shard(class_dim), Replicate()
+    order = _shard_order(logits, target)
+    targets = {
+        "input": with_placements(logits, lp, shard_order=order),
+        "target": with_placements(target, tp, shard_order=order),
+    }
+    reduction = _reduction(bound)
+    names = logits.mesh.axis_names
+    batch_axes = tuple(n for n, p in zip(names, tp, strict=True) if isinstance(p, Shard))
+    batch_shape = tuple(n for d, n in enumerate(logits.global_shape) if d != class_dim)
+    if reduction == "none":
+        out = [Shard(p.dim) if isinstance(p, Shard) else Replicate() for p in tp]
+        output = with_placements(logits, out, batch_shape, order)
+    else:
+        scalar = [Partial(ReduceOp.SUM) if isinstance(p, Shard) else Replicate() for p in tp]
+        output = Layout((), logits.mesh, scalar)
+    options = {
+        "mesh": logits.mesh,
+        "axis": axes[0],
+        "num_classes": logits.global_shape[class_dim],
+        "ignore_index": int(bound.get("ignore_index", -100)),
+        "label_smoothing": float(bound.get("label_smoothing", 0.0)),
+    }
+    static: dict[str, Any] = {
+        "local": local,
+        "reduction": reduction,
+        "options": options,
+        "mean_over": _MeanOver(logits.mesh, batch_axes, False, math.prod(batch_shape))
+        if reduction == "mean" and batch_axes
+        else None,
+    }
+    return _named_decision(bound, targets, output, _vocab_parallel_local, static, call.name)
+
+
+def _vocab_parallel_local(
+    *,
+    input: torch.Tensor,
+    target: torch.Tensor,
+    local: Callable[..., torch.Tensor],
+    reduction: str,
+    options: Mapping[str, Any],
+    mean_over: _MeanOver | None,
+) -> torch.Tensor:
+    """The local vocab-parallel loss; ``'mean'`` over sharded batch dims divides the local
+    sum by the global count."""
+    if mean_over is None:
+        return local(input, target, reduction=reduction, **options)
+    total = local(input, target, reduction="sum", **options)
+    denominator = mean_over.denominator(target, None, int(options["ignore_index"]))
+    if isinstance(denominator, torch.Tensor):
+        denominator = denominator.to(total.dtype)
+    return total / denominator
+
+
 @register_sharding_rule(F.nll_loss)
 def _nll_loss(call: OpCall) -> ShardingDecision:
     """nll_loss: see the module docstring."""
@@ -787,38 +884,29 @@ _F_DROPOUT = (
 )
 
 
-_ELEMENTWISE_DROPOUT = (
-    F.dropout,
-    torch.dropout,
-    torch.dropout_,
-    F.alpha_dropout,
-    torch.alpha_dropout,
-    torch.alpha_dropout_,
-)
-
-
-def _spatial_start(func: Any, ndim: int) -> int | None:
-    """First dim a channel-wise dropout shares its mask over; None for element-wise."""
-    if func in _ELEMENTWISE_DROPOUT:
-        return None
-    if func is F.dropout1d:
-        return 1 if ndim == 2 else 2  # unbatched (C, L) input
-    if func is F.dropout3d:
-        return 2 if ndim == 5 else 1  # anything but 5-d is taken as unbatched
-    return 2  # feature_dropout / dropout2d: (N, C, *spatial)
-
-
-def _dropout_target(func: Any, layout: Layout) -> Layout:
-    """Element-wise: keep every shard (RaggedShard too); channel-wise: gather spatial dims.
-    Partial is reduced either way (the mask must multiply the whole value)."""
-    start = _spatial_start(func, layout.ndim)
-    if start is None:
-        return replicate_axes_where(layout)
-    return _gather_dims(layout, range(min(start, layout.ndim), layout.ndim))
+_DROPOUT_VARIANTS: dict[Any, DropoutVariant] = {
+    F.dropout: "dropout",
+    torch.dropout: "dropout",
+    torch.dropout_: "dropout",
+    F.alpha_dropout: "alpha_dropout",
+    torch.alpha_dropout: "alpha_dropout",
+    torch.alpha_dropout_: "alpha_dropout",
+    F.feature_alpha_dropout: "feature_alpha_dropout",
+    torch.feature_alpha_dropout: "feature_alpha_dropout",
+    torch.feature_alpha_dropout_: "feature_alpha_dropout",
+    torch.feature_dropout: "feature_dropout",
+    torch.feature_dropout_: "feature_dropout",
+    F.dropout1d: "dropout1d",
+    F.dropout2d: "dropout2d",
+    F.dropout3d: "dropout3d",
+}
 
 
 def _dropout_rule(call: OpCall) -> ShardingDecision:
-    """dropout family: identity when not training or p == 0; else see :func:`_dropout_target`."""
+    """dropout family: identity when not training or p == 0; else the input layout with
+    Partial reduced, and the local work is this rank's region of the single-device result
+    (:func:`hp_dtensor.parallel.random.distributed_dropout`: the global noise is drawn on
+    every rank, then sliced)."""
     params = _F_DROPOUT_PARAMS if call.func in _F_DROPOUT else _TORCH_DROPOUT_PARAMS
     bound = _bind(call, params)
     layout = bound.layout("input")
@@ -826,17 +914,33 @@ def _dropout_rule(call: OpCall) -> ShardingDecision:
         raise ShardingRuleError(f"{call.name}: the input must be a DTensor")
     default_training = call.func not in _EVAL_BY_DEFAULT
     training = bool(bound.get("training", bound.get("train", default_training)))
-    if not training or float(bound.get("p", 0.5)) == 0.0:
+    p = float(bound.get("p", 0.5))
+    if not 0.0 <= p <= 1.0:
+        raise ValueError(f"dropout probability has to be between 0 and 1, but got {p}")
+    if not training or p == 0.0:
         return ShardingDecision((layout,), layout)
-    target = _dropout_target(call.func, layout)
+    target = replicate_axes_where(layout)
     in_place = call.inplace or bool(bound.get("inplace", False))
     if in_place and target != layout:
         raise ShardingRuleError(
             f"in-place {call.name} on {layout!r} would need {target!r} first (a Partial value "
-            "must be reduced, and a channel's spatial dims gathered, before the mask applies); "
-            "redistribute the input first or use the out-of-place form"
+            "must be reduced before the mask applies); redistribute the input first or use the "
+            "out-of-place form"
         )
-    return ShardingDecision((target,), target)
+    from hp_dtensor.parallel.random import distributed_dropout  # no import cycle at call time
+
+    local_func = functools.partial(
+        distributed_dropout,
+        p=p,
+        training=True,
+        layout=target,
+        rank=call.rank,
+        variant=_DROPOUT_VARIANTS[call.func],
+        inplace=in_place,
+    )
+    return ShardingDecision(
+        (target,), target, local_args=(target,), local_kwargs={}, local_func=local_func
+    )
 
 
 register_sharding_rule(

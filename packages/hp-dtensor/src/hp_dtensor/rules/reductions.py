@@ -101,7 +101,10 @@ def _mean(call: OpCall) -> ShardingDecision:
     layout = call.layouts[0]
     dims, _ = _dims(call, layout)
     count = math.prod(layout.global_shape[d] for d in dims)
-    local_func = _local_mean(max(count, 1)) if count else None
+    target = decision.inputs[0]
+    split = target.ragged_axis is not None or any(target.dim_sharding(d) for d in dims)
+    # Over unsharded dims the local mean is the mean: keep the op itself.
+    local_func = _local_mean(count) if split and count else None
     return ShardingDecision(decision.inputs, decision.outputs, local_func=local_func)
 
 

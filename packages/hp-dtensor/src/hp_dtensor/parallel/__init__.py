@@ -1,0 +1,56 @@
+"""Sharding plans, tensor-parallel styles and the two execution modes.
+
+``parallelize_module(model, mesh, plan, mode=...)`` shards a model by a plan of styles
+(:class:`ColwiseParallel`, :class:`RowwiseParallel`, :class:`SequenceParallel`,
+:class:`PrepareModuleInput`, :class:`PrepareModuleOutput`, or the general
+:class:`ShardingPlan`). Production mode runs plain tensors with collectives planned once;
+validation mode runs DTensors and checks every op against the plan.
+"""
+
+from hp_dtensor.parallel.api import Mode, parallelize_module
+from hp_dtensor.parallel.init import MaterializeError, materialize
+from hp_dtensor.parallel.loss import GradConvention, loss_parallel, vocab_parallel_cross_entropy
+from hp_dtensor.parallel.plan import Boundary, PlanError, ShardingPlan, resolve_plan
+from hp_dtensor.parallel.random import (
+    DropoutVariant,
+    distributed_dropout,
+    parallel_dropout_forward,
+    random_region,
+    take_region,
+)
+from hp_dtensor.parallel.styles import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+)
+from hp_dtensor.parallel.validation import PlanMismatchError, check_gradients
+
+__all__ = [
+    "Boundary",
+    "ColwiseParallel",
+    "DropoutVariant",
+    "GradConvention",
+    "MaterializeError",
+    "Mode",
+    "ParallelStyle",
+    "PlanError",
+    "PlanMismatchError",
+    "PrepareModuleInput",
+    "PrepareModuleOutput",
+    "RowwiseParallel",
+    "SequenceParallel",
+    "ShardingPlan",
+    "check_gradients",
+    "distributed_dropout",
+    "loss_parallel",
+    "materialize",
+    "parallel_dropout_forward",
+    "parallelize_module",
+    "random_region",
+    "resolve_plan",
+    "take_region",
+    "vocab_parallel_cross_entropy",
+]

@@ -1,0 +1,133 @@
+"""Sharding plans: the general per-module form, and resolving a plan against a module tree.
+
+A plan maps module-name patterns (``*`` matches one dotted component, as in
+``layers.*.attn.q_proj``) to parallel styles. Every style lowers to a :class:`ShardingPlan`:
+the placements of the module's own parameters, and the layouts of its inputs and outputs on
+the parallel mesh axis (how they arrive or are produced, and how they must be). Resolution is
+pure: it returns the lowered plan of every matched module, or raises naming the entry that
+matched nothing, the module a style cannot shard, or the module matched twice.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from hp_layout import Placement
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from hp_dtensor.parallel.styles import ParallelStyle
+
+__all__ = ["Boundary", "PlanError", "ShardingPlan", "match_modules", "resolve_plan"]
+
+
+class PlanError(ValueError):
+    """A plan does not fit the module it is applied to."""
+
+
+@dataclass(frozen=True)
+class Boundary:
+    """One module input or output on the parallel axis.
+
+    Attributes:
+        layout: the placement the tensor has when it arrives (input) or is produced (output);
+            None accepts whatever arrives.
+        desired: the placement the module needs (input) or hands on (output); None keeps
+            ``layout``.
+    """
+
+    layout: Placement | None = None
+    desired: Placement | None = None
+
+    @property
+    def target(self) -> Placement | None:
+        """The placement after the boundary."""
+        return self.desired if self.desired is not None else self.layout
+
+
+@dataclass(frozen=True)
+class ShardingPlan:
+    """The general per-module sharding that every style lowers to.
+
+    Attributes:
+        params: placement of each of the module's own parameters (by attribute name) on the
+            parallel axis; the other mesh axes replicate. A tuple gives one placement per mesh
+            axis instead.
+        inputs: per positional input, its boundary (None leaves the input alone).
+        kwarg_inputs: per keyword input, its boundary.
+        outputs: the output's boundary, or one per element of a tuple output.
+        use_local_output: hand plain local tensors to the consumer (always so in production
+            mode; validation mode keeps DTensors so layouts keep propagating).
+        replaces_forward: the style computes the module's forward itself in production mode
+            (its ops are then not checked op by op in validation mode).
+        style: the name of the style, for messages.
+    """
+
+    params: Mapping[str, Placement | tuple[Placement, ...]] = field(default_factory=dict)
+    inputs: tuple[Boundary | None, ...] = ()
+    kwarg_inputs: Mapping[str, Boundary] = field(default_factory=dict)
+    outputs: Boundary | tuple[Boundary | None, ...] | None = None
+    use_local_output: bool = True
+    replaces_forward: bool = False
+    style: str = "ShardingPlan"
+
+    def input_boundary(self, index: int) -> Boundary | None:
+        """The boundary of positional input ``index`` (None: leave it alone)."""
+        return self.inputs[index] if index < len(self.inputs) else None
+
+    def lower(self, module: nn.Module, name: str) -> ShardingPlan:
+        """A ShardingPlan is already lowered; check its parameter names exist."""
+        own = dict(module.named_parameters(recurse=False))
+        unknown = [p for p in self.params if p not in own]
+        if unknown:
+            raise PlanError(
+                f"ShardingPlan for module {name!r} ({type(module).__name__}) names parameters "
+                f"{unknown} it does not have; it has {sorted(own)}"
+            )
+        return self
+
+
+def _pattern(entry: str) -> re.Pattern[str]:
+    parts = [
+        "[^.]+" if component == "*" else re.escape(component).replace(r"\*", "[^.]*")
+        for component in entry.split(".")
+    ]
+    return re.compile(r"\.".join(parts) + r"\Z")
+
+
+def match_modules(module: nn.Module, entry: str) -> list[str]:
+    """Names of the submodules of ``module`` matched by ``entry`` ("" is the module itself)."""
+    pattern = _pattern(entry)
+    return [name for name, _ in module.named_modules() if pattern.match(name)]
+
+
+def resolve_plan(
+    module: nn.Module, plan: Mapping[str, ParallelStyle | ShardingPlan]
+) -> list[tuple[str, ShardingPlan]]:
+    """Lower every plan entry on the modules it matches, in module order."""
+    lowered: dict[str, tuple[str, ShardingPlan]] = {}
+    names = [name for name, _ in module.named_modules()]
+    for entry, style in plan.items():
+        matched = match_modules(module, entry)
+        if not matched:
+            raise PlanError(
+                f"plan entry {entry!r} names no module; modules are e.g. {_closest(entry, names)}"
+            )
+        for name in matched:
+            if name in lowered:
+                raise PlanError(
+                    f"module {name!r} is matched by plan entries {lowered[name][0]!r} and "
+                    f"{entry!r}; give each module one style"
+                )
+            lowered[name] = (entry, style.lower(module.get_submodule(name), name))
+    return [(name, lowered[name][1]) for name in names if name in lowered]
+
+
+def _closest(entry: str, names: Sequence[str]) -> list[str]:
+    tail = entry.split(".")[-1]
+    near = [n for n in names if n.split(".")[-1] == tail or tail.strip("*") in n]
+    return (near or [n for n in names if n])[:5]
