@@ -14,15 +14,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hp_dtensor import DeviceMesh
+from hp_dtensor import DeviceMesh, DTensor, _dispatch, layout_of
 from hp_dtensor.parallel import (
+    Boundary,
     ColwiseParallel,
     ParallelStyle,
     PlanError,
     PlanMismatchError,
     PrepareModuleInput,
+    PrepareModuleOutput,
     RowwiseParallel,
     SequenceParallel,
+    ShardingPlan,
     loss_parallel,
     parallelize_module,
     resolve_plan,
@@ -196,3 +199,83 @@ def test_plan_errors_are_clear() -> None:
     lowered = dict(resolve_plan(model, tp_plan()))
     assert lowered["layers.1.attn.o_proj"].style == "RowwiseParallel"
     assert len(lowered) == 2 + 7 * CONFIG.n_layers
+
+
+def _production_steady_state() -> dict[str, object]:
+    torch.set_num_threads(1)
+    mesh = DeviceMesh("cpu", Mesh((2,), ("tp",)))
+    torch.manual_seed(0)
+    model = parallelize_module(Llama(CONFIG), mesh, tp_plan(), mode="production")
+    ids = torch.randint(0, CONFIG.vocab_size, (2, 6))
+    model(ids).sum().backward()  # first step plans the boundaries
+    dispatched: list[str] = []
+
+    def count(func: object, *rest: object) -> None:
+        dispatched.append(getattr(func, "__name__", "?"))
+
+    _dispatch.OBSERVERS.append(count)
+    created_before = _count_dtensors()
+    try:
+        logits = model(ids)
+        logits.sum().backward()
+    finally:
+        _dispatch.OBSERVERS.remove(count)
+    q = model.get_submodule("layers.0.attn.q_proj").weight
+    return {
+        "dispatched": dispatched,
+        "new_dtensors": _count_dtensors() - created_before,
+        "plain_params": all(not isinstance(p, DTensor) for p in model.parameters()),
+        "q_layout": layout_of(q).placements,
+        "q_global": layout_of(q).global_shape,
+        "q_local": tuple(q.shape),
+    }
+
+
+def _count_dtensors() -> int:
+    import gc
+
+    return sum(1 for obj in gc.get_objects() if isinstance(obj, DTensor))
+
+
+@pytest.mark.multiprocess
+def test_production_steady_state_creates_no_dtensor_and_dispatches_nothing() -> None:
+    out = run_on_ranks(2, _production_steady_state)[0]
+    assert out["dispatched"] == []
+    assert out["new_dtensors"] == 0
+    assert out["plain_params"]
+    assert out["q_layout"] == (Shard(0),)
+    assert out["q_global"] == (CONFIG.dim, CONFIG.dim)
+    assert out["q_local"] == (CONFIG.dim // 2, CONFIG.dim)
+
+
+def _general_plan(mode: str) -> EquivalenceReport:
+    torch.set_num_threads(1)
+    mesh = DeviceMesh("cpu", Mesh((2,), ("tp",)))
+    plan: dict[str, ParallelStyle | ShardingPlan] = dict(tp_plan())
+    # The LM head written in the general form: column-sharded weight, replicated input,
+    # output produced sharded on the vocabulary and gathered.
+    plan["output"] = ShardingPlan(
+        params={"weight": Shard(0)},
+        inputs=(Boundary(Replicate(), Replicate()),),
+        outputs=Boundary(Shard(-1), Replicate()),
+    )
+    # And the MLP's output explicitly kept replicated by PrepareModuleOutput.
+    plan["layers.*.ffn"] = PrepareModuleOutput(
+        output_layouts=Replicate(), desired_output_layouts=Replicate()
+    )
+    return assert_equivalent(
+        _build,
+        plan,
+        mesh,
+        _batches(batch=2, seq=6, steps=2),
+        mode=mode,  # type: ignore[arg-type]
+        loss_tolerance=1e-6,
+        grad_tolerance=1e-5,
+    )
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("mode", ["production", "validation"])
+def test_general_sharding_plan_and_prepare_module_output(mode: str) -> None:
+    for report in run_on_ranks(2, _general_plan, mode):
+        assert report.grad_error < 1e-5, report
