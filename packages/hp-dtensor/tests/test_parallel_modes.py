@@ -220,7 +220,7 @@ def _production_steady_state() -> dict[str, object]:
         logits.sum().backward()
     finally:
         _dispatch.OBSERVERS.remove(count)
-    q = model.get_submodule("layers.0.attn.q_proj").weight
+    q = model.get_parameter("layers.0.attn.q_proj.weight")
     return {
         "dispatched": dispatched,
         "new_dtensors": _count_dtensors() - created_before,
