@@ -7,7 +7,7 @@ passed in (the caller's layout knows them), so no size exchange happens.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -42,8 +42,9 @@ class AxisGroup:
 
     @classmethod
     def of(cls, mesh: DeviceMesh, axis: str | int) -> AxisGroup:
-        """The group of the calling rank along ``axis`` of ``mesh``."""
-        return cls(mesh.get_group(axis), mesh.size(axis), mesh.get_local_rank(axis))
+        """The group of the calling rank along ``axis`` of ``mesh`` (cached on the mesh)."""
+        group: AxisGroup = mesh.axis_group(axis, cls)
+        return group
 
 
 _TORCH_OPS = {
@@ -84,8 +85,15 @@ def all_gather_dim(
     send = _pad_dim(x, dim, longest).movedim(dim, 0).contiguous()
     out = send.new_empty((group.size * longest, *send.shape[1:]))
     dist.all_gather_single(out, send, group=group.process_group)
+    if all(n == longest for n in sizes):
+        # [p * n, rest] -> [p, n, rest] -> rest with (p, n) at ``dim``: one contiguous copy.
+        blocks = out.view(group.size, longest, *send.shape[1:])
+        order = [*range(2, dim + 2), 0, 1, *range(dim + 2, blocks.dim())]
+        shape = list(x.shape)
+        shape[dim] = group.size * longest
+        return blocks.permute(order).reshape(shape)
     pieces = [out.narrow(0, i * longest, n) for i, n in enumerate(sizes)]
-    return torch.cat(pieces, dim=0).movedim(0, dim)
+    return torch.cat(pieces, dim=0).movedim(0, dim).contiguous()
 
 
 def reduce_scatter_dim(
@@ -111,15 +119,38 @@ def reduce_scatter_dim(
     return out.narrow(0, 0, sizes[group.index]).movedim(0, dim)
 
 
-def all_reduce(x: torch.Tensor, op: ReduceOp, group: AxisGroup) -> torch.Tensor:
-    """Reduce ``x`` over the group; every rank gets the result (``x`` is not modified)."""
-    out = x.clone()
+Rider = tuple[torch.Tensor, Callable[[torch.Tensor], None]]
+RIDER_SOURCES: list[Callable[[AxisGroup, torch.dtype], list[Rider]]] = []
+"""Sources of tensors waiting to be summed over a group (e.g. parameter gradients). A sum
+all-reduce asked to carry riders takes theirs along in the same collective and hands each its
+reduced value: one collective instead of several."""
+
+
+def all_reduce(
+    x: torch.Tensor, op: ReduceOp, group: AxisGroup, *, riders: bool = False
+) -> torch.Tensor:
+    """Reduce ``x`` over the group; every rank gets the result (``x`` is not modified).
+
+    With ``riders`` (SUM only), pending rider tensors for this group join the collective.
+    """
     if group.size == 1:
+        return x.clone()
+    extra: list[Rider] = []
+    if riders and op is ReduceOp.SUM:
+        extra = [r for source in RIDER_SOURCES for r in source(group, x.dtype)]
+    if not extra:
+        out = x.clone()
+        dist.all_reduce(out, op=_wire_op(op), group=group.process_group)
+        if op is ReduceOp.AVG:
+            out = out / group.size
         return out
-    dist.all_reduce(out, op=_wire_op(op), group=group.process_group)
-    if op is ReduceOp.AVG:
-        out = out / group.size
-    return out
+    flat = torch.cat([x.reshape(-1), *(t.reshape(-1) for t, _ in extra)])
+    dist.all_reduce(flat, op=_wire_op(op), group=group.process_group)
+    offset = x.numel()
+    for tensor, deliver in extra:
+        deliver(flat[offset : offset + tensor.numel()].view_as(tensor))
+        offset += tensor.numel()
+    return flat[: x.numel()].view_as(x)
 
 
 def all_to_all_dims(

@@ -99,7 +99,8 @@ class _AllReduce(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        total = _comm.all_reduce(grad, ReduceOp.SUM, ctx.group)
+        # Pending gradient reductions over this group ride along (see _comm.RIDER_SOURCES).
+        total = _comm.all_reduce(grad, ReduceOp.SUM, ctx.group, riders=True)
         if ctx.op is ReduceOp.AVG:
             total = total / ctx.group.size
         elif ctx.op in (ReduceOp.MAX, ReduceOp.MIN):

@@ -194,6 +194,18 @@ class DeviceMesh:
             ensure_groups(self._root.groups(self.mesh.axis_names[self.mesh.axis_index(axis)]))
         return process_group(ranks)
 
+    def axis_group(self, axis: str | int, build: Any) -> Any:
+        """This rank's ``build(process_group, size, coordinate)`` along ``axis``, built once
+        per axis and world (collectives look their group up on every call)."""
+        world = _default_group()
+        cache = self.__dict__.setdefault("_axis_groups", {})
+        key = (id(world), axis)
+        found = cache.get(key)
+        if found is None:
+            found = build(self.get_group(axis), self.size(axis), self.get_local_rank(axis))
+            cache[key] = found
+        return found
+
     def get_mesh_group(self) -> dist.ProcessGroup:
         """The process group over all ranks of this mesh (created collectively on first use)."""
         self._coordinate()

@@ -1,8 +1,16 @@
-"""Reduction of replicated parameters' gradients in backward, attached to the parameters.
+"""Reduction of replicated parameters' gradients, bucketed into one collective per backward.
 
 A parallelized parameter that is replicated along some mesh axes gets partial gradients there
-(each replica's contribution); a hook on its local tensor reduces them as they arrive. The
-reduction is recorded on the parameter (``_hp_grad_reduction``) and installed by
+(each replica's contribution). A hook on its local tensor takes each fresh contribution as it
+arrives (the parameter's ``.grad`` accumulates zeros instead); a callback queued for the end of
+the backward pass reduces all contributions of one kind in one flat collective and adds them to
+the gradients. Gradient accumulation over several backward passes works: only fresh
+contributions are reduced. Every rank runs the same backward graph, so every rank reduces the
+same bucket. Before that, a sum all-reduce over the same group in backward (a row-parallel
+output's) takes pending contributions along in its own collective, so in a tensor-parallel
+model the reduction usually costs no collective of its own.
+
+The reduction is recorded on the parameter (``_hp_grad_reduction``) and installed by
 :func:`install_grad_reductions`, so a parameter replaced later with the same attributes (as
 deferred initialization does) gets its hook again.
 """
@@ -10,7 +18,7 @@ deferred initialization does) gets its hook again.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -38,16 +46,75 @@ class GradReduction:
     mesh: DeviceMesh
     axes: tuple[tuple[str, ReduceOp], ...]
 
-    def hook(self) -> Callable[[torch.Tensor], torch.Tensor]:
-        """The gradient hook running the reductions."""
-        groups = [(_comm.AxisGroup.of(self.mesh, axis), op) for axis, op in self.axes]
 
-        def reduce(grad: torch.Tensor) -> torch.Tensor:
-            for group, op in groups:
-                grad = _comm.all_reduce(grad, op, group)
-            return grad
+@dataclass
+class _Bucket:
+    """Fresh gradient contributions of one backward pass, per reduction kind."""
 
-        return reduce
+    pending: dict[GradReduction, list[tuple[torch.Tensor, torch.Tensor, bool]]] = field(
+        default_factory=dict
+    )
+    queued: bool = False
+
+    def add(self, spec: GradReduction, leaf: torch.Tensor, grad: torch.Tensor) -> None:
+        self.pending.setdefault(spec, []).append((leaf, grad, leaf.grad is not None))
+        if not self.queued:
+            self.queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self.flush)
+
+    def flush(self) -> None:
+        pending, self.pending, self.queued = self.pending, {}, False
+        for spec, entries in pending.items():
+            flat = torch.cat([grad.reshape(-1) for _, grad, _ in entries])
+            for axis, op in spec.axes:
+                flat = _comm.all_reduce(flat, op, _comm.AxisGroup.of(spec.mesh, axis))
+            offset = 0
+            for leaf, grad, had_grad in entries:
+                _deliver(leaf, had_grad, flat[offset : offset + grad.numel()].view_as(grad))
+                offset += grad.numel()
+
+    def riders(self, group: _comm.AxisGroup, dtype: torch.dtype) -> list[_comm.Rider]:
+        """Pending single-axis sums over ``group`` (they leave the bucket and ride along)."""
+        out: list[_comm.Rider] = []
+        for spec in list(self.pending):
+            if len(spec.axes) != 1 or spec.axes[0][1] is not ReduceOp.SUM:
+                continue
+            own = _comm.AxisGroup.of(spec.mesh, spec.axes[0][0])
+            if own.process_group is not group.process_group:
+                continue
+            entries = self.pending[spec]
+            if any(grad.dtype != dtype for _, grad, _ in entries):
+                continue
+            del self.pending[spec]
+            out.extend((grad, _delivery(leaf, had_grad)) for leaf, grad, had_grad in entries)
+        return out
+
+
+def _deliver(leaf: torch.Tensor, had_grad: bool, reduced: torch.Tensor) -> None:
+    if had_grad:
+        assert leaf.grad is not None
+        leaf.grad.add_(reduced)
+    else:
+        leaf.grad = reduced.clone()
+
+
+def _delivery(leaf: torch.Tensor, had_grad: bool) -> Callable[[torch.Tensor], None]:
+    def deliver(reduced: torch.Tensor) -> None:
+        _deliver(leaf, had_grad, reduced)
+
+    return deliver
+
+
+_BUCKET = _Bucket()
+_comm.RIDER_SOURCES.append(_BUCKET.riders)
+
+
+def _hook(spec: GradReduction, leaf: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    def stash(grad: torch.Tensor) -> torch.Tensor:
+        _BUCKET.add(spec, leaf, grad)
+        return grad.new_zeros(()).expand_as(grad)
+
+    return stash
 
 
 def set_grad_reduction(
@@ -66,5 +133,5 @@ def install_grad_reductions(module: nn.Module) -> None:
         if not param.requires_grad:
             continue
         leaf = param.to_local() if isinstance(param, DTensor) else param
-        leaf.register_hook(spec.hook())
+        leaf.register_hook(_hook(spec, leaf))
         setattr(param, _OWNER, id(param))

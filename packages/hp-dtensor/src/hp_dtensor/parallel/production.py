@@ -32,7 +32,8 @@ from hp_dtensor.interop import annotate_layout
 from hp_dtensor.parallel._boundary import BoundaryConverter
 from hp_dtensor.parallel._grad_reduction import install_grad_reductions, set_grad_reduction
 from hp_dtensor.parallel.plan import Boundary, ShardingPlan
-from hp_layout import Layout, Placement, ReduceOp, Replicate, Shard
+from hp_dtensor.redistribute import execute_plan
+from hp_layout import Layout, Placement, ReduceOp, Replicate, Shard, StepKind
 
 __all__ = ["apply_production"]
 
@@ -58,6 +59,36 @@ class _ExactToAdjoint(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         return (grad if ctx.keep else torch.zeros_like(grad)), None
+
+
+_GATHERED_FROM_ATTR = "_hp_gathered_from"
+
+
+class _GatheredOutput(torch.autograd.Function):
+    """The model's gathered output, connected straight to the local shard it came from: the
+    caller's gradient is whole on every rank, so the shard's gradient is its slice."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, source: torch.Tensor, gathered: torch.Tensor, box: tuple[tuple[int, int], ...]
+    ) -> torch.Tensor:
+        ctx.box = box
+        return gathered.view_as(gathered)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        out = grad
+        for d, (a, b) in enumerate(ctx.box):
+            out = out.narrow(d, a, b - a)
+        return out, None, None
+
+
+def _moves(boundary: Boundary | None) -> bool:
+    """True when a boundary may convert (a known source equal to its target does not)."""
+    return boundary is not None and not (
+        boundary.layout is not None
+        and (boundary.desired is None or boundary.desired == boundary.layout)
+    )
 
 
 def _local_param(param: nn.Parameter, layout: Layout, rank: int) -> nn.Parameter:
@@ -154,18 +185,23 @@ def apply_production(
 
     def convert(value: torch.Tensor, boundary: Boundary) -> torch.Tensor:
         src = boundary.layout if boundary.layout is not None else _placement_of(value)
-        out = converter.convert(value, src, boundary.target or src)
-        setattr(out, _PLACEMENT_ATTR, boundary.target or src)
+        dst = boundary.target or src
+        plan = converter.plan(value, src, dst)
+        out = value if plan is None else execute_plan(value, plan, axis_mesh)
+        setattr(out, _PLACEMENT_ATTR, dst)
+        if plan is not None and all(s.kind is StepKind.ALL_GATHER for s in plan.steps):
+            # If this turns out to be the model's output, its backward can slice (see below).
+            setattr(out, _GATHERED_FROM_ATTR, (value, plan))
         return out
 
     for name, plan in lowered:
         module = root.get_submodule(name)
         _install_production_forward(module, plan, axis_mesh, coordinate)
-        if plan.inputs or plan.kwarg_inputs:
+        if any(_moves(b) for b in (*plan.inputs, *plan.kwarg_inputs.values())):
             module.register_forward_pre_hook(_pre_hook(plan, convert), with_kwargs=True)
         if plan.outputs is not None:
             module.register_forward_hook(_post_hook(plan, convert))
-    root.register_forward_hook(_root_output_hook(coordinate))
+    root.register_forward_hook(_root_output_hook(coordinate, axis_mesh.get_rank()))
     install_grad_reductions(root)
 
 
@@ -196,13 +232,22 @@ def _post_hook(
     return hook
 
 
-def _root_output_hook(coordinate: int) -> Callable[..., Any]:
+def _root_output_hook(coordinate: int, rank: int) -> Callable[..., Any]:
     def adjoint(value: torch.Tensor) -> torch.Tensor:
         placement = _placement_of(value)
-        if isinstance(placement, Replicate) and value.requires_grad:
-            out: torch.Tensor = _apply(_ExactToAdjoint)(value, coordinate == 0)
-            return out
-        return value
+        if not isinstance(placement, Replicate) or not value.requires_grad:
+            return value
+        gathered = getattr(value, _GATHERED_FROM_ATTR, None)
+        if gathered is not None:
+            # Gathered shards whose gradient arrives whole on every rank: each rank's shard
+            # gradient is its slice, with no collective (instead of a reduce-scatter of the
+            # adjoint pieces).
+            source, plan = gathered
+            box = plan.src.local_region(rank).box
+            sliced: torch.Tensor = _apply(_GatheredOutput)(source, value.detach(), box)
+            return sliced
+        out: torch.Tensor = _apply(_ExactToAdjoint)(value, coordinate == 0)
+        return out
 
     def hook(module: nn.Module, args: Any, output: Any) -> Any:
         if isinstance(output, torch.Tensor):
