@@ -1,0 +1,314 @@
+"""One FSDP group: its parameters as views of persistent flat buffers, and their collectives.
+
+The group's parameters are packed end to end (``hp_layout.plan_flat_buffer``) into a buffer cut
+into equal per-rank chunks. This rank keeps its chunk in ``sharded_flat``; each parameter's
+piece of it is a 1-d view registered on the module and handed to optimizers, annotated with
+its layout (a RaggedShard over the shard axis). Unsharding all-gathers the chunks straight into
+``unsharded_flat``, whose views are the module's parameters during compute (no copy-out);
+gradients accumulate into views of ``unsharded_grad`` (no copy-in), which is the input of the
+reduce-scatter; the reduce-scatter writes this rank's reduced chunk into a view of the root's
+gradient arena, whose views are the sharded parameters' gradients.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hp_dtensor import DTensor, annotate_layout, layout_of
+from hp_fsdp._mesh import FSDPMesh
+from hp_fsdp.policy import MixedPrecisionPolicy
+from hp_layout import FlatBufferLayout, Layout, Replicate, plan_flat_buffer
+
+__all__ = ["FSDPParam", "FSDPParamGroup", "ShardedState"]
+
+# Every parameter's shard starts on a 16-byte boundary.
+_ALIGN_BYTES = 16
+
+
+class ShardedState(enum.Enum):
+    """Where a group's parameters are."""
+
+    SHARDED = "sharded"
+    """Only this rank's chunk exists; the module holds the sharded parameters."""
+    UNSHARDING = "unsharding"
+    """An all-gather into the unsharded buffer was issued and not waited for."""
+    UNSHARDED = "unsharded"
+    """The unsharded buffer holds every parameter; the module holds its views."""
+
+
+@dataclass
+class FSDPParam:
+    """One parameter of a group.
+
+    Attributes:
+        module: the module owning it.
+        name: its attribute name on ``module``.
+        fqn: its name from the root of the fully_shard call.
+        shape: the shape of the unsharded parameter (a tensor-parallel shard's, if any).
+        base: its layout before FSDP (tensor parallel), or None for a whole parameter.
+        layout: its layout with FSDP (RaggedShard on the shard axis).
+        sharded: the 1-d view of this rank's piece, registered on the module when sharded.
+        unsharded: the view of the unsharded buffer, registered during compute.
+    """
+
+    module: nn.Module
+    name: str
+    fqn: str
+    shape: tuple[int, ...]
+    base: Layout | None
+    layout: Layout
+    sharded: nn.Parameter
+    unsharded: nn.Parameter | None = None
+    leaf: torch.Tensor | None = None
+
+
+def _mesh_for(base: Layout | None, fsdp: FSDPMesh) -> Any:
+    """The hp_layout mesh the parameter's FSDP layout lives on."""
+    if base is None:
+        return fsdp.mesh.mesh
+    mesh = base.mesh
+    for axis in fsdp.mesh.mesh_dim_names:
+        if axis not in mesh.axis_names:
+            raise ValueError(
+                f"the FSDP mesh axis {axis!r} is not an axis of the parameter's mesh {mesh!r}; "
+                "pass fully_shard the data-parallel sub-mesh of the mesh used for tensor "
+                "parallelism"
+            )
+        if not isinstance(base.placement(axis), Replicate):
+            raise ValueError(
+                f"a parameter laid out as {base!r} is not replicated along the FSDP axis "
+                f"{axis!r}; FSDP can only shard data-parallel replicas"
+            )
+    return mesh
+
+
+class FSDPParamGroup:
+    """The parameters of one fully_shard call (excluding those of nested calls)."""
+
+    def __init__(
+        self,
+        params: Sequence[tuple[nn.Module, str, str, nn.Parameter]],
+        fsdp: FSDPMesh,
+        policy: MixedPrecisionPolicy,
+        owner: str,
+    ) -> None:
+        self.fsdp = fsdp
+        self.owner = owner
+        self.policy = policy
+        dtypes = {p.dtype for *_, p in params}
+        if len(dtypes) > 1:
+            example = {str(p.dtype): fqn for _, _, fqn, p in params}
+            if policy.param_dtype is None:
+                raise ValueError(
+                    f"fully_shard({owner!r}): parameters of several dtypes in one group without "
+                    f"a MixedPrecisionPolicy ({example}); give param_dtype, or shard the "
+                    "modules separately"
+                )
+            raise NotImplementedError(
+                f"fully_shard({owner!r}): one group with storage dtypes {example}; one flat "
+                "buffer per dtype is not implemented yet; shard those modules separately"
+            )
+        self.storage_dtype = next(iter(dtypes)) if dtypes else torch.float32
+        self.param_dtype = policy.param_dtype or self.storage_dtype
+        self.reduce_dtype = policy.reduce_dtype or self.param_dtype
+        self.device = params[0][3].device if params else torch.device("cpu")
+        rank = fsdp.mesh.get_rank()
+        locals_: list[torch.Tensor] = []
+        bases: list[Layout | None] = []
+        for _module, _name, fqn, param in params:
+            if param.is_meta or (isinstance(param, DTensor) and param.to_local().is_meta):
+                raise ValueError(
+                    f"fully_shard({owner!r}): parameter {fqn!r} is on meta; materialize the model "
+                    "(hp_dtensor.parallel.materialize) before sharding it"
+                )
+            if isinstance(param, DTensor):
+                locals_.append(param.to_local().detach())
+                bases.append(param.dist_layout)
+            else:
+                annotated = layout_of(param)
+                bases.append(annotated if annotated.mesh.size > 1 else None)
+                locals_.append(param.detach())
+        align = max(1, _ALIGN_BYTES // torch.empty((), dtype=self.storage_dtype).element_size())
+        self.flat: FlatBufferLayout = plan_flat_buffer(
+            [tuple(t.shape) for t in locals_], fsdp.shard_size, align
+        )
+        coordinate = fsdp.mesh.get_local_rank(fsdp.shard_axis)
+        self.sharded_flat = torch.zeros(
+            self.flat.chunk_numel, dtype=self.storage_dtype, device=self.device
+        )
+        for span in self.flat.spans(coordinate):
+            piece = locals_[span.index].reshape(-1)[span.start : span.stop]
+            self.sharded_flat[span.chunk_offset : span.chunk_offset + piece.numel()].copy_(piece)
+        self.params: list[FSDPParam] = []
+        for index, ((module, name, fqn, param), base) in enumerate(zip(params, bases, strict=True)):
+            mesh = _mesh_for(base, fsdp)
+            layout = self.flat.layout(index, mesh, fsdp.shard_axis, base=base)
+            start, length = self.chunk_range(index)
+            view = self.sharded_flat[start : start + length]
+            sharded = self._wrap(view, layout, param.requires_grad, isinstance(param, DTensor))
+            if not isinstance(sharded, DTensor):
+                annotate_layout(sharded, layout, rank=rank)
+            self.params.append(
+                FSDPParam(module, name, fqn, tuple(locals_[index].shape), base, layout, sharded)
+            )
+        self.unsharded_flat = torch.empty(
+            self.flat.padded_numel, dtype=self.param_dtype, device=self.device
+        )
+        self.unsharded_flat.untyped_storage().resize_(0)
+        self.unsharded_grad: torch.Tensor | None = None
+        # Inputs of in-flight collectives (cast copies) are kept alive until they complete.
+        self._keep_alive: torch.Tensor | None = None
+        self.state = ShardedState.SHARDED
+        self._pending: Any = None
+        self._version = 0
+        self.register_sharded()
+
+    def chunk_range(self, index: int) -> tuple[int, int]:
+        """``(offset, length)`` of parameter ``index``'s piece in this rank's chunk."""
+        coordinate = self.fsdp.mesh.get_local_rank(self.fsdp.shard_axis)
+        for span in self.flat.spans(coordinate):
+            if span.index == index:
+                return span.chunk_offset, span.stop - span.start
+        return 0, 0
+
+    def _wrap(
+        self, view: torch.Tensor, layout: Layout, requires_grad: bool, as_dtensor: bool
+    ) -> nn.Parameter:
+        if not as_dtensor:
+            return nn.Parameter(view, requires_grad=requires_grad)
+        from hp_dtensor import DeviceMesh
+
+        device_mesh = DeviceMesh.lookup(self.device.type, layout.mesh)
+        return nn.Parameter(DTensor(view, layout, device_mesh), requires_grad=requires_grad)
+
+    # Registration ---------------------------------------------------------------------------
+
+    def register_sharded(self) -> None:
+        """Put the sharded parameters on the modules."""
+        for p in self.params:
+            p.module._parameters[p.name] = p.sharded
+
+    def _register_unsharded(self) -> None:
+        for p in self.params:
+            if p.unsharded is None:
+                self._make_unsharded(p)
+            assert p.unsharded is not None
+            p.module._parameters[p.name] = p.unsharded
+
+    def _make_unsharded(self, p: FSDPParam) -> None:
+        slot = self.flat.slots[self.params.index(p)]
+        view = self.unsharded_flat[slot.offset : slot.end].view(p.shape)
+        # A leaf aliasing the buffer (and sharing its version counter).
+        leaf = nn.Parameter(view, requires_grad=p.sharded.requires_grad)
+        p.leaf = leaf
+        if p.base is not None and isinstance(p.sharded, DTensor):
+            from hp_dtensor import DeviceMesh
+
+            mesh = DeviceMesh.lookup(self.device.type, p.base.mesh)
+            p.unsharded = nn.Parameter(DTensor(leaf, p.base, mesh), p.sharded.requires_grad)
+        else:
+            p.unsharded = leaf
+
+    # Unshard / reshard ---------------------------------------------------------------------
+
+    def unshard(self, async_op: bool = False) -> None:
+        """All-gather the parameters (asynchronously with ``async_op``; see ``wait``)."""
+        if self.state is not ShardedState.SHARDED:
+            return
+        storage = self.unsharded_flat.untyped_storage()
+        storage.resize_(self.unsharded_flat.numel() * self.unsharded_flat.element_size())
+        source = self.sharded_flat
+        if self.param_dtype != self.storage_dtype:
+            source = source.to(self.param_dtype)
+        self._version = self.unsharded_flat._version
+        if self.fsdp.shard_size == 1:
+            self.unsharded_flat.copy_(source)
+            self._pending = None
+        else:
+            group = self.fsdp.mesh.get_group(self.fsdp.shard_axis)
+            self._pending = dist.all_gather_single(
+                self.unsharded_flat, source, group=group, async_op=True
+            )
+            self._keep_alive = source
+        self.state = ShardedState.UNSHARDING
+        if not async_op:
+            self.wait()
+
+    def wait(self) -> None:
+        """Finish a pending unshard and put the unsharded parameters on the modules."""
+        if self.state is ShardedState.UNSHARDING:
+            if self._pending is not None:
+                self._pending.wait()
+                self._pending = None
+                self._keep_alive = None
+            # The collective wrote the buffer in place; the parameters' saved views stay valid.
+            torch._C._autograd._unsafe_set_version_counter((self.unsharded_flat,), (self._version,))
+            self.state = ShardedState.UNSHARDED
+        if self.state is ShardedState.UNSHARDED:
+            self._register_unsharded()
+
+    def reshard(self) -> None:
+        """Free the unsharded parameters; the modules hold the sharded ones again."""
+        if self.state is ShardedState.UNSHARDING:
+            self.wait()
+        if self.state is ShardedState.SHARDED:
+            return
+        self.register_sharded()
+        self.unsharded_flat.untyped_storage().resize_(0)
+        self.state = ShardedState.SHARDED
+
+    # Gradients ------------------------------------------------------------------------------
+
+    def prepare_gradients(self) -> None:
+        """Point every unsharded parameter's gradient at the flat gradient buffer."""
+        if self.unsharded_grad is None:
+            self.unsharded_grad = torch.zeros(
+                self.flat.padded_numel, dtype=self.param_dtype, device=self.device
+            )
+        for p, slot in zip(self.params, self.flat.slots, strict=True):
+            assert p.leaf is not None
+            if p.leaf.requires_grad and p.leaf.grad is None:
+                p.leaf.grad = self.unsharded_grad[slot.offset : slot.end].view(p.shape)
+
+    def reduce_scatter(self, output: torch.Tensor) -> Any:
+        """Reduce-scatter the flat gradient into ``output`` (this rank's chunk, reduce dtype);
+        returns the async work handle (None when nothing is communicated)."""
+        assert self.unsharded_grad is not None
+        source = self.unsharded_grad
+        if self.reduce_dtype != self.param_dtype:
+            source = source.to(self.reduce_dtype)
+        if self.fsdp.shard_size == 1:
+            output.copy_(source)
+            return None
+        group = self.fsdp.mesh.get_group(self.fsdp.shard_axis)
+        work = dist.reduce_scatter_single(output, source, group=group, async_op=True)
+        self._keep_alive = source
+        return work
+
+    def release_gradients(self) -> None:
+        """Drop the unsharded gradients (after their reduce-scatter)."""
+        for p in self.params:
+            if p.leaf is not None:
+                p.leaf.grad = None
+        self.unsharded_grad = None
+        self._keep_alive = None
+
+    def assign_sharded_gradients(self, chunk: torch.Tensor) -> None:
+        """Make views of ``chunk`` (this rank's reduced chunk) the sharded parameters' grads."""
+        for index, p in enumerate(self.params):
+            if not p.sharded.requires_grad:
+                continue
+            start, length = self.chunk_range(index)
+            grad = chunk[start : start + length]
+            target = p.sharded.to_local() if isinstance(p.sharded, DTensor) else p.sharded
+            if target.grad is None:
+                target.grad = grad
+            elif target.grad.data_ptr() != grad.data_ptr():
+                target.grad.add_(grad)

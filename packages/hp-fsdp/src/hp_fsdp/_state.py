@@ -1,0 +1,280 @@
+"""The per-module state of fully_shard and the hooks that drive it.
+
+Forward: the pre-hook of a module unshards its group (waiting for a prefetched all-gather if
+one was issued) and prefetches the next group in forward order; the post-hook reshards (unless
+the module is the root) and registers pre-backward hooks on the outputs. Backward: the first
+gradient reaching a module's outputs unshards it again, points its parameters' gradients at
+the flat gradient buffer and prefetches the next group in backward order; when every
+parameter's gradient has been accumulated, its reduce-scatter is issued into the root's
+gradient arena. A callback at the end of backward finishes groups whose parameters got no
+gradient, waits for the arena's collectives once, hands out the sharded gradients and
+reshards.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_map
+
+from hp_fsdp._arena import GradArena
+from hp_fsdp._group import FSDPParamGroup
+
+__all__ = ["FSDPState", "TrainingState"]
+
+_BUCKET_BYTES = 25 * 1024 * 1024
+
+
+class TrainingState(enum.Enum):
+    """What a fully_shard'ed module is doing."""
+
+    IDLE = "idle"
+    """Between passes."""
+    FORWARD = "forward"
+    """Its forward is running."""
+    PRE_BACKWARD = "pre_backward"
+    """Its outputs got gradients; its parameters' gradients are being computed."""
+    POST_BACKWARD = "post_backward"
+    """Its gradients were handed to the reduce-scatter."""
+
+
+@dataclass
+class _RootContext:
+    """What the root shares with every state under it."""
+
+    states: list[FSDPState]
+    root_state: FSDPState
+    forward_order: list[FSDPState] = field(default_factory=list)
+    recording: bool = True
+    callback_queued: bool = False
+    arena: GradArena | None = None
+    arena_index: dict[int, int] = field(default_factory=dict)
+
+
+class FSDPState:
+    """fully_shard's bookkeeping for one module."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        group: FSDPParamGroup | None,
+        reshard_after_forward: bool,
+        output_dtype: torch.dtype | None,
+        input_dtype: torch.dtype | None,
+    ) -> None:
+        self.module = module
+        self.group = group
+        self.reshard_after_forward = reshard_after_forward
+        self.reshard_after_backward = True
+        self.requires_gradient_sync = True
+        self.output_dtype = output_dtype
+        self.input_dtype = input_dtype
+        self.training = TrainingState.IDLE
+        self.root: _RootContext | None = None
+        self.is_root: bool | None = None
+        self.forward_prefetch: list[FSDPState] | None = None
+        self.backward_prefetch: list[FSDPState] | None = None
+        self._backward_started = False
+        self._post_backward_done = False
+        self._accumulated = 0
+        self._hooked: set[int] = set()
+
+    # Root ------------------------------------------------------------------------------------
+
+    def _lazy_init(self) -> None:
+        if self.is_root is not None:
+            return
+        states = [
+            s
+            for m in self.module.modules()
+            if (s := getattr(m, "_hp_fsdp_state", None)) is not None
+        ]
+        seen: dict[int, str] = {}
+        for state in states:
+            if state is not self and state.is_root is None:
+                state.is_root = False
+            if state.group is None:
+                continue
+            for p in state.group.params:
+                key = id(p.sharded)
+                if key in seen:
+                    raise ValueError(
+                        f"parameter {p.fqn!r} belongs to two fully_shard groups ({seen[key]!r} "
+                        f"and {state.group.owner!r}); shard the modules sharing it together"
+                    )
+                seen[key] = state.group.owner
+        self.is_root = True
+        # The root's parameters are needed right at the start of backward: keep them.
+        self.reshard_after_forward = False
+        context = _RootContext(states, self)
+        for state in states:
+            state.root = context
+        groups = [s for s in states if s.group is not None]
+        backward = list(reversed(groups))
+        if groups:
+            first = groups[0].group
+            assert first is not None
+            fsdp = first.fsdp
+            replicate = (
+                fsdp.mesh.get_group(fsdp.replicate_axis)
+                if fsdp.replicate_axis is not None
+                else None
+            )
+            context.arena = GradArena(
+                [s.group.flat.chunk_numel for s in backward if s.group is not None],
+                first.reduce_dtype,
+                first.device,
+                fsdp.shard_size,
+                replicate,
+                fsdp.replicate_size,
+                _BUCKET_BYTES,
+            )
+            context.arena_index = {id(s): i for i, s in enumerate(backward)}
+
+    # Forward ---------------------------------------------------------------------------------
+
+    def pre_forward(self, module: nn.Module, args: Any, kwargs: Any) -> Any:
+        if self.is_root is None:
+            self._lazy_init()
+        root = self.root
+        assert root is not None
+        if self.is_root:
+            for state in root.states:
+                state._backward_started = False
+                state._post_backward_done = False
+        if root.recording and self.group is not None and self not in root.forward_order:
+            root.forward_order.append(self)
+        self.training = TrainingState.FORWARD
+        if self.group is not None:
+            self.group.unshard(async_op=True)
+            self.group.wait()
+        for nxt in self._next(self.forward_prefetch, root.forward_order, +1):
+            if nxt.group is not None:
+                nxt.group.unshard(async_op=True)
+        if self.input_dtype is not None:
+            args, kwargs = _cast((args, kwargs), self.input_dtype)
+        return args, kwargs
+
+    def post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
+        if self.group is not None and self.reshard_after_forward:
+            self.group.reshard()
+        if torch.is_grad_enabled():
+            for tensor in tree_flatten(output)[0]:
+                if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+                    tensor.register_hook(self._pre_backward_hook)
+        if self.is_root:
+            assert self.root is not None
+            self.root.recording = False
+        self.training = TrainingState.IDLE
+        if self.output_dtype is not None:
+            output = _cast(output, self.output_dtype)
+        return output
+
+    def _next(
+        self, explicit: list[FSDPState] | None, order: list[FSDPState], step: int
+    ) -> list[FSDPState]:
+        if explicit is not None:
+            return explicit
+        if self not in order:
+            return []
+        index = order.index(self) + step
+        return [order[index]] if 0 <= index < len(order) else []
+
+    # Backward --------------------------------------------------------------------------------
+
+    def _pre_backward_hook(self, grad: torch.Tensor) -> None:
+        if self._backward_started:
+            return
+        self._backward_started = True
+        root = self.root
+        assert root is not None
+        if not root.callback_queued:
+            root.callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(
+                root.root_state._final_callback_root
+            )
+        self.training = TrainingState.PRE_BACKWARD
+        if self.group is not None:
+            self.group.unshard(async_op=True)
+            self.group.wait()
+            self.group.prepare_gradients()
+            self._hook_accumulation()
+            self._accumulated = 0
+        for prev in self._next(self.backward_prefetch, root.forward_order, -1):
+            if prev.group is not None:
+                prev.group.unshard(async_op=True)
+
+    def _hook_accumulation(self) -> None:
+        assert self.group is not None
+        for p in self.group.params:
+            leaf = p.leaf
+            if leaf is None or not leaf.requires_grad or id(leaf) in self._hooked:
+                continue
+            leaf.register_post_accumulate_grad_hook(self._accumulated_hook)
+            self._hooked.add(id(leaf))
+
+    def _accumulated_hook(self, leaf: torch.Tensor) -> None:
+        self._accumulated += 1
+        assert self.group is not None
+        needed = sum(1 for p in self.group.params if p.leaf is not None and p.leaf.requires_grad)
+        if self._accumulated >= needed:
+            self.post_backward()
+
+    def post_backward(self) -> None:
+        """Hand this group's gradients to the reduce-scatter (or keep accumulating)."""
+        if self._post_backward_done or self.group is None:
+            return
+        self._post_backward_done = True
+        self.training = TrainingState.POST_BACKWARD
+        group = self.group
+        if self.requires_gradient_sync and group.unsharded_grad is not None:
+            root = self.root
+            assert root is not None
+            assert root.arena is not None
+            index = root.arena_index[id(self)]
+            target = root.arena.chunk(index)
+            accumulate = None
+            if any(p.sharded.grad is not None for p in group.params if p.sharded.requires_grad):
+                accumulate = torch.empty_like(target)
+                target_for_rs = accumulate
+            else:
+                target_for_rs = target
+            work = group.reduce_scatter(target_for_rs)
+            root.arena.submit(index, work, group.release_gradients, accumulate)
+        if self.reshard_after_backward and not self.is_root:
+            group.reshard()
+
+    def _final_callback_root(self) -> None:
+        root = self.root
+        assert root is not None
+        assert self.is_root
+        for state in reversed(root.states):
+            if state._backward_started and not state._post_backward_done:
+                state.post_backward()
+        if root.arena is not None:
+            done = root.arena.finish()
+            order = [s for s in reversed(root.states) if s.group is not None]
+            for index in done:
+                state = order[index]
+                assert state.group is not None
+                state.group.assign_sharded_gradients(root.arena.chunk(index))
+        for state in root.states:
+            if state.group is not None and state.reshard_after_backward:
+                state.group.reshard()
+            state.training = TrainingState.IDLE
+            state._backward_started = False
+            state._post_backward_done = False
+        root.callback_queued = False
+
+
+def _cast(value: Any, dtype: torch.dtype) -> Any:
+    def cast(x: Any) -> Any:
+        if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != dtype:
+            return x.to(dtype)
+        return x
+
+    return tree_map(cast, value)

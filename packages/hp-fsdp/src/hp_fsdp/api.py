@@ -1,0 +1,150 @@
+"""``fully_shard``: FSDP2-compatible entry point and the methods it adds to a module."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any, cast
+
+import torch
+from torch import nn
+
+from hp_dtensor import DeviceMesh
+from hp_fsdp._group import FSDPParamGroup
+from hp_fsdp._mesh import resolve_mesh
+from hp_fsdp._state import FSDPState
+from hp_fsdp.policy import MixedPrecisionPolicy, OffloadPolicy
+from hp_layout import Topology
+
+__all__ = ["FSDPModule", "fully_shard"]
+
+_STATE = "_hp_fsdp_state"
+
+
+class FSDPModule:
+    """Methods every fully_shard'ed module gets (mixed into its class)."""
+
+    def _fsdp_state(self) -> FSDPState:
+        state: FSDPState = getattr(self, _STATE)
+        return state
+
+    def _states(self, recurse: bool) -> list[FSDPState]:
+        module = cast(nn.Module, self)
+        if not recurse:
+            return [self._fsdp_state()]
+        return [s for m in module.modules() if (s := getattr(m, _STATE, None)) is not None]
+
+    def unshard(self, async_op: bool = False) -> None:
+        """All-gather this module's parameters now (``async_op``: issue only)."""
+        group = self._fsdp_state().group
+        if group is not None:
+            group.unshard(async_op=async_op)
+
+    def reshard(self) -> None:
+        """Free this module's unsharded parameters."""
+        group = self._fsdp_state().group
+        if group is not None:
+            group.reshard()
+
+    def set_requires_gradient_sync(
+        self, requires_gradient_sync: bool, *, recurse: bool = True
+    ) -> None:
+        """With False, backward accumulates unsharded gradients without reducing them
+        (gradient accumulation); the next backward with True reduces everything."""
+        for state in self._states(recurse):
+            state.requires_gradient_sync = requires_gradient_sync
+
+    def set_reshard_after_backward(
+        self, reshard_after_backward: bool, *, recurse: bool = True
+    ) -> None:
+        """Whether parameters are freed after backward (keep them for the next forward)."""
+        for state in self._states(recurse):
+            state.reshard_after_backward = reshard_after_backward
+
+    def set_modules_to_forward_prefetch(self, modules: Sequence[FSDPModule]) -> None:
+        """Modules whose all-gather is issued when this module's forward starts."""
+        self._fsdp_state().forward_prefetch = [m._fsdp_state() for m in modules]
+
+    def set_modules_to_backward_prefetch(self, modules: Sequence[FSDPModule]) -> None:
+        """Modules whose all-gather is issued when this module's backward starts."""
+        self._fsdp_state().backward_prefetch = [m._fsdp_state() for m in modules]
+
+
+_CLASSES: dict[type, type] = {}
+
+
+def _fsdp_class(cls: type) -> type:
+    if cls not in _CLASSES:
+        _CLASSES[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
+    return _CLASSES[cls]
+
+
+def _managed(module: nn.Module) -> list[tuple[nn.Module, str, str, nn.Parameter]]:
+    """Parameters of ``module`` not owned by a nested fully_shard call, in module order."""
+    out: list[tuple[nn.Module, str, str, nn.Parameter]] = []
+    seen: set[int] = set()
+
+    def visit(prefix: str, m: nn.Module) -> None:
+        if m is not module and hasattr(m, _STATE):
+            return
+        for name, param in m._parameters.items():
+            if param is None or id(param) in seen:
+                continue
+            seen.add(id(param))
+            out.append((m, name, f"{prefix}{name}", param))
+        for child_name, child in m._modules.items():
+            if child is not None:
+                visit(f"{prefix}{child_name}.", child)
+
+    visit("", module)
+    return out
+
+
+def fully_shard(
+    module: nn.Module | Iterable[nn.Module],
+    *,
+    mesh: DeviceMesh | None = None,
+    reshard_after_forward: bool = True,
+    mp_policy: MixedPrecisionPolicy | None = None,
+    offload_policy: OffloadPolicy | None = None,
+    topology: Topology | None = None,
+) -> Any:
+    """Shard ``module``'s parameters (those not owned by nested calls) over the mesh.
+
+    Apply bottom-up: to each block, then to the root. The module's class gains the
+    :class:`FSDPModule` methods; its registered parameters become this rank's 1-d pieces of
+    the flat buffer, annotated with their layouts.
+
+    Args:
+        module: the module (or a list of modules sharing one group is not supported: pass one).
+        mesh: 1-d (shard) or 2-d (replicate, shard) device mesh; default: all ranks, or the
+            topology's (replicate, shard) mesh.
+        reshard_after_forward: free the unsharded parameters after forward (all-gather again
+            in backward); the root keeps them.
+        mp_policy: mixed precision.
+        offload_policy: only ``OffloadPolicy()`` (no offload) is implemented.
+        topology: link tiers; the shard axis must lie on the faster tier.
+    """
+    if not isinstance(module, nn.Module):
+        raise NotImplementedError("fully_shard of several modules as one group is not supported")
+    if hasattr(module, _STATE):
+        raise ValueError(
+            f"{type(module).__name__} is already fully_shard'ed; apply fully_shard once per module"
+        )
+    if offload_policy is not None and type(offload_policy) is not OffloadPolicy:
+        raise NotImplementedError(
+            f"{type(offload_policy).__name__} is not implemented; hp-offload provides parameter "
+            "offload, and OffloadPolicy() (no offload) is the default"
+        )
+    policy = mp_policy or MixedPrecisionPolicy()
+    params = _managed(module)
+    device = params[0][3].device if params else torch.device("cpu")
+    fsdp = resolve_mesh(mesh, topology, device.type)
+    owner = type(module).__name__
+    group = FSDPParamGroup(params, fsdp, policy, owner) if params else None
+    input_dtype = policy.param_dtype if policy.cast_forward_inputs else None
+    state = FSDPState(module, group, reshard_after_forward, policy.output_dtype, input_dtype)
+    setattr(module, _STATE, state)
+    module.register_forward_pre_hook(state.pre_forward, prepend=True, with_kwargs=True)
+    module.register_forward_hook(state.post_forward)
+    module.__class__ = _fsdp_class(type(module))
+    return module

@@ -1,0 +1,71 @@
+"""1-d FSDP, HSDP and gradient accumulation equal to a single-device run (fp32)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hp_dtensor import DeviceMesh
+from hp_dtensor.parallel.equivalence import full_value
+from hp_fsdp import fully_shard
+from hp_fsdp._state import FSDPState
+from hp_layout import Mesh
+from hp_testing import run_on_ranks
+
+
+def _model() -> nn.Sequential:
+    torch.manual_seed(0)
+    # Uneven sizes: 5x7, 7, 7x3, 3, 3x2, 2 elements over 2 or 4 shards.
+    return nn.Sequential(nn.Linear(5, 7), nn.ReLU(), nn.Linear(7, 3), nn.ReLU(), nn.Linear(3, 2))
+
+
+def _train(mesh_shape: tuple[int, ...], accumulate: int) -> dict[str, float]:
+    torch.set_num_threads(1)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    names = ("shard",) if len(mesh_shape) == 1 else ("replicate", "shard")
+    mesh = DeviceMesh("cpu", Mesh(mesh_shape, names))
+    ref, model = _model(), _model()
+    for index in (0, 2, 4):
+        fully_shard(model[index], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.05)
+    for step in range(3):
+        ref_opt.zero_grad()
+        opt.zero_grad()
+        for micro in range(accumulate):
+            x = torch.randn(
+                4 * world, 5, generator=torch.Generator().manual_seed(10 * step + micro)
+            )
+            (ref(x).pow(2).mean() / accumulate).backward()
+            model.set_requires_gradient_sync(micro == accumulate - 1)  # type: ignore[operator]
+            (model(x.chunk(world)[rank]).pow(2).mean() / accumulate).backward()
+        ref_opt.step()
+        opt.step()
+    errors = {}
+    for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters(), strict=True):
+        errors[name] = (full_value(p, mesh).reshape(q.shape) - q).abs().max().item()
+    state: FSDPState = model._hp_fsdp_state  # type: ignore[assignment]
+    assert state.root is not None
+    assert state.root.arena is not None
+    errors["slow_collectives"] = float(state.root.arena.slow_collectives)
+    return errors
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    ("world", "mesh_shape", "accumulate"),
+    [(2, (2,), 1), (4, (4,), 1), (4, (2, 2), 1), (4, (2, 2), 3)],
+)
+def test_fsdp_matches_single_device(
+    world: int, mesh_shape: tuple[int, ...], accumulate: int
+) -> None:
+    for errors in run_on_ranks(world, _train, mesh_shape, accumulate):
+        slow = errors.pop("slow_collectives")
+        # fp32, 3 AdamW steps: parameters equal to rounding.
+        assert max(errors.values()) < 1e-6, errors
+        if len(mesh_shape) == 2:
+            # Four groups, one fused slow-tier all-reduce per step.
+            assert slow == 3
