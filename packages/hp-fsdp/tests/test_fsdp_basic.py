@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -9,7 +11,7 @@ from torch import nn
 
 from hp_dtensor import DeviceMesh
 from hp_dtensor.parallel.equivalence import full_value
-from hp_fsdp import fully_shard
+from hp_fsdp import MixedPrecisionPolicy, fully_shard
 from hp_fsdp._state import FSDPState
 from hp_layout import Mesh
 from hp_testing import run_on_ranks
@@ -69,3 +71,43 @@ def test_fsdp_matches_single_device(
         if len(mesh_shape) == 2:
             # Four groups, one fused slow-tier all-reduce per step.
             assert slow == 3
+
+
+def _mixed_precision() -> dict[str, Any]:
+    torch.set_num_threads(1)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    mesh = DeviceMesh("cpu", Mesh((world,), ("shard",)))
+    ref, model = _model(), _model()
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for index in (0, 2, 4):
+        fully_shard(model[index], mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    x = torch.randn(4 * world, 5, generator=torch.Generator().manual_seed(0))
+    ref_loss = ref(x).pow(2).mean()
+    ref_loss.backward()
+    out = model(x.chunk(world)[rank])
+    out.float().pow(2).mean().backward()
+    grads = [p.grad for p in model.parameters()]
+    errors = [
+        (
+            (full_value(g, mesh, like=p).reshape(q.shape) - q.grad).abs().max() / q.grad.abs().max()
+        ).item()
+        for g, p, q in zip(grads, model.parameters(), ref.parameters(), strict=True)
+        if g is not None and q.grad is not None
+    ]
+    return {
+        "output_dtype": out.dtype,
+        "param_dtypes": {p.dtype for p in model.parameters()},
+        "grad_dtypes": {g.dtype for g in grads if g is not None},
+        "grad_error": max(errors),
+    }
+
+
+@pytest.mark.multiprocess
+def test_bf16_mixed_precision_keeps_fp32_main_parameters() -> None:
+    out = run_on_ranks(2, _mixed_precision)[0]
+    assert out["output_dtype"] == torch.bfloat16
+    assert out["param_dtypes"] == {torch.float32}
+    assert out["grad_dtypes"] == {torch.float32}
+    # bf16 compute (8 mantissa bits) against the fp32 single-device run.
+    assert out["grad_error"] < 3e-2, out

@@ -138,13 +138,15 @@ class GradArena:
                     dist.all_reduce(region, group=self.replicate_group)
                     self.slow_collectives += 1
 
-    def finish(self) -> list[int]:
-        """Fire what is left, wait for everything, average; the indices that took part."""
+    def finish(self, divide_factor: float | None = None) -> list[int]:
+        """Fire what is left, wait for everything, divide by ``divide_factor`` (default: the
+        number of data-parallel ranks, i.e. average); the indices that took part."""
         for bucket in self.buckets:
             if any(self.entries[i].submitted for i in bucket.members):
                 self._fire(bucket)
         done: list[int] = []
-        scale = 1.0 / (self.shard_size * self.replicate_size)
+        factor = divide_factor or float(self.shard_size * self.replicate_size)
+        scale = 1.0 / factor
         for bucket in self.buckets:
             if bucket.work is not None:
                 bucket.work.wait()

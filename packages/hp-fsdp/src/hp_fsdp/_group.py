@@ -15,7 +15,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -24,7 +24,7 @@ from torch import nn
 from hp_dtensor import DTensor, annotate_layout, layout_of
 from hp_fsdp._mesh import FSDPMesh
 from hp_fsdp.policy import MixedPrecisionPolicy
-from hp_layout import FlatBufferLayout, Layout, Replicate, plan_flat_buffer
+from hp_layout import FlatBufferLayout, Layout, ReduceOp, Replicate, plan_flat_buffer
 
 __all__ = ["FSDPParam", "FSDPParamGroup", "ShardedState"]
 
@@ -69,6 +69,38 @@ class FSDPParam:
     leaf: torch.Tensor | None = None
 
 
+_TORCH_OPS = {ReduceOp.SUM: dist.ReduceOp.SUM, ReduceOp.MAX: dist.ReduceOp.MAX}
+
+_Param = tuple[nn.Module, str, str, nn.Parameter]
+
+
+def _extra_axes(param: nn.Parameter, fsdp: FSDPMesh) -> tuple[tuple[str, ReduceOp], ...]:
+    """Reductions a tensor-parallel plan recorded on ``param`` over axes FSDP does not own."""
+    spec = getattr(param, "_hp_grad_reduction", None)
+    if spec is None:
+        return ()
+    own = set(fsdp.mesh.mesh_dim_names)
+    return tuple((axis, op) for axis, op in spec.axes if axis not in own)
+
+
+def _order_by_extra_reduction(
+    params: Sequence[_Param], fsdp: FSDPMesh
+) -> tuple[list[_Param], tuple[tuple[str, ReduceOp], ...]]:
+    plain = [p for p in params if not _extra_axes(p[3], fsdp)]
+    extra = [p for p in params if _extra_axes(p[3], fsdp)]
+    kinds = {_extra_axes(p[3], fsdp) for p in extra}
+    if len(kinds) > 1:
+        raise NotImplementedError(
+            f"parameters of one group need different gradient reductions {sorted(kinds)}; "
+            "shard them in separate fully_shard calls"
+        )
+    for *_, p in extra:
+        for _axis, op in _extra_axes(p, fsdp):
+            if op is not ReduceOp.SUM:
+                raise NotImplementedError(f"gradient reduction {op} over a non-FSDP axis")
+    return plain + extra, next(iter(kinds)) if kinds else ()
+
+
 def _mesh_for(base: Layout | None, fsdp: FSDPMesh) -> Any:
     """The hp_layout mesh the parameter's FSDP layout lives on."""
     if base is None:
@@ -102,6 +134,7 @@ class FSDPParamGroup:
         self.fsdp = fsdp
         self.owner = owner
         self.policy = policy
+        params, self.extra_reduce = _order_by_extra_reduction(params, fsdp)
         dtypes = {p.dtype for *_, p in params}
         if len(dtypes) > 1:
             example = {str(p.dtype): fqn for _, _, fqn, p in params}
@@ -158,6 +191,15 @@ class FSDPParamGroup:
             self.params.append(
                 FSDPParam(module, name, fqn, tuple(locals_[index].shape), base, layout, sharded)
             )
+        # Parameters replicated along a non-FSDP axis (tensor-parallel norms) get partial
+        # gradients there; they are packed last, so one all-reduce of the tail of the flat
+        # gradient reduces them all before the reduce-scatter.
+        extra = [i for i, (*_, p) in enumerate(params) if _extra_axes(p, fsdp)]
+        self.extra_start = self.flat.slots[extra[0]].offset if extra else self.flat.padded_numel
+        for p in self.params:
+            if isinstance(p.sharded, DTensor):
+                # After the reductions the sharded gradient has the parameter's layout.
+                p.sharded._grad_layout = p.layout  # type: ignore[attr-defined]
         self.unsharded_flat = torch.empty(
             self.flat.padded_numel, dtype=self.param_dtype, device=self.device
         )
@@ -205,16 +247,19 @@ class FSDPParamGroup:
     def _make_unsharded(self, p: FSDPParam) -> None:
         slot = self.flat.slots[self.params.index(p)]
         view = self.unsharded_flat[slot.offset : slot.end].view(p.shape)
-        # A leaf aliasing the buffer (and sharing its version counter).
-        leaf = nn.Parameter(view, requires_grad=p.sharded.requires_grad)
-        p.leaf = leaf
+        requires_grad = p.sharded.requires_grad
         if p.base is not None and isinstance(p.sharded, DTensor):
             from hp_dtensor import DeviceMesh
 
             mesh = DeviceMesh.lookup(self.device.type, p.base.mesh)
-            p.unsharded = nn.Parameter(DTensor(leaf, p.base, mesh), p.sharded.requires_grad)
+            wrapped = nn.Parameter(DTensor(view, p.base, mesh), requires_grad)
+            p.unsharded = wrapped
+            # nn.Parameter detaches: its local tensor is the leaf aliasing the buffer.
+            p.leaf = cast(DTensor, wrapped).to_local()
         else:
-            p.unsharded = leaf
+            # A leaf aliasing the buffer (and sharing its version counter).
+            p.unsharded = nn.Parameter(view, requires_grad=requires_grad)
+            p.leaf = p.unsharded
 
     # Unshard / reshard ---------------------------------------------------------------------
 
@@ -281,6 +326,14 @@ class FSDPParamGroup:
         """Reduce-scatter the flat gradient into ``output`` (this rank's chunk, reduce dtype);
         returns the async work handle (None when nothing is communicated)."""
         assert self.unsharded_grad is not None
+        if self.extra_reduce and self.extra_start < self.flat.padded_numel:
+            tail = self.unsharded_grad[self.extra_start :]
+            for axis, op in self.extra_reduce:
+                mesh = self.params[-1].layout.mesh
+                from hp_dtensor import DeviceMesh
+
+                group = DeviceMesh.lookup(self.device.type, mesh).get_group(axis)
+                dist.all_reduce(tail, op=_TORCH_OPS[op], group=group)
         source = self.unsharded_grad
         if self.reduce_dtype != self.param_dtype:
             source = source.to(self.reduce_dtype)

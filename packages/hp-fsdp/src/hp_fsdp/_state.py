@@ -76,6 +76,7 @@ class FSDPState:
         self.training = TrainingState.IDLE
         self.root: _RootContext | None = None
         self.is_root: bool | None = None
+        self.gradient_divide_factor: float | None = None
         self.forward_prefetch: list[FSDPState] | None = None
         self.backward_prefetch: list[FSDPState] | None = None
         self._backward_started = False
@@ -256,7 +257,7 @@ class FSDPState:
             if state._backward_started and not state._post_backward_done:
                 state.post_backward()
         if root.arena is not None:
-            done = root.arena.finish()
+            done = root.arena.finish(self.gradient_divide_factor)
             order = [s for s in reversed(root.states) if s.group is not None]
             for index in done:
                 state = order[index]

@@ -18,6 +18,8 @@ from hp_layout import Topology
 __all__ = ["FSDPModule", "fully_shard"]
 
 _STATE = "_hp_fsdp_state"
+# Set on the original parameters a group took over, to refuse sharing across groups.
+_OWNER = "_hp_fsdp_owner"
 
 
 class FSDPModule:
@@ -59,6 +61,14 @@ class FSDPModule:
         """Whether parameters are freed after backward (keep them for the next forward)."""
         for state in self._states(recurse):
             state.reshard_after_backward = reshard_after_backward
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Divide reduced gradients by ``factor`` instead of the number of data-parallel ranks
+        (1.0 when the loss is already a global mean, e.g. a DTensor loss in validation mode)."""
+        if factor <= 0:
+            raise ValueError(f"the gradient divide factor must be positive, got {factor}")
+        for state in self._states(recurse=True):
+            state.gradient_divide_factor = factor
 
     def set_modules_to_forward_prefetch(self, modules: Sequence[FSDPModule]) -> None:
         """Modules whose all-gather is issued when this module's forward starts."""
@@ -137,10 +147,20 @@ def fully_shard(
         )
     policy = mp_policy or MixedPrecisionPolicy()
     params = _managed(module)
+    owner = type(module).__name__
+    for _, _, fqn, param in params:
+        earlier = getattr(param, _OWNER, None)
+        if earlier is not None:
+            raise ValueError(
+                f"parameter {fqn!r} of {owner} is already sharded by the fully_shard group of "
+                f"{earlier}; a parameter shared by modules must be sharded by one call that "
+                "covers all of them (fully_shard their common parent)"
+            )
     device = params[0][3].device if params else torch.device("cpu")
     fsdp = resolve_mesh(mesh, topology, device.type)
-    owner = type(module).__name__
     group = FSDPParamGroup(params, fsdp, policy, owner) if params else None
+    for _, _, _, param in params:
+        setattr(param, _OWNER, owner)
     input_dtype = policy.param_dtype if policy.cast_forward_inputs else None
     state = FSDPState(module, group, reshard_after_forward, policy.output_dtype, input_dtype)
     setattr(module, _STATE, state)

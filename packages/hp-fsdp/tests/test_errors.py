@@ -1,0 +1,58 @@
+"""Bad input to fully_shard: each a clear error."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from hp_dtensor import DeviceMesh
+from hp_fsdp import fully_shard
+from hp_layout import Mesh, Topology
+from hp_testing import run_on_ranks
+
+
+def _errors() -> list[str]:
+    torch.set_num_threads(1)
+    mesh = DeviceMesh("cpu", Mesh((2,), ("shard",)))
+    messages: list[str] = []
+
+    def attempt(action: object) -> None:
+        try:
+            assert callable(action)
+            action()
+            messages.append("no error")
+        except (ValueError, NotImplementedError) as exc:
+            messages.append(str(exc))
+
+    twice = nn.Linear(3, 3)
+    fully_shard(twice, mesh=mesh)
+    attempt(lambda: fully_shard(twice, mesh=mesh))
+
+    grid = DeviceMesh("cpu", Mesh((2, 2), ("replicate", "shard"), (0, 2, 1, 3)))
+    hosts = Topology.two_tier_cluster(hosts=2, ranks_per_host=2)
+    # Shard axis {0, 2} crosses hosts while the replicate axis {0, 1} stays inside one.
+    attempt(lambda: fully_shard(nn.Linear(3, 3), mesh=grid, topology=hosts))
+
+    mixed = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3).double())
+    attempt(lambda: fully_shard(mixed, mesh=mesh))
+
+    shared = nn.Parameter(torch.ones(3, 3))
+    pair = nn.ModuleList([nn.Module(), nn.Module()])
+    pair[0].register_parameter("w", shared)
+    pair[1].register_parameter("w", shared)
+    fully_shard(pair[0], mesh=mesh)
+    attempt(lambda: fully_shard(pair[1], mesh=mesh))
+
+    attempt(lambda: fully_shard(nn.Linear(3, 3, device="meta"), mesh=mesh))
+    return messages
+
+
+@pytest.mark.multiprocess
+def test_bad_input_is_named() -> None:
+    twice, topology, mixed, shared, meta = run_on_ranks(2, _errors)[0]
+    assert "already fully_shard'ed" in twice
+    assert "does not match topology" in topology
+    assert "several dtypes" in mixed
+    assert "already sharded by the fully_shard group" in shared
+    assert "is on meta" in meta
