@@ -1,7 +1,14 @@
 """hp_fsdp: topology-aware fully sharded data parallel with zero-copy flat buffers."""
 
 from hp_fsdp.api import FSDPModule, fully_shard
+from hp_fsdp.clip import clip_grad_norm_, total_grad_norm
 from hp_fsdp.policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from hp_fsdp.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 
 __version__ = "0.1.0"
 
@@ -11,5 +18,11 @@ __all__ = [
     "MixedPrecisionPolicy",
     "OffloadPolicy",
     "__version__",
+    "clip_grad_norm_",
     "fully_shard",
+    "get_model_state_dict",
+    "get_optimizer_state_dict",
+    "set_model_state_dict",
+    "set_optimizer_state_dict",
+    "total_grad_norm",
 ]

@@ -13,6 +13,7 @@ from hp_fsdp._group import FSDPParamGroup
 from hp_fsdp._mesh import resolve_mesh
 from hp_fsdp._state import FSDPState
 from hp_fsdp.policy import MixedPrecisionPolicy, OffloadPolicy
+from hp_fsdp.state_dict import register_state_dict_hooks
 from hp_layout import Topology
 
 __all__ = ["FSDPModule", "fully_shard"]
@@ -166,5 +167,6 @@ def fully_shard(
     setattr(module, _STATE, state)
     module.register_forward_pre_hook(state.pre_forward, prepend=True, with_kwargs=True)
     module.register_forward_hook(state.post_forward)
+    register_state_dict_hooks(module)
     module.__class__ = _fsdp_class(type(module))
     return module

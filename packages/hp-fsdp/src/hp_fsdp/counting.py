@@ -1,0 +1,386 @@
+"""Counted, not guessed: which kernels and collectives a training step runs.
+
+:class:`CountingMode` is a ``TorchDispatchMode`` used as a context manager around a step. It
+counts every operator that reaches the dispatcher by name (``"aten.copy_"``,
+``"c10d._allgather_base_"``, ``"fsdp.all_gather_copy_in"``), and records every collective
+issued (its kind, the global ranks of its process group, the bytes of its largest tensor)::
+
+    with CountingMode() as counts:
+        loss = model(batch).sum()
+        loss.backward()
+    counts.copy_count            # copy kernels the step ran
+    counts.collective_counts()   # {("all_gather", 2): 5, ("reduce_scatter", 2): 3}
+
+Copy kernels (:data:`COPY_KERNELS`) are the operators that move elements from one tensor into
+another without arithmetic: ``copy_``, ``_to_copy`` (``.to``/casts), ``clone`` (also what
+``.contiguous()`` runs), ``cat``/``stack``, the ``*_scatter`` and ``index_put_``/``index_copy``
+families, ``split_with_sizes_copy`` and the other ``*_copy`` variants of view operators,
+``_foreach_copy_``, and torch FSDP2's custom copy operators (``fsdp.all_gather_copy_in``,
+``fsdp.split_with_sizes_copy``, ``fsdp.chunk_cat``; a mode sees a custom operator as one call,
+not the aten kernels inside it). Fills (``zeros``, ``zero_``, ``fill_``, ...) and in-place
+additions (``add_``, ...) are counted by their own helpers: an accumulating gradient buffer
+costs a fill and one in-place addition per parameter, not a copy.
+
+Backend internals. A collective's work handle may run kernels when it is waited for (gloo's
+``reduce_scatter_single`` reduces into a scratch buffer, then splits it and copies this rank's
+chunk into the output inside ``Work.wait``; NCCL writes the output directly). While the mode
+is active, ``torch.distributed.Work.wait`` is wrapped so that operators run inside a wait are
+counted in :attr:`CountingMode.backend_ops` instead of :attr:`CountingMode.ops`: they belong to
+the communication library, not to the code under test.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any, Final
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+__all__ = [
+    "COPY_KERNELS",
+    "FILL_KERNELS",
+    "INPLACE_ADD_KERNELS",
+    "CollectiveCall",
+    "CountingMode",
+    "collective_kind",
+    "extra_counts",
+    "is_copy_kernel",
+    "op_name",
+]
+
+COPY_KERNELS: Final[frozenset[str]] = frozenset(
+    {
+        # Plain copies and casts.
+        "aten.copy_",
+        "aten.copy",
+        "aten._to_copy",
+        "aten.clone",
+        "aten.lift_fresh_copy",
+        "aten._foreach_copy_",
+        "aten._foreach_copy",
+        # Concatenation.
+        "aten.cat",
+        "aten.stack",
+        "aten._chunk_cat",
+        "aten.repeat",
+        # Writing one tensor into a region of another.
+        "aten.index_put_",
+        "aten.index_put",
+        "aten._index_put_impl_",
+        "aten.index_copy_",
+        "aten.index_copy",
+        "aten.masked_scatter_",
+        "aten.masked_scatter",
+        "aten.slice_scatter",
+        "aten.select_scatter",
+        "aten.diagonal_scatter",
+        "aten.as_strided_scatter",
+        # Materialized views (functionalized variants).
+        "aten.split_with_sizes_copy",
+        "aten.split_copy",
+        "aten.narrow_copy",
+        "aten.slice_copy",
+        "aten.view_copy",
+        "aten.as_strided_copy",
+        "aten.permute_copy",
+        "aten.transpose_copy",
+        "aten.t_copy",
+        "aten.expand_copy",
+        "aten.unsqueeze_copy",
+        "aten.squeeze_copy",
+        "aten.unbind_copy",
+        "aten.alias_copy",
+        "aten._reshape_copy",
+        # torch FSDP2's custom copy-in / copy-out operators.
+        "fsdp.all_gather_copy_in",
+        "fsdp.split_with_sizes_copy",
+        "fsdp.chunk_cat",
+    }
+)
+"""Operators (``namespace.name`` of the overload packet) that are copy kernels."""
+
+FILL_KERNELS: Final[frozenset[str]] = frozenset(
+    {
+        "aten.zeros",
+        "aten.zeros_like",
+        "aten.new_zeros",
+        "aten.zero_",
+        "aten.fill_",
+        "aten.full",
+        "aten.full_like",
+        "aten.new_full",
+    }
+)
+"""Operators that write a constant (zero) into a tensor."""
+
+INPLACE_ADD_KERNELS: Final[frozenset[str]] = frozenset({"aten.add_", "aten._foreach_add_"})
+"""In-place additions (how a gradient accumulates into an existing ``.grad``)."""
+
+_COLLECTIVE_KINDS: Final[Mapping[str, str]] = {
+    "c10d._allgather_base_": "all_gather",
+    "c10d.allgather_": "all_gather",
+    "c10d.allgather_coalesced_": "all_gather",
+    "c10d.allgather_into_tensor_coalesced_": "all_gather",
+    "_c10d_functional.all_gather_into_tensor": "all_gather",
+    "_c10d_functional.all_gather_into_tensor_coalesced": "all_gather",
+    "c10d._reduce_scatter_base_": "reduce_scatter",
+    "c10d.reduce_scatter_": "reduce_scatter",
+    "c10d.reduce_scatter_tensor_coalesced_": "reduce_scatter",
+    "_c10d_functional.reduce_scatter_tensor": "reduce_scatter",
+    "_c10d_functional.reduce_scatter_tensor_coalesced": "reduce_scatter",
+    "c10d.allreduce_": "all_reduce",
+    "c10d.allreduce_coalesced_": "all_reduce",
+    "_c10d_functional.all_reduce": "all_reduce",
+    "_c10d_functional.all_reduce_": "all_reduce",
+    "_c10d_functional.all_reduce_coalesced": "all_reduce",
+    "c10d.alltoall_base_": "all_to_all",
+    "c10d.alltoall_": "all_to_all",
+    "_c10d_functional.all_to_all_single": "all_to_all",
+    "c10d.broadcast_": "broadcast",
+    "_c10d_functional.broadcast": "broadcast",
+    "c10d.reduce_": "reduce",
+    "c10d.gather_": "gather",
+    "c10d.scatter_": "scatter",
+    "c10d.barrier": "barrier",
+    "c10d.send": "send",
+    "c10d.recv_": "recv",
+    "c10d.recv_any_source_": "recv",
+}
+
+
+def op_name(func: Any) -> str:
+    """``"namespace.name"`` of an operator overload's packet, e.g. ``"aten.copy_"`` for
+    ``aten.copy_.default`` (``str(func)`` for anything else)."""
+    packet = getattr(func, "overloadpacket", None)
+    return str(packet) if packet is not None else str(func)
+
+
+def is_copy_kernel(name: str) -> bool:
+    """Whether ``name`` (as :func:`op_name` gives it) is in :data:`COPY_KERNELS`."""
+    return name in COPY_KERNELS
+
+
+def collective_kind(name: str) -> str | None:
+    """``"all_gather"``, ``"reduce_scatter"``, ``"all_reduce"``, ``"all_to_all"``,
+    ``"broadcast"``, ... for a c10d or functional-collective operator name; None otherwise."""
+    return _COLLECTIVE_KINDS.get(name)
+
+
+@dataclass(frozen=True)
+class CollectiveCall:
+    """One collective issued under a :class:`CountingMode`.
+
+    Attributes:
+        kind: ``"all_gather"``, ``"reduce_scatter"``, ``"all_reduce"``, ...
+        op: the operator name, e.g. ``"c10d._allgather_base_"``.
+        ranks: global ranks of its process group, in group order.
+        nbytes: bytes of its largest tensor argument (the unsharded side: an all-gather's
+            output, a reduce-scatter's input, an all-reduce's tensor).
+        dtype: dtype of that tensor (None when it had no tensor).
+    """
+
+    kind: str
+    op: str
+    ranks: tuple[int, ...]
+    nbytes: int
+    dtype: torch.dtype | None
+
+    @property
+    def group_size(self) -> int:
+        """Ranks in its process group."""
+        return len(self.ranks)
+
+
+def _resolve_process_group(name: str) -> Any:
+    """The process group a functional collective names (torch keeps the resolver private)."""
+    from torch.distributed import distributed_c10d
+
+    resolve: Callable[[Any], Any] = distributed_c10d._resolve_process_group  # type: ignore[attr-defined]
+    return resolve(name)
+
+
+def _process_group_ranks(args: Iterable[Any]) -> tuple[int, ...]:
+    """Global ranks of the process group among an operator's (flattened) arguments."""
+    for arg in args:
+        group: Any = None
+        if isinstance(arg, torch.ScriptObject):
+            if arg._type().qualified_name().endswith("ProcessGroup"):
+                group = dist.ProcessGroup.unbox(arg)
+        elif isinstance(arg, dist.ProcessGroup):
+            group = arg
+        elif isinstance(arg, str) and arg:
+            # Functional collectives name their group.
+            try:
+                group = _resolve_process_group(arg)
+            except (RuntimeError, ValueError, KeyError):
+                group = None
+        if group is not None:
+            return tuple(dist.get_process_group_ranks(group))
+    return ()
+
+
+def _largest_tensor(args: Iterable[Any]) -> torch.Tensor | None:
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    return max(tensors, key=lambda t: t.numel() * t.element_size(), default=None)
+
+
+class CountingMode(TorchDispatchMode):
+    """Counts the operators and collectives run under it (a context manager).
+
+    Attributes:
+        ops: operator name -> calls made by the code under the mode (names as :func:`op_name`
+            gives them; collectives included, e.g. ``"c10d._reduce_scatter_base_"``).
+        backend_ops: operator name -> calls made inside ``Work.wait`` of a collective
+            (backend internals; see the module docstring). Empty with ``attribute_waits=False``,
+            where those calls count in ``ops``.
+        collectives: every collective issued, in order.
+
+    Args:
+        attribute_waits: count operators run inside ``torch.distributed.Work.wait`` in
+            ``backend_ops`` (the method is wrapped while the mode is active, then restored).
+    """
+
+    def __init__(self, *, attribute_waits: bool = True) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]  # torch leaves it untyped
+        self.ops: Counter[str] = Counter()
+        self.backend_ops: Counter[str] = Counter()
+        self.collectives: list[CollectiveCall] = []
+        self._attribute_waits = attribute_waits
+        self._waiting = threading.local()
+        self._saved_waits: list[Callable[..., Any]] = []
+
+    # Context manager ---------------------------------------------------------------------
+
+    def __enter__(self) -> CountingMode:
+        if self._attribute_waits:
+            self._wrap_wait()
+        super().__enter__()  # type: ignore[no-untyped-call]
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc_val: BaseException | None,
+        exc_tb: TracebackType | None,
+    ) -> None:
+        try:
+            super().__exit__(exc_type, exc_val, exc_tb)  # type: ignore[no-untyped-call]
+        finally:
+            if self._saved_waits:
+                dist.Work.wait = self._saved_waits.pop()  # type: ignore[method-assign]
+
+    def _wrap_wait(self) -> None:
+        original: Callable[..., Any] = dist.Work.wait
+        self._saved_waits.append(original)
+        waiting = self._waiting
+
+        def wait(work: Any, *args: Any, **kwargs: Any) -> Any:
+            waiting.depth = getattr(waiting, "depth", 0) + 1
+            try:
+                return original(work, *args, **kwargs)
+            finally:
+                waiting.depth -= 1
+
+        dist.Work.wait = wait  # type: ignore[method-assign,assignment]
+
+    # Dispatch ----------------------------------------------------------------------------
+
+    def __torch_dispatch__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        name = op_name(func)
+        if getattr(self._waiting, "depth", 0) > 0:
+            self.backend_ops[name] += 1
+        else:
+            self.ops[name] += 1
+        kind = collective_kind(name)
+        if kind is not None:
+            self._record(kind, name, (args, kwargs))
+        return func(*args, **kwargs)
+
+    def _record(self, kind: str, name: str, arguments: Any) -> None:
+        flat = tree_flatten(arguments)[0]
+        largest = _largest_tensor(flat)
+        self.collectives.append(
+            CollectiveCall(
+                kind=kind,
+                op=name,
+                ranks=_process_group_ranks(flat),
+                nbytes=0 if largest is None else largest.numel() * largest.element_size(),
+                dtype=None if largest is None else largest.dtype,
+            )
+        )
+
+    # Queries -----------------------------------------------------------------------------
+
+    def select(self, names: Iterable[str]) -> Counter[str]:
+        """Calls (by the code under the mode) of the operators in ``names``."""
+        wanted = frozenset(names)
+        return Counter({n: c for n, c in self.ops.items() if n in wanted})
+
+    def copies(self) -> Counter[str]:
+        """Copy kernels run by the code under the mode, by operator."""
+        return self.select(COPY_KERNELS)
+
+    @property
+    def copy_count(self) -> int:
+        """Total copy kernels run by the code under the mode (backend internals excluded)."""
+        return sum(self.copies().values())
+
+    def backend_copies(self) -> Counter[str]:
+        """Copy kernels run inside collectives' waits (the communication backend's own)."""
+        return Counter({n: c for n, c in self.backend_ops.items() if n in COPY_KERNELS})
+
+    def fills(self) -> Counter[str]:
+        """Constant fills (zeros) by operator."""
+        return self.select(FILL_KERNELS)
+
+    def inplace_adds(self) -> Counter[str]:
+        """In-place additions by operator."""
+        return self.select(INPLACE_ADD_KERNELS)
+
+    def collective_counts(self, kinds: Iterable[str] | None = None) -> Counter[tuple[str, int]]:
+        """``(kind, group size) -> calls``, optionally only for ``kinds``."""
+        wanted = None if kinds is None else frozenset(kinds)
+        return Counter(
+            (c.kind, c.group_size) for c in self.collectives if wanted is None or c.kind in wanted
+        )
+
+    def collectives_over(self, ranks: Iterable[int]) -> list[CollectiveCall]:
+        """The collectives whose process group is exactly ``ranks`` (as a set): e.g. this rank's
+        shard group or replicate group of an HSDP mesh, even when both have the same size."""
+        wanted = frozenset(ranks)
+        return [c for c in self.collectives if frozenset(c.ranks) == wanted]
+
+    def summary(self) -> dict[str, Any]:
+        """Picklable digest: ``ops``, ``backend_ops``, ``copies``, ``copy_count``, ``fills``,
+        ``inplace_adds`` (name -> calls) and ``collectives`` (``"kind/group size"`` -> calls)."""
+        return {
+            "ops": dict(self.ops),
+            "backend_ops": dict(self.backend_ops),
+            "copies": dict(self.copies()),
+            "copy_count": self.copy_count,
+            "fills": dict(self.fills()),
+            "inplace_adds": dict(self.inplace_adds()),
+            "collectives": {f"{k}/{n}": c for (k, n), c in self.collective_counts().items()},
+        }
+
+
+def extra_counts(step: Mapping[str, int], baseline: Mapping[str, int]) -> dict[str, int]:
+    """``step - baseline`` per operator, keeping only the non-zero differences (positive: the
+    step ran more of that operator; negative: fewer)."""
+    names = set(step) | set(baseline)
+    diff = {n: step.get(n, 0) - baseline.get(n, 0) for n in sorted(names)}
+    return {n: d for n, d in diff.items() if d != 0}
