@@ -111,3 +111,26 @@ def test_bf16_mixed_precision_keeps_fp32_main_parameters() -> None:
     assert out["grad_dtypes"] == {torch.float32}
     # bf16 compute (8 mantissa bits) against the fp32 single-device run.
     assert out["grad_error"] < 3e-2, out
+
+
+def _freed() -> bool:
+    import gc
+    import weakref
+
+    torch.set_num_threads(1)
+    mesh = DeviceMesh("cpu", Mesh((dist.get_world_size(),), ("shard",)))
+    model = _model()
+    for index in (0, 2, 4):
+        fully_shard(model[index], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    model(torch.randn(3, 5)).sum().backward()
+    ref = weakref.ref(model)
+    del model
+    gc.collect()
+    return ref() is None
+
+
+@pytest.mark.multiprocess
+def test_a_sharded_model_is_freed() -> None:
+    # Autograd keeps parameter hooks in C++; they must not keep the model alive.
+    assert all(run_on_ranks(2, _freed))

@@ -1,10 +1,16 @@
-"""The gradient arena: every group's reduced gradient chunk in one buffer, so the slow-tier
-all-reduce of HSDP runs on contiguous slices covering several groups (no copy), bucketed and
-asynchronous, and is waited for once at the end of backward.
+"""Where reduced gradient chunks go, and the fused slow-tier reduction of HSDP.
 
-Buckets are runs of groups in backward order whose chunks add up to ``bucket_bytes``; a bucket's
-all-reduce is issued as soon as the reduce-scatters of all its groups are in, so the slow link
-works while the backward of earlier layers runs.
+Each group's reduce-scatter writes this rank's chunk into a fresh buffer, allocated when the
+reduce-scatter is issued (memory grows group by group, as in FSDP2) and handed over to the
+sharded parameters' gradients at the end of backward (the arena keeps no reference: dropping
+the gradients frees it). Each reduce-scatter is completed (and its large unsharded input freed)
+when the next one is issued.
+
+For HSDP, groups form buckets (runs in backward order of about ``bucket_bytes``); as soon as the
+reduce-scatters of all groups of a bucket are in, ONE asynchronous all-reduce over the replicate
+(slow) axis is issued for all their chunks (a coalesced collective: NCCL groups it, gloo
+flattens it internally), so the slow link works while the backward of earlier layers runs. All
+of them are waited for once, at the end of backward.
 """
 
 from __future__ import annotations
@@ -15,17 +21,18 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import _coalescing_manager as coalescing_manager
 
-__all__ = ["GradArena"]
+__all__ = ["GradArena", "Reduced"]
 
 
 @dataclass
 class _Entry:
-    """One group in the arena."""
+    """One group."""
 
-    offset: int
-    numel: int
     bucket: int
+    numel: int
+    chunk: torch.Tensor | None = None
     work: Any = None
     release: Callable[[], None] | None = None
     accumulate: torch.Tensor | None = None
@@ -34,15 +41,30 @@ class _Entry:
 
 @dataclass
 class _Bucket:
-    start: int
-    stop: int
     members: list[int] = field(default_factory=list)
+    numel: int = 0
     work: Any = None
     fired: bool = False
 
 
+@dataclass(frozen=True)
+class Reduced:
+    """A group's averaged gradient chunk after backward.
+
+    Attributes:
+        index: the group (in backward order).
+        chunk: this rank's chunk; a fresh buffer's view, or, when ``accumulate``, the new
+            gradients to add onto the existing ones.
+        accumulate: the sharded parameters already had gradients: add ``chunk`` to them.
+    """
+
+    index: int
+    chunk: torch.Tensor
+    accumulate: bool
+
+
 class GradArena:
-    """Reduced gradient chunks of ``sizes`` groups (given in backward order)."""
+    """Reduced gradient chunks of groups of ``sizes`` elements (given in backward order)."""
 
     def __init__(
         self,
@@ -54,31 +76,31 @@ class GradArena:
         replicate_size: int,
         bucket_bytes: int,
     ) -> None:
-        self.buffer = torch.zeros(sum(sizes), dtype=dtype, device=device)
+        self.dtype = dtype
+        self.device = device
         self.shard_size = shard_size
         self.replicate_group = replicate_group
         self.replicate_size = replicate_size
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        limit = bucket_bytes if replicate_size > 1 else 0
         self.entries: list[_Entry] = []
         self.buckets: list[_Bucket] = []
-        itemsize = self.buffer.element_size()
-        offset = 0
         for index, numel in enumerate(sizes):
-            if (
-                not self.buckets
-                or (self.buckets[-1].stop - self.buckets[-1].start) * itemsize >= bucket_bytes
-            ):
-                self.buckets.append(_Bucket(offset, offset))
+            if not self.buckets or self.buckets[-1].numel * itemsize >= max(limit, 1):
+                self.buckets.append(_Bucket())
             bucket = self.buckets[-1]
             bucket.members.append(index)
-            bucket.stop = offset + numel
-            self.entries.append(_Entry(offset, numel, len(self.buckets) - 1))
-            offset += numel
+            self.entries.append(_Entry(len(self.buckets) - 1, numel))
+            bucket.numel += numel
         self.slow_collectives = 0
+        self._in_flight: list[_Entry] = []
 
     def chunk(self, index: int) -> torch.Tensor:
-        """Group ``index``'s reduced gradient chunk."""
+        """Group ``index``'s chunk for this backward (allocated on first use)."""
         entry = self.entries[index]
-        return self.buffer[entry.offset : entry.offset + entry.numel]
+        if entry.chunk is None:
+            entry.chunk = torch.empty(entry.numel, dtype=self.dtype, device=self.device)
+        return entry.chunk
 
     def submit(
         self,
@@ -87,15 +109,15 @@ class GradArena:
         release: Callable[[], None],
         accumulate: torch.Tensor | None = None,
     ) -> None:
-        """Group ``index``'s reduce-scatter was issued (``work``); ``release`` frees its input
-        once done. With ``accumulate`` the reduce-scatter wrote there, to be added on top."""
+        """Group ``index``'s reduce-scatter was issued (``work``) into its chunk, or into
+        ``accumulate`` when its sharded parameters already have gradients; ``release`` frees
+        the reduce-scatter's input once it is done."""
+        for earlier in self._in_flight:
+            self._complete(earlier)
         entry = self.entries[index]
-        entry.work, entry.release, entry.accumulate, entry.submitted = (
-            work,
-            release,
-            accumulate,
-            True,
-        )
+        entry.work, entry.release, entry.accumulate = work, release, accumulate
+        entry.submitted = True
+        self._in_flight = [entry]
         bucket = self.buckets[entry.bucket]
         if all(self.entries[i].submitted for i in bucket.members):
             self._fire(bucket)
@@ -112,41 +134,28 @@ class GradArena:
         if bucket.fired:
             return
         bucket.fired = True
-        for i in bucket.members:
-            entry = self.entries[i]
-            if not entry.submitted:
-                continue
+        members = [self.entries[i] for i in bucket.members if self.entries[i].submitted]
+        for entry in members:
             self._complete(entry)
-        if self.replicate_size > 1 and bucket.stop > bucket.start:
-            accumulating = [
-                self.entries[i] for i in bucket.members if self.entries[i].accumulate is not None
-            ]
-            if accumulating:
-                # Previous gradients already live in the arena: reduce only the new ones.
-                for entry in accumulating:
-                    assert entry.accumulate is not None
-                    dist.all_reduce(entry.accumulate, group=self.replicate_group)
-                    self.slow_collectives += 1
-            plain = [self.entries[i] for i in bucket.members if self.entries[i].accumulate is None]
-            if plain and not accumulating:
-                region = self.buffer[bucket.start : bucket.stop]
-                bucket.work = dist.all_reduce(region, group=self.replicate_group, async_op=True)
-                self.slow_collectives += 1
-            elif plain:
-                for entry in plain:
-                    region = self.buffer[entry.offset : entry.offset + entry.numel]
-                    dist.all_reduce(region, group=self.replicate_group)
-                    self.slow_collectives += 1
+        if self.replicate_size == 1 or not members:
+            return
+        targets = [e.accumulate if e.accumulate is not None else e.chunk for e in members]
+        with coalescing_manager(group=self.replicate_group, async_ops=True) as fused:
+            for target in targets:
+                assert target is not None
+                dist.all_reduce(target, group=self.replicate_group)
+        bucket.work = fused
+        self.slow_collectives += 1
 
-    def finish(self, divide_factor: float | None = None) -> list[int]:
+    def finish(self, divide_factor: float | None = None) -> list[Reduced]:
         """Fire what is left, wait for everything, divide by ``divide_factor`` (default: the
-        number of data-parallel ranks, i.e. average); the indices that took part."""
+        number of data-parallel ranks, i.e. average), and hand the chunks over."""
         for bucket in self.buckets:
             if any(self.entries[i].submitted for i in bucket.members):
                 self._fire(bucket)
-        done: list[int] = []
-        factor = divide_factor or float(self.shard_size * self.replicate_size)
-        scale = 1.0 / factor
+        self._in_flight = []
+        scale = 1.0 / (divide_factor or float(self.shard_size * self.replicate_size))
+        out: list[Reduced] = []
         for bucket in self.buckets:
             if bucket.work is not None:
                 bucket.work.wait()
@@ -155,14 +164,14 @@ class GradArena:
                 entry = self.entries[i]
                 if not entry.submitted:
                     continue
-                region = self.buffer[entry.offset : entry.offset + entry.numel]
                 if entry.accumulate is not None:
-                    region.add_(entry.accumulate, alpha=scale)
+                    out.append(Reduced(i, entry.accumulate.mul_(scale), True))
                 else:
-                    region.mul_(scale)
-                done.append(i)
+                    assert entry.chunk is not None
+                    out.append(Reduced(i, entry.chunk.mul_(scale), False))
+                # The gradients own the chunk now; zero_grad frees it.
+                entry.chunk = None
+                entry.submitted = False
+                entry.accumulate = None
             bucket.fired = False
-        for entry in self.entries:
-            entry.submitted = False
-            entry.accumulate = None
-        return done
+        return out

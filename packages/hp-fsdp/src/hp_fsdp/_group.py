@@ -214,11 +214,15 @@ class FSDPParamGroup:
 
     def chunk_range(self, index: int) -> tuple[int, int]:
         """``(offset, length)`` of parameter ``index``'s piece in this rank's chunk."""
-        coordinate = self.fsdp.mesh.get_local_rank(self.fsdp.shard_axis)
-        for span in self.flat.spans(coordinate):
-            if span.index == index:
-                return span.chunk_offset, span.stop - span.start
-        return 0, 0
+        ranges = self.__dict__.get("_chunk_ranges")
+        if ranges is None:
+            coordinate = self.fsdp.mesh.get_local_rank(self.fsdp.shard_axis)
+            ranges = {
+                s.index: (s.chunk_offset, s.stop - s.start) for s in self.flat.spans(coordinate)
+            }
+            self.__dict__["_chunk_ranges"] = ranges
+        found: tuple[int, int] = ranges.get(index, (0, 0))
+        return found
 
     def _wrap(
         self, view: torch.Tensor, layout: Layout, requires_grad: bool, as_dtensor: bool
@@ -353,15 +357,16 @@ class FSDPParamGroup:
         self.unsharded_grad = None
         self._keep_alive = None
 
-    def assign_sharded_gradients(self, chunk: torch.Tensor) -> None:
-        """Make views of ``chunk`` (this rank's reduced chunk) the sharded parameters' grads."""
+    def assign_sharded_gradients(self, chunk: torch.Tensor, accumulate: bool = False) -> None:
+        """Make views of ``chunk`` (this rank's reduced chunk) the sharded parameters' grads,
+        or, with ``accumulate``, add them to the gradients they have."""
         for index, p in enumerate(self.params):
             if not p.sharded.requires_grad:
                 continue
             start, length = self.chunk_range(index)
             grad = chunk[start : start + length]
             target = p.sharded.to_local() if isinstance(p.sharded, DTensor) else p.sharded
-            if target.grad is None:
+            if target.grad is None or not accumulate:
                 target.grad = grad
-            elif target.grad.data_ptr() != grad.data_ptr():
+            else:
                 target.grad.add_(grad)

@@ -14,6 +14,7 @@ reshards.
 from __future__ import annotations
 
 import enum
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -77,11 +78,16 @@ class FSDPState:
         self.root: _RootContext | None = None
         self.is_root: bool | None = None
         self.gradient_divide_factor: float | None = None
+        # Prefetch the next group in forward/backward order: on accelerators by default, where
+        # communication runs beside compute; on CPU it would keep one more group unsharded for
+        # little gain, so it is opt-in there (set_implicit_prefetch or the explicit setters).
+        self.implicit_prefetch = (group.device.type if group is not None else "cpu") != "cpu"
         self.forward_prefetch: list[FSDPState] | None = None
         self.backward_prefetch: list[FSDPState] | None = None
         self._backward_started = False
         self._post_backward_done = False
         self._accumulated = 0
+        self._needed = 0
         self._hooked: set[int] = set()
 
     # Root ------------------------------------------------------------------------------------
@@ -180,7 +186,7 @@ class FSDPState:
     ) -> list[FSDPState]:
         if explicit is not None:
             return explicit
-        if self not in order:
+        if not self.implicit_prefetch or self not in order:
             return []
         index = order.index(self) + step
         return [order[index]] if 0 <= index < len(order) else []
@@ -215,14 +221,18 @@ class FSDPState:
             leaf = p.leaf
             if leaf is None or not leaf.requires_grad or id(leaf) in self._hooked:
                 continue
-            leaf.register_post_accumulate_grad_hook(self._accumulated_hook)
+            # A weak reference: autograd keeps hooks in C++, where a cycle back to this state
+            # would never be collected.
+            leaf.register_post_accumulate_grad_hook(_weak_accumulated_hook(weakref.ref(self)))
             self._hooked.add(id(leaf))
+        self._needed = sum(
+            1 for p in self.group.params if p.leaf is not None and p.leaf.requires_grad
+        )
 
-    def _accumulated_hook(self, leaf: torch.Tensor) -> None:
+    def accumulated(self) -> None:
+        """One more parameter's gradient is in; reduce when all are."""
         self._accumulated += 1
-        assert self.group is not None
-        needed = sum(1 for p in self.group.params if p.leaf is not None and p.leaf.requires_grad)
-        if self._accumulated >= needed:
+        if self._accumulated >= self._needed:
             self.post_backward()
 
     def post_backward(self) -> None:
@@ -257,12 +267,11 @@ class FSDPState:
             if state._backward_started and not state._post_backward_done:
                 state.post_backward()
         if root.arena is not None:
-            done = root.arena.finish(self.gradient_divide_factor)
             order = [s for s in reversed(root.states) if s.group is not None]
-            for index in done:
-                state = order[index]
-                assert state.group is not None
-                state.group.assign_sharded_gradients(root.arena.chunk(index))
+            for reduced in root.arena.finish(self.gradient_divide_factor):
+                group = order[reduced.index].group
+                assert group is not None
+                group.assign_sharded_gradients(reduced.chunk, reduced.accumulate)
         for state in root.states:
             if state.group is not None and state.reshard_after_backward:
                 state.group.reshard()
@@ -270,6 +279,15 @@ class FSDPState:
             state._backward_started = False
             state._post_backward_done = False
         root.callback_queued = False
+
+
+def _weak_accumulated_hook(ref: weakref.ReferenceType[FSDPState]) -> Any:
+    def hook(leaf: torch.Tensor) -> None:
+        state = ref()
+        if state is not None:
+            state.accumulated()
+
+    return hook
 
 
 def _cast(value: Any, dtype: torch.dtype) -> Any:

@@ -71,6 +71,13 @@ class FSDPModule:
         for state in self._states(recurse=True):
             state.gradient_divide_factor = factor
 
+    def set_implicit_prefetch(self, enabled: bool, *, recurse: bool = True) -> None:
+        """Prefetch the next module in forward and backward order (the order of the first
+        forward). On by default for accelerators, off on CPU (it costs one group's unsharded
+        parameters of memory)."""
+        for state in self._states(recurse):
+            state.implicit_prefetch = enabled
+
     def set_modules_to_forward_prefetch(self, modules: Sequence[FSDPModule]) -> None:
         """Modules whose all-gather is issued when this module's forward starts."""
         self._fsdp_state().forward_prefetch = [m._fsdp_state() for m in modules]

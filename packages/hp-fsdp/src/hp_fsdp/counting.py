@@ -244,7 +244,8 @@ class CountingMode(TorchDispatchMode):
 
     Args:
         attribute_waits: count operators run inside ``torch.distributed.Work.wait`` in
-            ``backend_ops`` (the method is wrapped while the mode is active, then restored).
+            ``backend_ops`` (the method is wrapped while the mode is active, then restored;
+            nothing is wrapped where torch has no distributed support).
     """
 
     def __init__(self, *, attribute_waits: bool = True) -> None:
@@ -259,7 +260,7 @@ class CountingMode(TorchDispatchMode):
     # Context manager ---------------------------------------------------------------------
 
     def __enter__(self) -> CountingMode:
-        if self._attribute_waits:
+        if self._attribute_waits and dist.is_available():
             self._wrap_wait()
         super().__enter__()  # type: ignore[no-untyped-call]
         return self

@@ -1,0 +1,477 @@
+"""Benchmark: FSDP training step, hp-fsdp vs torch FSDP2, with DDP as the floor.
+
+The same Llama (``hp_testing.llama.Llama``, same seed; blocks sharded, then the root) trains
+with AdamW on gloo ranks of this machine (one thread each), in these layouts:
+
+* ``1-d w2``: world 2, one shard axis (``hp_fsdp.fully_shard`` on a 1-d ``DeviceMesh``;
+  ``torch.distributed.fsdp.fully_shard`` on ``init_device_mesh("cpu", (2,))``);
+* ``1-d w4``: world 4, one shard axis;
+* ``HSDP 2x2``: world 4, mesh ``(replicate, shard) = (2, 2)`` for both;
+* ``DDP w2`` / ``DDP w4``: ``torch.nn.parallel.DistributedDataParallel`` over all ranks
+  (whole parameters on every rank, one bucketed all-reduce: the reference floor).
+
+A step is zero_grad, forward, cross-entropy, backward and ``AdamW.step`` on this rank's batch.
+The first losses of the variants of one world must agree (same weights, same batches). After a
+warm-up, the variants are timed in interleaved rounds (order rotated per round); reported: the
+median over rounds of the mean step time, and ratios hp / torch and x / DDP.
+
+Measured per variant besides time, outside the timed rounds:
+
+* ``peak MiB``: the peak, during one training step, of the bytes the C allocator has handed out
+  and not taken back (glibc ``mallinfo2``: ``uordblks + hblkhd``, sampled after every operator
+  by a ``TorchDispatchMode`` and after the step), minus the same count just before the variant's
+  model was built. It covers parameters, gradients, optimizer states, FSDP buffers (also those
+  resized outside the dispatcher), activations and communication scratch memory; it is rank 0's
+  (all ranks hold the same sizes). Where ``mallinfo2`` is missing (not glibc), the column shows
+  the growth of the process's peak resident set (``ru_maxrss``) over the variant, a coarser
+  measure; the JSON line says which was used. The BLAS library's workspace buffers are
+  allocated before the first variant (an undistributed warm-up step), so no variant pays them.
+  The JSON line also has ``rest`` MiB: in use between steps, after ``zero_grad(set_to_none=True)``
+  (parameters, optimizer states, and whatever gradient storage the implementation keeps).
+* copy kernels and collectives per step, counted with ``hp_fsdp.counting.CountingMode``.
+
+This machine is noisy: compare the ratios of one run. Prints a table and one JSON line.
+
+hp-fsdp prefetches the next group only on accelerators by default; ``--prefetch`` turns it on
+here too (faster, one more group's unsharded parameters of memory).
+
+Run: ``nox -s bench -- fsdp_step.py`` (or ``python benchmarks/fsdp_step.py`` with the packages
+importable, e.g. ``PYTHONPATH=packages/hp-layout/src:packages/hp-dtensor/src:...``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import gc
+import json
+import os
+import platform
+import resource
+import socket
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from hp_testing.llama import Llama, LlamaConfig
+
+CONFIG = LlamaConfig(vocab_size=1024, dim=256, n_layers=4, n_heads=8, ffn_dim=704, max_seq_len=64)
+LOCAL_BATCH, SEQ = 4, 64
+LR = 1e-3
+WARMUP = 3
+ROUNDS = 9
+STEPS = 2  # timed steps per variant per round
+LOSS_TOLERANCE = 1e-4  # warm-up losses of the variants of one world (DDP sums differently)
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One way of training the model."""
+
+    name: str  # row label
+    impl: str  # "hp" | "torch" | "ddp"
+    mesh: tuple[int, ...]  # data-parallel mesh; () for DDP
+
+
+WORLDS: dict[int, tuple[Variant, ...]] = {
+    2: (
+        Variant("1-d w2", "hp", (2,)),
+        Variant("1-d w2", "torch", (2,)),
+        Variant("DDP w2", "ddp", ()),
+    ),
+    4: (
+        Variant("1-d w4", "hp", (4,)),
+        Variant("1-d w4", "torch", (4,)),
+        Variant("HSDP 2x2", "hp", (2, 2)),
+        Variant("HSDP 2x2", "torch", (2, 2)),
+        Variant("DDP w4", "ddp", ()),
+    ),
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# Memory: bytes handed out by the C allocator
+# ---------------------------------------------------------------------------------------------
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+            "keepcost",
+        )
+    ]
+
+
+def _heap_reader() -> Callable[[], int] | None:
+    """``() -> bytes in use`` from glibc's ``mallinfo2``, or None where it is missing."""
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return None
+    try:
+        libc = ctypes.CDLL(name)
+        mallinfo2 = libc.mallinfo2
+    except (OSError, AttributeError):
+        return None
+    mallinfo2.restype = _MallInfo2
+
+    def in_use() -> int:
+        info = mallinfo2()
+        return int(info.uordblks) + int(info.hblkhd)
+
+    return in_use
+
+
+_HEAP = _heap_reader()
+MEMORY_MEASURE = "mallinfo2" if _HEAP is not None else "ru_maxrss"
+
+
+def _maxrss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+
+
+class _HeapPeak(TorchDispatchMode):
+    """Peak of ``mallinfo2`` in-use bytes, sampled after every operator."""
+
+    def __init__(self, read: Callable[[], int]) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]  # torch leaves it untyped
+        self.read = read
+        self.peak = read()
+
+    def __torch_dispatch__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        out = func(*args, **(kwargs or {}))
+        self.peak = max(self.peak, self.read())
+        return out
+
+
+def _in_use() -> int:
+    gc.collect()
+    return _HEAP() if _HEAP is not None else _maxrss_bytes()
+
+
+def _step_peak(train: Callable[[], float]) -> int:
+    """Peak bytes in use during one call of ``train`` (see the module docstring)."""
+    if _HEAP is None:
+        train()
+        return _maxrss_bytes()
+    tracker = _HeapPeak(_HEAP)
+    with tracker:
+        train()
+    return max(tracker.peak, _HEAP())
+
+
+# ---------------------------------------------------------------------------------------------
+# Variants
+# ---------------------------------------------------------------------------------------------
+
+
+def _mesh_names(mesh: tuple[int, ...]) -> tuple[str, ...]:
+    return ("shard",) if len(mesh) == 1 else ("replicate", "shard")
+
+
+def _hp(mesh_shape: tuple[int, ...]) -> nn.Module:
+    from hp_dtensor import DeviceMesh
+    from hp_fsdp import fully_shard
+    from hp_layout import Mesh
+
+    mesh = DeviceMesh("cpu", Mesh(mesh_shape, _mesh_names(mesh_shape)))
+    torch.manual_seed(0)
+    model = Llama(CONFIG)
+    for block in model.layers:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    if PREFETCH:
+        model.set_implicit_prefetch(True)  # type: ignore[operator]
+    return model
+
+
+def _torch(mesh_shape: tuple[int, ...]) -> nn.Module:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=_mesh_names(mesh_shape))
+    torch.manual_seed(0)
+    model = Llama(CONFIG)
+    for block in model.layers:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def _ddp() -> nn.Module:
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.manual_seed(0)
+    return DistributedDataParallel(Llama(CONFIG))
+
+
+def _build(variant: Variant) -> nn.Module:
+    if variant.impl == "hp":
+        return _hp(variant.mesh)
+    if variant.impl == "torch":
+        return _torch(variant.mesh)
+    return _ddp()
+
+
+def _batch() -> tuple[torch.Tensor, torch.Tensor]:
+    world, rank = dist.get_world_size(), dist.get_rank()
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, CONFIG.vocab_size, (LOCAL_BATCH * world, SEQ), generator=g)
+    targets = torch.randint(0, CONFIG.vocab_size, (LOCAL_BATCH * world, SEQ), generator=g)
+    return ids.chunk(world)[rank], targets.chunk(world)[rank]
+
+
+def _trainer(model: nn.Module) -> Callable[[], float]:
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    ids, targets = _batch()
+
+    def train() -> float:
+        optimizer.zero_grad(set_to_none=True)
+        logits = model(ids)
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        loss.backward()
+        optimizer.step()
+        return float(loss.detach())
+
+    return train
+
+
+def _per_step(train: Callable[[], float]) -> float:
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(STEPS):
+        train()
+    return (time.perf_counter() - start) / STEPS
+
+
+def _counts(train: Callable[[], float]) -> dict[str, Any]:
+    from hp_fsdp.counting import CountingMode
+
+    with CountingMode() as counts:
+        train()
+    return {
+        "copies": counts.copy_count,
+        "collectives": {f"{k}/{n}": c for (k, n), c in sorted(counts.collective_counts().items())},
+    }
+
+
+def _warm_up_kernels() -> None:
+    """Train an undistributed copy of the model once: the BLAS library keeps workspace buffers
+    (several MiB) after its first matrix products of each shape, and the first variant measured
+    would be charged for them otherwise."""
+    torch.manual_seed(0)
+    train = _trainer(Llama(CONFIG))
+    for _ in range(2):
+        train()
+
+
+def _bench_world(variants: tuple[Variant, ...]) -> dict[str, Any]:
+    _warm_up_kernels()
+    trainers: list[Callable[[], float]] = []
+    losses: list[list[float]] = []
+    peaks: list[int] = []
+    rests: list[int] = []
+    counts: list[dict[str, Any]] = []
+    for variant in variants:
+        before = _in_use()
+        model = _build(variant)
+        train = _trainer(model)
+        losses.append([train() for _ in range(WARMUP)])
+        peaks.append(_step_peak(train) - before)
+        model.zero_grad(set_to_none=True)
+        rests.append(_in_use() - before)
+        counts.append(_counts(train))
+        trainers.append(train)
+    drift = max(
+        abs(a - b) for run in losses for other in losses for a, b in zip(run, other, strict=True)
+    )
+    if drift > LOSS_TOLERANCE:
+        raise AssertionError(f"warm-up losses of {variants} differ by {drift:.2e}: {losses}")
+    times: list[list[float]] = [[] for _ in variants]
+    order = list(range(len(variants)))
+    for round_index in range(ROUNDS):
+        shift = round_index % len(order)
+        for index in order[shift:] + order[:shift]:
+            times[index].append(_per_step(trainers[index]))
+    return {
+        "rows": [
+            {
+                "layout": v.name,
+                "impl": v.impl,
+                "ms": statistics.median(t) * 1e3,
+                "ms_min": min(t) * 1e3,
+                "peak_mib": peak / 2**20,
+                "rest_mib": rest / 2**20,
+                **c,
+            }
+            for v, t, peak, rest, c in zip(variants, times, peaks, rests, counts, strict=True)
+        ],
+        "first_loss": losses[0][0],
+        "warmup_loss_spread": drift,
+    }
+
+
+def _worker(rank: int, world: int, port: int, queue: mp.SimpleQueue) -> None:  # type: ignore[type-arg]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    result = _bench_world(WORLDS[world])
+    if rank == 0:
+        queue.put(result)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _run_world(world: int) -> dict[str, Any]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    queue = mp.get_context("spawn").SimpleQueue()
+    spawn: Any = mp.start_processes  # type: ignore[attr-defined]
+    spawn(_worker, args=(world, port, queue), nprocs=world, start_method="spawn")
+    result: dict[str, Any] = queue.get()
+    return result
+
+
+# ---------------------------------------------------------------------------------------------
+# Report
+# ---------------------------------------------------------------------------------------------
+
+
+def _table(results: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:
+    header = (
+        f"{'layout':<10}{'hp ms':>8}{'torch ms':>10}{'hp/torch':>10}{'hp/DDP':>8}"
+        f"{'torch/DDP':>10}{'hp MiB':>8}{'torch MiB':>10}{'hp/torch':>9}"
+        f"{'copies hp/torch':>16}  collectives hp | torch"
+    )
+    print(header)
+    print("-" * len(header))
+    rows = []
+    for world, result in results.items():
+        by = {(r["layout"], r["impl"]): r for r in result["rows"]}
+        ddp = by[(f"DDP w{world}", "ddp")]
+        for layout in dict.fromkeys(r["layout"] for r in result["rows"] if r["impl"] != "ddp"):
+            hp, theirs = by[(layout, "hp")], by[(layout, "torch")]
+            row = {
+                "layout": layout,
+                "world": world,
+                "hp_ms": hp["ms"],
+                "torch_ms": theirs["ms"],
+                "ddp_ms": ddp["ms"],
+                "hp_vs_torch": hp["ms"] / theirs["ms"],
+                "hp_vs_ddp": hp["ms"] / ddp["ms"],
+                "torch_vs_ddp": theirs["ms"] / ddp["ms"],
+                "hp_ms_min": hp["ms_min"],
+                "torch_ms_min": theirs["ms_min"],
+                "hp_peak_mib": hp["peak_mib"],
+                "torch_peak_mib": theirs["peak_mib"],
+                "ddp_peak_mib": ddp["peak_mib"],
+                "hp_rest_mib": hp["rest_mib"],
+                "torch_rest_mib": theirs["rest_mib"],
+                "ddp_rest_mib": ddp["rest_mib"],
+                "peak_hp_vs_torch": hp["peak_mib"] / theirs["peak_mib"],
+                "copies_hp": hp["copies"],
+                "copies_torch": theirs["copies"],
+                "copies_ddp": ddp["copies"],
+                "collectives_hp": hp["collectives"],
+                "collectives_torch": theirs["collectives"],
+                "collectives_ddp": ddp["collectives"],
+            }
+            rows.append(row)
+            copies = f"{hp['copies']}/{theirs['copies']}"
+            print(
+                f"{layout:<10}{hp['ms']:>8.1f}{theirs['ms']:>10.1f}{row['hp_vs_torch']:>10.3f}"
+                f"{row['hp_vs_ddp']:>8.2f}{row['torch_vs_ddp']:>10.2f}{hp['peak_mib']:>8.1f}"
+                f"{theirs['peak_mib']:>10.1f}{row['peak_hp_vs_torch']:>9.2f}"
+                f"{copies:>16}  "
+                f"{_short(hp['collectives'])} | {_short(theirs['collectives'])}"
+            )
+        print(
+            f"{f'DDP w{world}':<10}{'':>8}{'':>10}{'':>10}{ddp['ms']:>8.1f}{'ms':>10}"
+            f"{'':>8}{ddp['peak_mib']:>10.1f}{'MiB':>9}{ddp['copies']:>16}  "
+            f"{_short(ddp['collectives'])}"
+        )
+    print(
+        "ms: median over rounds of the mean step time (forward + backward + AdamW); hp/DDP and "
+        f"torch/DDP: against DDP on the same world; MiB: peak during a step ({MEMORY_MEASURE}, "
+        "rank 0); copies: copy kernels per step, model's own included; collectives per step "
+        "(kind x group size)"
+    )
+    return rows
+
+
+def _short(collectives: dict[str, int]) -> str:
+    abbreviations = {"all_gather": "AG", "reduce_scatter": "RS", "all_reduce": "AR"}
+    parts = []
+    for key, calls in collectives.items():
+        kind, size = key.split("/")
+        parts.append(f"{calls}{abbreviations.get(kind, kind)}{size}")
+    return " ".join(parts)
+
+
+PREFETCH = "--prefetch" in sys.argv
+
+
+def main() -> None:
+    started = time.perf_counter()
+    results = {world: _run_world(world) for world in WORLDS}
+    c = CONFIG
+    print(
+        f"machine: {platform.node()} {platform.machine()} {os.cpu_count()} cpus, "
+        f"torch {torch.__version__}, gloo ranks with 1 thread each; Llama dim {c.dim}, "
+        f"{c.n_layers} layers, ffn {c.ffn_dim}, vocab {c.vocab_size}; batch {LOCAL_BATCH}x{SEQ} "
+        f"per rank; {ROUNDS} interleaved rounds of {STEPS} steps"
+    )
+    rows = _table(results)
+    print(f"wall {time.perf_counter() - started:.0f} s")
+    print(
+        json.dumps(
+            {
+                "benchmark": "fsdp_step",
+                "machine": platform.node(),
+                "torch": torch.__version__,
+                "memory_measure": MEMORY_MEASURE,
+                "hp_prefetch": PREFETCH,
+                "config": {
+                    "dim": c.dim,
+                    "n_layers": c.n_layers,
+                    "ffn_dim": c.ffn_dim,
+                    "vocab_size": c.vocab_size,
+                    "local_batch": LOCAL_BATCH,
+                    "seq": SEQ,
+                },
+                "first_loss": {w: r["first_loss"] for w, r in results.items()},
+                "warmup_loss_spread": {w: r["warmup_loss_spread"] for w, r in results.items()},
+                "rows": rows,
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
