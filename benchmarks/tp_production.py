@@ -102,25 +102,10 @@ SIZES = (
 
 def _ours(config: LlamaConfig) -> nn.Module:
     from hp_dtensor import DeviceMesh
-    from hp_dtensor.parallel import (
-        ColwiseParallel,
-        ParallelStyle,
-        RowwiseParallel,
-        parallelize_module,
-    )
-    from hp_layout import Mesh, Replicate
+    from hp_dtensor.parallel import parallelize_module, transformer_tp_plan
+    from hp_layout import Mesh
 
-    plan: dict[str, ParallelStyle] = {
-        "tok_embeddings": RowwiseParallel(input_layouts=Replicate()),
-        "layers.*.attn.q_proj": ColwiseParallel(),
-        "layers.*.attn.k_proj": ColwiseParallel(),
-        "layers.*.attn.v_proj": ColwiseParallel(),
-        "layers.*.attn.o_proj": RowwiseParallel(),
-        "layers.*.ffn.w1": ColwiseParallel(),
-        "layers.*.ffn.w3": ColwiseParallel(),
-        "layers.*.ffn.w2": RowwiseParallel(),
-        "output": ColwiseParallel(output_layouts=Replicate()),
-    }
+    plan = transformer_tp_plan()
     mesh = DeviceMesh("cpu", Mesh((WORLD,), ("tp",)))
     torch.manual_seed(0)
     return parallelize_module(Llama(config), mesh, plan, mode="production", tp_axis="tp")

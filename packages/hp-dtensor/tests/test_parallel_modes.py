@@ -21,14 +21,13 @@ from hp_dtensor.parallel import (
     ParallelStyle,
     PlanError,
     PlanMismatchError,
-    PrepareModuleInput,
     PrepareModuleOutput,
     RowwiseParallel,
-    SequenceParallel,
     ShardingPlan,
     loss_parallel,
     parallelize_module,
     resolve_plan,
+    transformer_tp_plan,
 )
 from hp_dtensor.parallel.equivalence import EquivalenceReport, assert_equivalent
 from hp_layout import Mesh, Replicate, Shard
@@ -41,42 +40,11 @@ DROPOUT_CONFIG = dataclasses.replace(CONFIG, dropout=0.1)
 
 
 def tp_plan() -> dict[str, ParallelStyle]:
-    return {
-        "tok_embeddings": RowwiseParallel(input_layouts=Replicate()),
-        "layers.*.attn.q_proj": ColwiseParallel(),
-        "layers.*.attn.k_proj": ColwiseParallel(),
-        "layers.*.attn.v_proj": ColwiseParallel(),
-        "layers.*.attn.o_proj": RowwiseParallel(),
-        "layers.*.ffn.w1": ColwiseParallel(),
-        "layers.*.ffn.w3": ColwiseParallel(),
-        "layers.*.ffn.w2": RowwiseParallel(),
-        "output": ColwiseParallel(output_layouts=Replicate()),
-    }
+    return transformer_tp_plan()
 
 
 def sp_plan() -> dict[str, ParallelStyle]:
-    return {
-        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-        "layers.*.attn_norm": SequenceParallel(),
-        "layers.*.attn": PrepareModuleInput(
-            input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)
-        ),
-        "layers.*.attn.q_proj": ColwiseParallel(),
-        "layers.*.attn.k_proj": ColwiseParallel(),
-        "layers.*.attn.v_proj": ColwiseParallel(),
-        "layers.*.attn.o_proj": RowwiseParallel(output_layouts=Shard(1)),
-        "layers.*.ffn_norm": SequenceParallel(),
-        "layers.*.ffn": PrepareModuleInput(
-            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
-        ),
-        "layers.*.ffn.w1": ColwiseParallel(),
-        "layers.*.ffn.w3": ColwiseParallel(),
-        "layers.*.ffn.w2": RowwiseParallel(output_layouts=Shard(1)),
-        "layers.*.attn_dropout": SequenceParallel(),
-        "layers.*.ffn_dropout": SequenceParallel(),
-        "norm": SequenceParallel(),
-        "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
-    }
+    return transformer_tp_plan(sequence_parallel=True)
 
 
 def _batches(batch: int, seq: int, steps: int = 3) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -117,7 +85,7 @@ def _run(plan_name: str, mode: str, mesh_shape: tuple[int, ...]) -> EquivalenceR
     parallel_loss = None
     if plan_name == "tp_loss_parallel":
         # Keep the logits sharded on the vocabulary: the loss is computed vocab-parallel.
-        plan["output"] = ColwiseParallel()
+        plan = transformer_tp_plan(vocab_parallel_logits=True)
         parallel_loss = _vocab_parallel_loss(mesh, mode)
     # Data parallelism draws dropout per replica batch: single-device equality needs no dropout.
     single_axis = len(mesh_shape) == 1

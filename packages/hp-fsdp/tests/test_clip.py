@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hp_dtensor import DeviceMesh, layout_of, redistribute_local
-from hp_dtensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from hp_dtensor.parallel import ParallelStyle, parallelize_module, transformer_tp_plan
 from hp_fsdp import fully_shard
 from hp_fsdp.clip import clip_grad_norm_
 from hp_fsdp.state_dict import fsdp_params
@@ -38,18 +38,8 @@ def _net() -> nn.Sequential:
     )
 
 
-def _tp_plan() -> dict[str, ColwiseParallel | RowwiseParallel]:
-    return {
-        "tok_embeddings": RowwiseParallel(input_layouts=Replicate()),
-        "layers.*.attn.q_proj": ColwiseParallel(),
-        "layers.*.attn.k_proj": ColwiseParallel(),
-        "layers.*.attn.v_proj": ColwiseParallel(),
-        "layers.*.attn.o_proj": RowwiseParallel(),
-        "layers.*.ffn.w1": ColwiseParallel(),
-        "layers.*.ffn.w3": ColwiseParallel(),
-        "layers.*.ffn.w2": RowwiseParallel(),
-        "output": ColwiseParallel(output_layouts=Replicate()),
-    }
+def _tp_plan() -> dict[str, ParallelStyle]:
+    return transformer_tp_plan()
 
 
 def _setup(kind: str) -> tuple[nn.Module, nn.Module, int, int]:

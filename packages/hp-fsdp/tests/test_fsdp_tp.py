@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hp_dtensor import DeviceMesh, DTensor
-from hp_dtensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from hp_dtensor.parallel import ParallelStyle, parallelize_module, transformer_tp_plan
 from hp_dtensor.parallel.equivalence import full_value
 from hp_dtensor.parallel.validation import check_gradients
 from hp_fsdp import fully_shard
@@ -21,18 +21,8 @@ from hp_testing.llama import Llama, LlamaConfig
 CONFIG = LlamaConfig(vocab_size=30, dim=16, n_layers=2, n_heads=4, ffn_dim=24, max_seq_len=8)
 
 
-def _tp_plan() -> dict[str, ColwiseParallel | RowwiseParallel]:
-    return {
-        "tok_embeddings": RowwiseParallel(input_layouts=Replicate()),
-        "layers.*.attn.q_proj": ColwiseParallel(),
-        "layers.*.attn.k_proj": ColwiseParallel(),
-        "layers.*.attn.v_proj": ColwiseParallel(),
-        "layers.*.attn.o_proj": RowwiseParallel(),
-        "layers.*.ffn.w1": ColwiseParallel(),
-        "layers.*.ffn.w3": ColwiseParallel(),
-        "layers.*.ffn.w2": RowwiseParallel(),
-        "output": ColwiseParallel(output_layouts=Replicate()),
-    }
+def _tp_plan() -> dict[str, ParallelStyle]:
+    return transformer_tp_plan()
 
 
 def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

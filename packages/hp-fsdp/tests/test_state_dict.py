@@ -21,10 +21,10 @@ from torch.distributed.tensor import Shard as TorchShard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from hp_dtensor import DeviceMesh
-from hp_dtensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from hp_dtensor.parallel import ParallelStyle, parallelize_module, transformer_tp_plan
 from hp_fsdp import fully_shard
 from hp_fsdp.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
-from hp_layout import Mesh, Replicate
+from hp_layout import Mesh
 from hp_testing import run_on_ranks
 from hp_testing.llama import Llama, LlamaConfig
 
@@ -201,18 +201,8 @@ def _load_run(paths: dict[str, str]) -> dict[str, Any]:
 # FSDP x TP ----------------------------------------------------------------------------------
 
 
-def _tp_plan() -> dict[str, ColwiseParallel | RowwiseParallel]:
-    return {
-        "tok_embeddings": RowwiseParallel(input_layouts=Replicate()),
-        "layers.*.attn.q_proj": ColwiseParallel(),
-        "layers.*.attn.k_proj": ColwiseParallel(),
-        "layers.*.attn.v_proj": ColwiseParallel(),
-        "layers.*.attn.o_proj": RowwiseParallel(),
-        "layers.*.ffn.w1": ColwiseParallel(),
-        "layers.*.ffn.w3": ColwiseParallel(),
-        "layers.*.ffn.w2": RowwiseParallel(),
-        "output": ColwiseParallel(output_layouts=Replicate()),
-    }
+def _tp_plan() -> dict[str, ParallelStyle]:
+    return transformer_tp_plan()
 
 
 def _llama(seed: int, tp: bool) -> Llama:

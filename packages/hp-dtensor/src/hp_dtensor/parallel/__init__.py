@@ -11,6 +11,7 @@ from hp_dtensor.parallel.api import Mode, parallelize_module
 from hp_dtensor.parallel.init import MaterializeError, materialize
 from hp_dtensor.parallel.loss import GradConvention, loss_parallel, vocab_parallel_cross_entropy
 from hp_dtensor.parallel.plan import Boundary, PlanError, ShardingPlan, resolve_plan
+from hp_dtensor.parallel.plans import TransformerNames, transformer_tp_plan
 from hp_dtensor.parallel.random import (
     DropoutVariant,
     distributed_dropout,
@@ -43,6 +44,7 @@ __all__ = [
     "RowwiseParallel",
     "SequenceParallel",
     "ShardingPlan",
+    "TransformerNames",
     "check_gradients",
     "distributed_dropout",
     "loss_parallel",
@@ -52,5 +54,6 @@ __all__ = [
     "random_region",
     "resolve_plan",
     "take_region",
+    "transformer_tp_plan",
     "vocab_parallel_cross_entropy",
 ]
