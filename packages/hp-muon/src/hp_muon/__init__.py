@@ -1,0 +1,35 @@
+"""hp_muon: layout-driven distributed Muon, usable with any sharder.
+
+``Muon`` computes ``torch.optim.Muon``'s update; across ranks, each matrix is orthogonalized
+exactly once by an owner chosen from the parameters' layouts (``hp_dtensor.layout_of``), with
+pieces gathered and results scattered in one bf16 all-to-all each way per bucket.
+"""
+
+from hp_muon.chained import ChainedOptimizer, ParamSplit, muon_with_adamw, split_params
+from hp_muon.coefficients import KELLER, PRESETS, coefficient_schedule
+from hp_muon.muon import Muon, MuonStepStats, adjusted_lr
+from hp_muon.newton_schulz import orthogonalize, orthogonalize_batch, orthogonalize_many
+from hp_muon.plan import MatrixTensor, MuonPlan, PlanError, plan_muon_step
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "KELLER",
+    "PRESETS",
+    "ChainedOptimizer",
+    "MatrixTensor",
+    "Muon",
+    "MuonPlan",
+    "MuonStepStats",
+    "ParamSplit",
+    "PlanError",
+    "__version__",
+    "adjusted_lr",
+    "coefficient_schedule",
+    "muon_with_adamw",
+    "orthogonalize",
+    "orthogonalize_batch",
+    "orthogonalize_many",
+    "plan_muon_step",
+    "split_params",
+]

@@ -1,0 +1,413 @@
+"""``Muon``: torch.optim.Muon's update, distributed by the parameters' layouts.
+
+Per parameter (its local data only): ``buf.lerp_(grad, 1 - momentum)``; the Newton-Schulz input
+is ``grad.lerp(buf, momentum)`` with Nesterov, else ``buf``; after orthogonalization,
+``param.mul_(1 - lr * weight_decay)`` and ``param.add_(update, alpha=-adjusted_lr)``. Those are
+elementwise, so they run on each rank's shard exactly as they would on the whole tensor.
+
+Newton-Schulz needs whole matrices. The step plans (:mod:`hp_muon.plan`) one owner per matrix
+from the layouts, gathers each matrix to its owner in bf16, orthogonalizes it there (same-shape
+matrices batched), and sends every holder its part of the result (:mod:`hp_muon.exchange`).
+Parameters whose layout spans one rank (plain tensors) are orthogonalized where they are.
+
+Momentum lives with the gradient: sharded exactly like the parameter. The EMA is elementwise,
+so it needs no communication there; it takes ``1/N`` of the memory of a whole-matrix buffer;
+and the state dict is laid out like the parameters, which is what
+``torch.distributed.checkpoint`` reshards. Keeping it on the owner instead would save nothing
+on the wire (the owner needs the gradient pieces every step anyway) and would tie the state to
+the owner assignment.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+from torch.optim.optimizer import Optimizer, ParamsT
+
+from hp_layout import Mesh
+from hp_muon.coefficients import KELLER, Coefficients, CoefficientSpec, coefficient_schedule
+from hp_muon.exchange import ExchangeStats, piece_view, run_program
+from hp_muon.newton_schulz import orthogonalize_many
+from hp_muon.plan import MatrixTensor, MuonPlan, RankProgram, plan_muon_step, rank_program
+from hp_muon.tensors import global_shape, like_param, local_data, local_grad, planning_layout
+
+__all__ = ["Muon", "MuonStepStats", "adjusted_lr"]
+
+_ADJUST_LR_FNS = ("original", "match_rms_adamw")
+_MOMENTUM = "momentum_buffer"
+
+
+def adjusted_lr(lr: float, adjust_lr_fn: str | None, rows: int, cols: int) -> float:
+    """The learning rate applied to a ``rows x cols`` orthogonalized update.
+
+    ``"original"`` (or ``None``): ``lr * sqrt(max(1, rows / cols))`` (Keller Jordan);
+    ``"match_rms_adamw"``: ``lr * 0.2 * sqrt(max(rows, cols))`` (Moonshot, arXiv 2502.16982),
+    so that the update's RMS matches AdamW's and AdamW's lr and weight decay carry over.
+    """
+    if adjust_lr_fn is None or adjust_lr_fn == "original":
+        return lr * math.sqrt(max(1, rows / cols))
+    if adjust_lr_fn == "match_rms_adamw":
+        return lr * 0.2 * math.sqrt(max(rows, cols))
+    raise ValueError(f"adjust_lr_fn must be one of {_ADJUST_LR_FNS} or None, got {adjust_lr_fn!r}")
+
+
+@dataclass(frozen=True)
+class MuonStepStats:
+    """What this rank did in the last step (sum over ranks for the whole step).
+
+    Attributes:
+        matrices: matrices in the step (the same on every rank that holds them all).
+        orthogonalized: matrices this rank orthogonalized.
+        elements_sent: elements this rank sent to other ranks.
+        bytes_sent: bytes this rank sent to other ranks.
+        collectives: all-to-all calls this rank issued.
+    """
+
+    matrices: int
+    orthogonalized: int
+    elements_sent: int
+    bytes_sent: int
+    collectives: int
+
+
+@dataclass
+class _Entry:
+    param: torch.Tensor
+    update: torch.Tensor  # flat bf16 local Newton-Schulz input
+    spec: MatrixTensor
+    settings: tuple[tuple[Coefficients, ...], float]
+    lr: float
+    weight_decay: float
+    adjust_lr_fn: str | None
+
+
+@dataclass(frozen=True)
+class _Prepared:
+    plan: MuonPlan
+    program: RankProgram
+
+
+def _scalar(value: float | torch.Tensor) -> float:
+    return float(value.item()) if isinstance(value, torch.Tensor) else float(value)
+
+
+def _row_blocks(option: int | Sequence[int] | None, shape: Sequence[int]) -> tuple[int, ...] | None:
+    if option is None:
+        return None
+    rows = shape[-2]
+    if isinstance(option, int) and not isinstance(option, bool):
+        if option <= 0 or rows % option:
+            raise ValueError(
+                f"row_blocks={option}: a block size must be positive and divide the {rows} rows "
+                f"of each matrix of a parameter of shape {tuple(shape)}"
+            )
+        return (option,) * (rows // option)
+    blocks = tuple(int(b) for b in option)
+    if any(b <= 0 for b in blocks) or sum(blocks) != rows:
+        raise ValueError(
+            f"row_blocks={blocks} must be positive sizes summing to the {rows} rows of each "
+            f"matrix of a parameter of shape {tuple(shape)}"
+        )
+    return blocks
+
+
+class Muon(Optimizer):
+    """Muon (momentum orthogonalized by Newton-Schulz) for parameters of any layout.
+
+    On one device it computes exactly what ``torch.optim.Muon`` computes (bit for bit; see
+    :mod:`hp_muon.newton_schulz` for batched runs). On several ranks, each matrix is
+    orthogonalized once, by one owner, and every rank updates its own shard.
+
+    Args:
+        params: parameters (at least 2-D; a parameter with more dims is a batch of matrices
+            over its last two dims, e.g. MoE experts ``[E, out, in]``) or parameter groups.
+            Optimize 1-D parameters, embeddings and usually the LM head with AdamW
+            (:func:`hp_muon.split_params`, :class:`hp_muon.ChainedOptimizer`).
+        lr: learning rate (float or 1-element tensor).
+        weight_decay: decoupled weight decay, applied with the unadjusted ``lr``.
+        momentum: EMA momentum factor.
+        nesterov: use ``grad.lerp(buf, momentum)`` as the Newton-Schulz input.
+        ns_coefficients: ``(a, b, c)`` for every step, a sequence of them (one per step, the
+            last repeating), or a preset name (:data:`hp_muon.PRESETS`).
+        eps: lower clamp of the Frobenius norm the input is divided by.
+        ns_steps: Newton-Schulz steps (fewer than 100).
+        adjust_lr_fn: ``None``/``"original"`` or ``"match_rms_adamw"`` (see :func:`adjusted_lr`);
+            computed from each matrix's own shape.
+        row_blocks: (also a per-group option) cut each matrix's rows into blocks orthogonalized
+            separately: an int (block size, e.g. a head's rows) or a tuple of sizes (a fused
+            QKV weight's Q, K and V rows). ``None``: whole matrices.
+        process_group: the group carrying the exchanges; it must contain every rank of every
+            parameter's mesh. Default: the default (world) group.
+        replicate_group: take plain (layout-less) parameters as replicated over this group,
+            as under DDP: each matrix is orthogonalized by one rank of it and broadcast in the
+            scatter. ``None``: plain parameters are orthogonalized on every rank.
+        bucket_cap_mb: size of the matrices in one exchange bucket (bf16 MiB).
+        fuse_shapes: batch same-shape matrices (and transposed shapes) in one Newton-Schulz
+            run on each owner.
+
+    Raises:
+        ValueError: as ``torch.optim.Muon`` for a bad ``lr``, ``momentum``, ``weight_decay`` or
+            ``adjust_lr_fn``, or a parameter with fewer than 2 dims; and for bad
+            ``row_blocks`` or ``bucket_cap_mb``. At :meth:`step`, for ``ns_steps >= 100`` or bad
+            ``ns_coefficients`` (``ValueError``), complex parameters and sparse gradients
+            (``RuntimeError``), as torch does.
+    """
+
+    def __init__(
+        self,
+        params: ParamsT,
+        lr: float | torch.Tensor = 1e-3,
+        weight_decay: float = 0.1,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        ns_coefficients: CoefficientSpec = KELLER,
+        eps: float = 1e-7,
+        ns_steps: int = 5,
+        adjust_lr_fn: str | None = None,
+        *,
+        row_blocks: int | Sequence[int] | None = None,
+        process_group: dist.ProcessGroup | None = None,
+        replicate_group: dist.ProcessGroup | None = None,
+        bucket_cap_mb: float = 32.0,
+        fuse_shapes: bool = True,
+    ) -> None:
+        if isinstance(lr, torch.Tensor) and lr.numel() != 1:
+            raise ValueError(f"a tensor lr must have exactly 1 element, got {lr.numel()}")
+        if not 0.0 <= lr:
+            raise ValueError(f"lr must be >= 0, got {lr}")
+        if not 0.0 <= momentum:
+            raise ValueError(f"momentum must be >= 0, got {momentum}")
+        if not 0.0 <= weight_decay:
+            raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
+        if adjust_lr_fn is not None and adjust_lr_fn not in _ADJUST_LR_FNS:
+            raise ValueError(
+                f"adjust_lr_fn={adjust_lr_fn!r} is not supported; use one of {_ADJUST_LR_FNS} "
+                "or None"
+            )
+        if not bucket_cap_mb > 0:
+            raise ValueError(f"bucket_cap_mb must be positive, got {bucket_cap_mb}")
+        defaults: dict[str, Any] = {
+            "lr": lr,
+            "weight_decay": weight_decay,
+            "momentum": momentum,
+            "nesterov": nesterov,
+            "ns_coefficients": ns_coefficients,
+            "eps": eps,
+            "ns_steps": ns_steps,
+            "adjust_lr_fn": adjust_lr_fn,
+            "row_blocks": row_blocks,
+        }
+        self._process_group = process_group
+        self._replicate_group = replicate_group
+        self._replicas: Mesh | None = None
+        self._bucket_numel = max(1, int(bucket_cap_mb * 2**20) // 2)
+        self._fuse = fuse_shapes
+        self._prepared: dict[tuple[Any, ...], _Prepared] = {}
+        self.last_step_stats: MuonStepStats | None = None
+        super().__init__(params, defaults)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group (checked: every parameter at least 2-D, row blocks fitting)."""
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        for p in group["params"]:
+            shape = global_shape(p)
+            if len(shape) < 2:
+                raise ValueError(
+                    f"Muon optimizes matrices (2-D or more) but a parameter has shape "
+                    f"{shape}; optimize it with AdamW (see hp_muon.split_params)"
+                )
+            _row_blocks(group.get("row_blocks"), shape)
+
+    # Step ---------------------------------------------------------------------------------------
+
+    def _replica_mesh(self) -> Mesh | None:
+        if self._replicate_group is None:
+            return None
+        if self._replicas is None:
+            ranks = tuple(dist.get_process_group_ranks(self._replicate_group))
+            self._replicas = Mesh((len(ranks),), ("replicate",), ranks)
+        return self._replicas
+
+    def _collect(self) -> list[_Entry]:
+        replicas = self._replica_mesh()
+        entries: list[_Entry] = []
+        index = 0
+        for group in self.param_groups:
+            schedule = coefficient_schedule(group["ns_coefficients"], group["ns_steps"])
+            settings = (schedule, float(group["eps"]))
+            momentum, nesterov = group["momentum"], group["nesterov"]
+            with_grad: list[tuple[int, torch.Tensor, torch.Tensor]] = []
+            for p in group["params"]:
+                index += 1
+                if p.grad is None:
+                    continue
+                if torch.is_complex(p):
+                    raise RuntimeError(f"parameter {index - 1}: Muon does not support complex "
+                                       "parameters")
+                if p.grad.is_sparse:
+                    raise RuntimeError(f"parameter {index - 1}: Muon does not support sparse "
+                                       "gradients")
+                with_grad.append((index - 1, p, local_grad(p, index - 1)))
+            for i, p, grad in with_grad:
+                state = self.state[p]
+                if _MOMENTUM not in state:
+                    state[_MOMENTUM] = like_param(p, torch.zeros_like(grad))
+                buf = local_data(state[_MOMENTUM])
+                if buf.shape != grad.shape:
+                    raise ValueError(
+                        f"parameter {i}: momentum buffer of local shape {tuple(buf.shape)} does "
+                        f"not match its local gradient {tuple(grad.shape)} (state loaded for "
+                        "another layout? load optimizer state through a sharded state dict)"
+                    )
+                buf.lerp_(grad, 1 - momentum)
+                update = grad.lerp(buf, momentum) if nesterov else buf
+                entries.append(
+                    _Entry(
+                        param=p,
+                        update=update.bfloat16().reshape(-1),
+                        spec=MatrixTensor(
+                            planning_layout(p, replicas),
+                            _row_blocks(group.get("row_blocks"), global_shape(p)),
+                        ),
+                        settings=settings,
+                        lr=_scalar(group["lr"]),
+                        weight_decay=float(group["weight_decay"]),
+                        adjust_lr_fn=group["adjust_lr_fn"],
+                    )
+                )
+        return entries
+
+    def _prepare(
+        self, specs: Sequence[MatrixTensor], rank: int, group_ranks: tuple[int, ...], bucket: int
+    ) -> _Prepared:
+        key = (tuple(specs), rank, group_ranks, bucket)
+        prepared = self._prepared.get(key)
+        if prepared is None:
+            plan = plan_muon_step(specs, bucket_numel=bucket)
+            prepared = _Prepared(plan, rank_program(plan, rank, group_ranks))
+            if len(self._prepared) > 8:  # layouts changed (resharding): forget old plans
+                self._prepared.clear()
+            self._prepared[key] = prepared
+        return prepared
+
+    def _orthogonalizer(
+        self, plan: MuonPlan, entries: Sequence[_Entry]
+    ) -> Callable[[Sequence[int], Sequence[torch.Tensor]], list[torch.Tensor]]:
+        def run(jobs: Sequence[int], matrices: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+            by_settings: dict[tuple[tuple[Coefficients, ...], float], list[int]] = {}
+            for k, j in enumerate(jobs):
+                by_settings.setdefault(entries[plan.jobs[j].tensor].settings, []).append(k)
+            out: list[torch.Tensor | None] = [None] * len(jobs)
+            for (schedule, eps), members in by_settings.items():
+                results = orthogonalize_many(
+                    [matrices[k] for k in members], schedule, eps, fuse=self._fuse
+                )
+                for k, r in zip(members, results, strict=True):
+                    out[k] = r
+            return [cast(torch.Tensor, o) for o in out]
+
+        return run
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        """One Muon step over every parameter with a gradient (collective over the ranks of
+        distributed parameters: every rank of ``process_group`` must call it)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        entries = self._collect()
+        me = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        spread = [e for e in entries if e.spec.layout.mesh.size > 1]
+        local = [e for e in entries if e.spec.layout.mesh.size == 1]
+        outputs: dict[int, torch.Tensor] = {
+            id(e): torch.empty(e.update.numel(), dtype=torch.bfloat16, device=e.update.device)
+            for e in entries
+        }
+        stats: list[ExchangeStats] = []
+
+        def run_local() -> None:
+            if not local:
+                return
+            prepared = self._prepare([e.spec for e in local], me, (me,), 2**62)
+            stats.append(
+                run_program(
+                    prepared.program,
+                    prepared.plan,
+                    [e.update for e in local],
+                    [outputs[id(e)] for e in local],
+                    self._orthogonalizer(prepared.plan, local),
+                    group=None,
+                )
+            )
+
+        prepared_by_entries: list[tuple[Sequence[_Entry], _Prepared]] = []
+        if spread:
+            group = self._process_group or dist.group.WORLD
+            group_ranks = tuple(dist.get_process_group_ranks(group))
+            prepared = self._prepare([e.spec for e in spread], me, group_ranks, self._bucket_numel)
+            prepared_by_entries.append((spread, prepared))
+            stats.append(
+                run_program(
+                    prepared.program,
+                    prepared.plan,
+                    [e.update for e in spread],
+                    [outputs[id(e)] for e in spread],
+                    self._orthogonalizer(prepared.plan, spread),
+                    group=group,
+                    while_first_gather=run_local,
+                )
+            )
+        else:
+            run_local()
+        if local:
+            prepared_by_entries.append(
+                (local, self._prepare([e.spec for e in local], me, (me,), 2**62))
+            )
+        for group_entries, prep in prepared_by_entries:
+            self._apply(group_entries, prep.plan, outputs, me)
+        self.last_step_stats = MuonStepStats(
+            matrices=sum(len(p.plan.jobs) for _, p in prepared_by_entries),
+            orthogonalized=sum(s.orthogonalized for s in stats),
+            elements_sent=sum(s.elements_sent for s in stats),
+            bytes_sent=sum(s.bytes_sent for s in stats),
+            collectives=sum(s.collectives for s in stats),
+        )
+        return loss
+
+    def _apply(
+        self, entries: Sequence[_Entry], plan: MuonPlan, outputs: dict[int, torch.Tensor], me: int
+    ) -> None:
+        jobs_of: dict[int, list[int]] = {}
+        for j, job in enumerate(plan.jobs):
+            jobs_of.setdefault(job.tensor, []).append(j)
+        for t, entry in enumerate(entries):
+            param = local_data(entry.param)
+            update = outputs[id(entry)]
+            param.mul_(1 - entry.lr * entry.weight_decay)
+            shapes = {plan.jobs[j].shape for j in jobs_of.get(t, [])}
+            if len(shapes) <= 1:
+                rows, cols = shapes.pop() if shapes else (1, 1)
+                rate = adjusted_lr(entry.lr, entry.adjust_lr_fn, rows, cols)
+                param.add_(update.view(param.shape), alpha=-rate)
+                continue
+            # Row blocks of different shapes: each block has its own adjusted lr.
+            if not param.is_contiguous():
+                raise ValueError(
+                    "row blocks of different sizes need a contiguous local parameter to update "
+                    f"block by block; parameter {t} has strides {param.stride()}"
+                )
+            flat = param.view(-1)
+            for j in jobs_of[t]:
+                job = plan.jobs[j]
+                rate = adjusted_lr(entry.lr, entry.adjust_lr_fn, *job.shape)
+                for piece in job.targets:
+                    if piece.rank == me:
+                        piece_view(flat, piece).add_(piece_view(update, piece), alpha=-rate)
+
