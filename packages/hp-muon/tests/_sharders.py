@@ -22,7 +22,7 @@ from torch.distributed.tensor import distribute_tensor as torch_distribute
 
 import hp_dtensor
 from hp_dtensor import annotate_layout, layout_of
-from hp_layout import Layout, Mesh, Replicate, Shard, plan_flat_buffer
+from hp_layout import Layout, Mesh, Shard, plan_flat_buffer
 
 
 @dataclass(frozen=True)
@@ -71,8 +71,11 @@ def _full_from_pieces(local: torch.Tensor, layout: Layout) -> torch.Tensor:
     return out
 
 
-def _torch(placements_for: Callable[[int, torch.Tensor], list[object]], mesh_shape: tuple[int, ...],
-           names: tuple[str, ...]) -> tuple[Callable[..., list[nn.Parameter]], Callable[..., torch.Tensor]]:
+def _torch(
+    placements_for: Callable[[int, torch.Tensor], list[object]],
+    mesh_shape: tuple[int, ...],
+    names: tuple[str, ...],
+) -> tuple[Callable[..., list[nn.Parameter]], Callable[..., torch.Tensor]]:
     def make(fulls: Sequence[torch.Tensor]) -> list[nn.Parameter]:
         mesh = torch_mesh("cpu", mesh_shape, mesh_dim_names=names)
         return [
@@ -92,7 +95,9 @@ def _torch_full(p: nn.Parameter) -> torch.Tensor:
     return p.full_tensor()
 
 
-def _annotated(layout_for: Callable[[Sequence[torch.Tensor]], list[Layout]]) -> tuple[
+def _annotated(
+    layout_for: Callable[[Sequence[torch.Tensor]], list[Layout]],
+) -> tuple[
     Callable[..., list[nn.Parameter]], Callable[..., torch.Tensor], Callable[..., torch.Tensor]
 ]:
     def make(fulls: Sequence[torch.Tensor]) -> list[nn.Parameter]:
@@ -169,10 +174,12 @@ def sharders(world: int) -> list[Sharder]:
     flat_make, flat_grad, flat_full = _annotated(_flat_layouts)
     prod_make, prod_grad, prod_full = _annotated(_row_col_layouts)
     out = [
-        Sharder("plain", _plain_make, lambda p, g: g.clone(), lambda p: p.detach().clone(),
-                _no_kwargs),
-        Sharder("ddp", _plain_make, lambda p, g: g.clone(), lambda p: p.detach().clone(),
-                _ddp_kwargs),
+        Sharder(
+            "plain", _plain_make, lambda p, g: g.clone(), lambda p: p.detach().clone(), _no_kwargs
+        ),
+        Sharder(
+            "ddp", _plain_make, lambda p, g: g.clone(), lambda p: p.detach().clone(), _ddp_kwargs
+        ),
         Sharder("torch_fsdp2", fsdp2_make, fsdp2_grad, _torch_full, _no_kwargs),
         Sharder("torch_tp", tp_make, tp_grad, _torch_full, _no_kwargs),
         Sharder("hp_fsdp_flat", flat_make, flat_grad, flat_full, _no_kwargs),

@@ -26,10 +26,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from _sharders import matrices_in, sharders
 from hp_muon import Muon
 from hp_testing import run_on_ranks
-
-from _sharders import matrices_in, sharders
 
 SHAPES: tuple[tuple[int, ...], ...] = (
     (18, 8),  # 5, 5, 5, 3 rows over 4 ranks
@@ -49,9 +48,7 @@ BOUND = STEPS * 2**-7
 
 
 def _reference_params(fulls: list[torch.Tensor]) -> list[list[torch.nn.Parameter]]:
-    return [
-        [torch.nn.Parameter(m.clone()) for m in f.reshape(-1, *f.shape[-2:])] for f in fulls
-    ]
+    return [[torch.nn.Parameter(m.clone()) for m in f.reshape(-1, *f.shape[-2:])] for f in fulls]
 
 
 def _case(name: str, fuse: bool, adjust_lr_fn: str | None) -> dict[str, float]:
@@ -98,8 +95,17 @@ def _held_elements(name: str, world: int) -> int:
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize(
     "name",
-    ["plain", "ddp", "torch_fsdp2", "torch_tp", "hp_fsdp_flat", "hp_tp_production", "hp_dtensor",
-     "torch_hsdp", "torch_fsdp_x_tp"],
+    [
+        "plain",
+        "ddp",
+        "torch_fsdp2",
+        "torch_tp",
+        "hp_fsdp_flat",
+        "hp_tp_production",
+        "hp_dtensor",
+        "torch_hsdp",
+        "torch_fsdp_x_tp",
+    ],
 )
 def test_equal_to_single_device_torch_muon(name: str, world: int) -> None:
     if name in ("torch_hsdp", "torch_fsdp_x_tp") and world != 4:
@@ -108,7 +114,9 @@ def test_equal_to_single_device_torch_muon(name: str, world: int) -> None:
     fused = run_on_ranks(world, _case, name, True, "match_rms_adamw", timeout=120)
     adjusted = LR * 0.2 * math.sqrt(20)  # the largest adjusted lr among SHAPES
     worst = max(r["worst"] for r in fused)
-    print(f"{name} world {world}: fused max |hp - torch| = {worst:.3g} (bound {BOUND * adjusted:.3g})")
+    print(
+        f"{name} world {world}: fused max |hp - torch| = {worst:.3g} (bound {BOUND * adjusted:.3g})"
+    )
     assert worst <= BOUND * adjusted
     matrices = matrices_in(SHAPES)
     done = sum(int(r["orthogonalized"]) for r in results)

@@ -195,7 +195,7 @@ class ChainedOptimizer(Optimizer):
         for o in self.optimizers:
             o.zero_grad(set_to_none=set_to_none)
 
-    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:  # type: ignore[override]
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Load a state dict of this chain's format: its groups, in order, go back to the
         optimizers they came from.
 
@@ -215,8 +215,9 @@ class ChainedOptimizer(Optimizer):
             mine = groups[start : start + len(o.param_groups)]
             start += len(o.param_groups)
             ids = [i for g in mine for i in g["params"]]
-            o.load_state_dict({"state": {i: state[i] for i in ids if i in state},
-                               "param_groups": mine})
+            o.load_state_dict(
+                {"state": {i: state[i] for i in ids if i in state}, "param_groups": mine}
+            )
         # Each optimizer's load replaced its group dicts: chain the new ones (same list).
         self.param_groups[:] = [g for o in self.optimizers for g in o.param_groups]
 

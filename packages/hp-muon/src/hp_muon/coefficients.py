@@ -18,10 +18,10 @@ from typing import TypeAlias
 
 __all__ = [
     "KELLER",
-    "PRESETS",
-    "Coefficients",
-    "CoefficientSpec",
     "MAX_NS_STEPS",
+    "PRESETS",
+    "CoefficientSpec",
+    "Coefficients",
     "coefficient_schedule",
 ]
 

@@ -114,8 +114,9 @@ def run_program(
         nonlocal collectives
         parts = [piece_view(inputs[jobs[s.job].tensor], s.piece) for s in bucket.gather_sends]
         collectives += int(bucket.gather_exchange)
-        return _Pending(_pack(parts, dtype, device), bucket.gather_splits, group,
-                        bucket.gather_exchange)
+        return _Pending(
+            _pack(parts, dtype, device), bucket.gather_splits, group, bucket.gather_exchange
+        )
 
     def unpack_scatter(bucket: BucketProgram, pending: _Pending) -> None:
         recv = pending.wait()
@@ -135,8 +136,7 @@ def run_program(
         assert pending is not None
         recv = pending.wait()
         gathers[k] = None
-        matrices = {j: torch.empty(jobs[j].shape, dtype=dtype, device=device)
-                    for j in bucket.owned}
+        matrices = {j: torch.empty(jobs[j].shape, dtype=dtype, device=device) for j in bucket.owned}
         for j, piece in bucket.own_sources:
             _matrix_view(matrices[j], piece).copy_(
                 piece_view(inputs[jobs[j].tensor], piece).reshape(
@@ -147,14 +147,18 @@ def run_program(
             view = _matrix_view(matrices[r.job], r.piece)
             view.copy_(recv[r.offset : r.offset + r.piece.numel].view(view.shape))
         results = dict(
-            zip(bucket.owned, orthogonalize(bucket.owned, [matrices[j] for j in bucket.owned]),
-                strict=True)
+            zip(
+                bucket.owned,
+                orthogonalize(bucket.owned, [matrices[j] for j in bucket.owned]),
+                strict=True,
+            )
         )
         del matrices
         parts = [_matrix_view(results[s.job], s.piece) for s in bucket.scatter_sends]
         collectives += int(bucket.scatter_exchange)
-        scatter = _Pending(_pack(parts, dtype, device), bucket.scatter_splits, group,
-                           bucket.scatter_exchange)
+        scatter = _Pending(
+            _pack(parts, dtype, device), bucket.scatter_splits, group, bucket.scatter_exchange
+        )
         for j, piece in bucket.own_targets:
             target = piece_view(outputs[jobs[j].tensor], piece)
             target.copy_(_matrix_view(results[j], piece).reshape(target.shape))
@@ -170,4 +174,3 @@ def run_program(
         bytes_sent=sent * torch.finfo(dtype).bits // 8,
         collectives=collectives,
     )
-

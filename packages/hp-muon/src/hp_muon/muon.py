@@ -42,12 +42,15 @@ _ADJUST_LR_FNS = ("original", "match_rms_adamw")
 _MOMENTUM = "momentum_buffer"
 
 
-def adjusted_lr(lr: float, adjust_lr_fn: str | None, rows: int, cols: int) -> float:
+def adjusted_lr(
+    lr: float | torch.Tensor, adjust_lr_fn: str | None, rows: int, cols: int
+) -> float | torch.Tensor:
     """The learning rate applied to a ``rows x cols`` orthogonalized update.
 
     ``"original"`` (or ``None``): ``lr * sqrt(max(1, rows / cols))`` (Keller Jordan);
     ``"match_rms_adamw"``: ``lr * 0.2 * sqrt(max(rows, cols))`` (Moonshot, arXiv 2502.16982),
     so that the update's RMS matches AdamW's and AdamW's lr and weight decay carry over.
+    A tensor ``lr`` gives a tensor (computed in its dtype, as torch does).
     """
     if adjust_lr_fn is None or adjust_lr_fn == "original":
         return lr * math.sqrt(max(1, rows / cols))
@@ -81,7 +84,7 @@ class _Entry:
     update: torch.Tensor  # flat bf16 local Newton-Schulz input
     spec: MatrixTensor
     settings: tuple[tuple[Coefficients, ...], float]
-    lr: float
+    lr: float | torch.Tensor  # a tensor lr stays one: torch computes with it in its dtype
     weight_decay: float
     adjust_lr_fn: str | None
 
@@ -92,8 +95,8 @@ class _Prepared:
     program: RankProgram
 
 
-def _scalar(value: float | torch.Tensor) -> float:
-    return float(value.item()) if isinstance(value, torch.Tensor) else float(value)
+def _scalar(value: float | torch.Tensor) -> float | torch.Tensor:
+    return value.squeeze() if isinstance(value, torch.Tensor) else float(value)
 
 
 def _row_blocks(option: int | Sequence[int] | None, shape: Sequence[int]) -> tuple[int, ...] | None:
@@ -107,6 +110,8 @@ def _row_blocks(option: int | Sequence[int] | None, shape: Sequence[int]) -> tup
                 f"of each matrix of a parameter of shape {tuple(shape)}"
             )
         return (option,) * (rows // option)
+    if isinstance(option, bool):
+        raise TypeError(f"row_blocks must be an int or a sequence of ints, got {option!r}")
     blocks = tuple(int(b) for b in option)
     if any(b <= 0 for b in blocks) or sum(blocks) != rows:
         raise ValueError(
@@ -148,7 +153,10 @@ class Muon(Optimizer):
             scatter. ``None``: plain parameters are orthogonalized on every rank.
         bucket_cap_mb: size of the matrices in one exchange bucket (bf16 MiB).
         fuse_shapes: batch same-shape matrices (and transposed shapes) in one Newton-Schulz
-            run on each owner.
+            run on each owner. ``None`` (default): batch on accelerators, not on CPU, where
+            batched bf16 products run different kernels than torch's per-matrix ones (results
+            then differ from ``torch.optim.Muon`` by bf16 rounding) and save only dispatch
+            overhead.
 
     Raises:
         ValueError: as ``torch.optim.Muon`` for a bad ``lr``, ``momentum``, ``weight_decay`` or
@@ -174,20 +182,20 @@ class Muon(Optimizer):
         process_group: dist.ProcessGroup | None = None,
         replicate_group: dist.ProcessGroup | None = None,
         bucket_cap_mb: float = 32.0,
-        fuse_shapes: bool = True,
+        fuse_shapes: bool | None = None,
     ) -> None:
         if isinstance(lr, torch.Tensor) and lr.numel() != 1:
-            raise ValueError(f"a tensor lr must have exactly 1 element, got {lr.numel()}")
-        if not 0.0 <= lr:
+            raise ValueError(f"Tensor lr must be 1-element, got {lr.numel()} elements")
+        if not lr >= 0.0:
             raise ValueError(f"lr must be >= 0, got {lr}")
-        if not 0.0 <= momentum:
+        if not momentum >= 0.0:
             raise ValueError(f"momentum must be >= 0, got {momentum}")
-        if not 0.0 <= weight_decay:
+        if not weight_decay >= 0.0:
             raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
         if adjust_lr_fn is not None and adjust_lr_fn not in _ADJUST_LR_FNS:
             raise ValueError(
-                f"adjust_lr_fn={adjust_lr_fn!r} is not supported; use one of {_ADJUST_LR_FNS} "
-                "or None"
+                f"Adjust learning rate function {adjust_lr_fn} is not supported; use one of "
+                f"{_ADJUST_LR_FNS} or None"
             )
         if not bucket_cap_mb > 0:
             raise ValueError(f"bucket_cap_mb must be positive, got {bucket_cap_mb}")
@@ -248,11 +256,13 @@ class Muon(Optimizer):
                 if p.grad is None:
                     continue
                 if torch.is_complex(p):
-                    raise RuntimeError(f"parameter {index - 1}: Muon does not support complex "
-                                       "parameters")
+                    raise RuntimeError(
+                        f"Muon does not support complex parameters (parameter {index - 1})"
+                    )
                 if p.grad.is_sparse:
-                    raise RuntimeError(f"parameter {index - 1}: Muon does not support sparse "
-                                       "gradients")
+                    raise RuntimeError(
+                        f"Muon does not support sparse gradients (parameter {index - 1})"
+                    )
                 with_grad.append((index - 1, p, local_grad(p, index - 1)))
             for i, p, grad in with_grad:
                 state = self.state[p]
@@ -305,9 +315,9 @@ class Muon(Optimizer):
                 by_settings.setdefault(entries[plan.jobs[j].tensor].settings, []).append(k)
             out: list[torch.Tensor | None] = [None] * len(jobs)
             for (schedule, eps), members in by_settings.items():
-                results = orthogonalize_many(
-                    [matrices[k] for k in members], schedule, eps, fuse=self._fuse
-                )
+                chosen = [matrices[k] for k in members]
+                fuse = self._fuse if self._fuse is not None else chosen[0].device.type != "cpu"
+                results = orthogonalize_many(chosen, schedule, eps, fuse=fuse)
                 for k, r in zip(members, results, strict=True):
                     out[k] = r
             return [cast(torch.Tensor, o) for o in out]
@@ -395,7 +405,8 @@ class Muon(Optimizer):
             if len(shapes) <= 1:
                 rows, cols = shapes.pop() if shapes else (1, 1)
                 rate = adjusted_lr(entry.lr, entry.adjust_lr_fn, rows, cols)
-                param.add_(update.view(param.shape), alpha=-rate)
+                # A 0-d tensor alpha works at runtime (torch.optim.Muon passes one too).
+                param.add_(update.view(param.shape), alpha=cast(float, -rate))
                 continue
             # Row blocks of different shapes: each block has its own adjusted lr.
             if not param.is_contiguous():
@@ -409,5 +420,6 @@ class Muon(Optimizer):
                 rate = adjusted_lr(entry.lr, entry.adjust_lr_fn, *job.shape)
                 for piece in job.targets:
                     if piece.rank == me:
-                        piece_view(flat, piece).add_(piece_view(update, piece), alpha=-rate)
-
+                        piece_view(flat, piece).add_(
+                            piece_view(update, piece), alpha=cast(float, -rate)
+                        )

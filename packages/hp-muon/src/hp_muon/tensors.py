@@ -70,14 +70,15 @@ def local_grad(param: torch.Tensor, index: int) -> torch.Tensor:
                 f"{param.placements}; Muon needs the reduced gradient laid out like its "
                 "parameter (redistribute it first)"
             )
-    elif isinstance(param, DTensor):
-        if not isinstance(grad, DTensor) or grad.dist_layout != param.dist_layout:
-            got = grad.dist_layout if isinstance(grad, DTensor) else type(grad).__name__
-            raise ValueError(
-                f"parameter {index}: its gradient is laid out as {got}, the parameter as "
-                f"{param.dist_layout}; Muon needs the reduced gradient laid out like its "
-                "parameter (redistribute it first)"
-            )
+    elif isinstance(param, DTensor) and (
+        not isinstance(grad, DTensor) or grad.dist_layout != param.dist_layout
+    ):
+        found = grad.dist_layout if isinstance(grad, DTensor) else type(grad).__name__
+        raise ValueError(
+            f"parameter {index}: its gradient is laid out as {found}, the parameter as "
+            f"{param.dist_layout}; Muon needs the reduced gradient laid out like its "
+            "parameter (redistribute it first)"
+        )
     local, local_param = local_data(grad), local_data(param)
     if local.shape != local_param.shape:
         raise ValueError(
