@@ -122,7 +122,7 @@ def coefficient_schedule(spec: CoefficientSpec, ns_steps: int) -> tuple[Coeffici
                 f"unknown Newton-Schulz coefficient preset {spec!r}; known: {sorted(PRESETS)}"
             )
         steps: tuple[Coefficients, ...] = PRESETS[spec]
-    elif isinstance(spec, Sequence) and spec and all(_is_number(v) for v in spec):
+    elif isinstance(spec, Sequence) and spec and not any(isinstance(v, Sequence) for v in spec):
         steps = (_triple(spec, "ns_coefficients"),)
     elif isinstance(spec, Sequence) and spec:
         steps = tuple(_triple(s, f"ns_coefficients[{i}]") for i, s in enumerate(spec))

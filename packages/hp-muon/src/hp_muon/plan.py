@@ -198,7 +198,10 @@ def matrix_boxes(shape: Sequence[int], row_blocks: Sequence[int] | None = None) 
             "(optimize it with AdamW, see hp_muon.split_params)"
         )
     rows, cols = dims[-2], dims[-1]
-    blocks = (rows,) if row_blocks is None else tuple(int(b) for b in row_blocks)
+    if row_blocks is None:
+        blocks: tuple[int, ...] = (rows,) if rows else ()
+    else:
+        blocks = tuple(int(b) for b in row_blocks)
     if any(b <= 0 for b in blocks) or sum(blocks) != rows:
         raise PlanError(
             f"row blocks {blocks} must be positive sizes summing to the {rows} rows of each "
