@@ -10,9 +10,10 @@ Every package under ``packages/<dist>/`` gets three sessions, generated from its
 * ``build-<dist>``: wheel + sdist into ``dist/<dist>/``, wheel contents checked, wheel
   installed and imported.
 
-Plus ``lint`` (ruff), ``dag`` (tools/check_dag.py, its tests and its types), ``demo`` and
-``ci``. Every check carries the tag ``ci``: ``nox -t ci`` runs them all (that is what CI
-runs); ``nox -s ci`` queues the same sessions. Every pip call is constrained by
+Plus ``lint`` (ruff), ``dag`` (tools/check_dag.py, its tests and its types),
+``integration`` (``tests/integration``: sibling packages installed together), ``demo``,
+``bench`` and ``ci``. Every check carries the tag ``ci``: ``nox -t ci`` runs them all (that is
+what CI runs); ``nox -s ci`` queues the same sessions. Every pip call is constrained by
 ``constraints/ci.txt`` (torch must never be resolved unpinned).
 """
 
@@ -363,6 +364,46 @@ def dag(session: nox.Session) -> None:
         session.error(f"failed: {', '.join(failed)}")
 
 
+#: Packages whose combination tests/integration exercises (siblings in the DAG never import each
+#: other, so their tests cannot).
+INTEGRATION_PACKAGES: tuple[str, ...] = ("hp-fsdp", "hp-muon")
+
+
+@nox.session(tags=[CI_TAG])
+def integration(session: nox.Session) -> None:
+    """tests/integration: sibling packages together (installed copies), then mypy over them."""
+    names: list[str] = []
+    for dist in INTEGRATION_PACKAGES:
+        names += [n for n in _closure_or_error(session, dist, with_test=True) if n not in names]
+    specs = [
+        str(PACKAGES[n].path) + (f"[{TEST_EXTRA}]" if n in INTEGRATION_PACKAGES else "")
+        for n in names
+    ]
+    session.install(*PIP_ARGS, *specs, "mypy", env=PIP_ENV)
+    for dist in INTEGRATION_PACKAGES:
+        _check_installed_copy(session, PACKAGES[dist].import_name)
+    tests = ROOT / "tests" / "integration"
+    session.run(
+        "pytest",
+        "-c",
+        str(PYPROJECT),
+        "--rootdir",
+        str(ROOT),
+        str(tests),
+        *session.posargs,
+        env=TEST_ENV,
+    )
+    cache = Path(session.create_tmp()) / "mypy_cache"
+    session.run(
+        "mypy",
+        "--config-file",
+        str(PYPROJECT),
+        "--cache-dir",
+        str(cache),
+        str(tests.relative_to(ROOT)),
+    )
+
+
 @nox.session(default=False)
 def demo(session: nox.Session) -> None:
     """The main job: for now, hp_layout's redistribution-plan demo (python -m hp_layout.demo)."""
@@ -403,6 +444,7 @@ def _dag_order() -> list[str]:
 CI_SESSIONS: list[str] = ["lint", "dag"]
 for _dist in _dag_order():
     CI_SESSIONS += _register(PACKAGES[_dist])
+CI_SESSIONS.append("integration")
 
 
 @nox.session(venv_backend="none", default=False)

@@ -19,6 +19,7 @@ from torch import nn
 from torch.optim.optimizer import Optimizer
 
 from hp_muon.muon import Muon
+from hp_muon.tensors import global_shape
 
 __all__ = ["ChainedOptimizer", "ParamSplit", "muon_with_adamw", "split_params"]
 
@@ -67,7 +68,8 @@ def split_params(
 
     1. a name matching ``muon_patterns`` (``fnmatch`` on the full dotted name) goes to Muon,
        one matching ``adamw_patterns`` to AdamW (matching both is an error);
-    2. parameters with fewer than 2 dims (biases, norms, scalars) go to AdamW;
+    2. parameters with fewer than 2 dims (biases, norms, scalars) go to AdamW; the dims are
+       the whole parameter's (``hp_dtensor.layout_of``), not those of a sharder's local piece;
     3. parameters of ``nn.Embedding``/``nn.EmbeddingBag`` modules go to AdamW (a lookup table is
        not a linear map Muon's geometry fits);
     4. parameters of modules whose last name component is in ``head_names`` (the LM head) go to
@@ -96,17 +98,19 @@ def split_params(
         if not p.requires_grad:
             continue
         forced_muon, forced_adamw = _matches(name, muon_patterns), _matches(name, adamw_patterns)
+        # A sharder's local piece (hp-fsdp's 1-d flat ranges) counts by its whole shape.
+        dims = len(global_shape(p))
         if forced_muon and forced_adamw:
             raise ValueError(f"parameter {name!r} matches both muon_patterns and adamw_patterns")
-        if forced_muon and p.dim() < 2:
+        if forced_muon and dims < 2:
             raise ValueError(
-                f"parameter {name!r} of shape {tuple(p.shape)} matches muon_patterns but Muon "
+                f"parameter {name!r} of shape {global_shape(p)} matches muon_patterns but Muon "
                 "needs at least 2 dims"
             )
         kind = owner_kind.get(id(p), "other")
         to_muon = forced_muon or (
             not forced_adamw
-            and p.dim() >= 2
+            and dims >= 2
             and kind != "embedding"
             and (kind != "head" or head_with_muon)
         )
