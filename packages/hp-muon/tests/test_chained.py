@@ -200,3 +200,18 @@ def test_chain_errors() -> None:
     state["param_groups"] = state["param_groups"][:1]
     with pytest.raises(ValueError, match="the state dict has 1 parameter groups"):
         chain.load_state_dict(state)
+
+
+def test_split_counts_a_sharded_piece_by_its_whole_shape() -> None:
+    """hp-fsdp hands optimizers 1-d flat pieces annotated with 2-d layouts: still matrices."""
+    from hp_dtensor import annotate_layout
+    from hp_layout import Layout, Mesh, RaggedShard
+
+    mesh = Mesh((2,), ("shard",), (0, 1))
+    model = nn.Module()
+    model.proj = nn.Linear(4, 3, bias=False)
+    model.proj.weight = annotate_layout(
+        nn.Parameter(torch.zeros(5)), Layout((3, 4), mesh, [RaggedShard((5, 7))])
+    )
+    split = split_params(model)
+    assert [n for n, _ in split.muon] == ["proj.weight"]

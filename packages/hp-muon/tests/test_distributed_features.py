@@ -226,3 +226,55 @@ def _state_dict_case() -> None:
         assert isinstance(p, TorchDTensor)
         assert buf.placements == p.placements
         assert buf.to_local().shape == p.to_local().shape
+
+
+def _overlap_case() -> list[str]:
+    """Record, on this rank, the order of all-to-all issues and Newton-Schulz runs."""
+    import hp_muon.muon as muon_module
+
+    torch.manual_seed(0)
+    sharder = next(s for s in sharders(dist.get_world_size()) if s.name == "torch_fsdp2")
+    shapes = [(16, 16)] * 6  # one matrix per bucket; every one gathered across ranks
+    fulls = [torch.randn(s) for s in shapes]
+    params = sharder.make(fulls)
+    opt = Muon(params, lr=LR, bucket_cap_mb=256 * 2 / 2**20)
+    for p, f in zip(params, fulls, strict=True):
+        p.grad = sharder.grad(p, f)
+    events: list[str] = []
+    ns_name = "orthogonalize_many"  # patched where Muon looks it up
+    real_a2a, real_ns = dist.all_to_all_single, getattr(muon_module, ns_name)
+
+    def a2a(*args: object, **kwargs: object) -> object:
+        events.append("a2a")
+        return real_a2a(*args, **kwargs)  # type: ignore[arg-type]
+
+    def ns(matrices: list[torch.Tensor], *args: object, **kwargs: object) -> list[torch.Tensor]:
+        events.append(f"ns{len(matrices)}")
+        out: list[torch.Tensor] = real_ns(matrices, *args, **kwargs)
+        return out
+
+    dist.all_to_all_single = a2a
+    setattr(muon_module, ns_name, ns)
+    try:
+        opt.step()
+    finally:
+        dist.all_to_all_single = real_a2a
+        setattr(muon_module, ns_name, real_ns)
+    return events
+
+
+def test_next_gather_is_in_flight_during_newton_schulz() -> None:
+    """Six buckets on two ranks: the gather of bucket k+1 is issued before bucket k is
+    orthogonalized, and its scatter before bucket k+1's Newton-Schulz."""
+    for events in run_on_ranks(2, _overlap_case, timeout=60):
+        owned = [i for i, e in enumerate(events) if e.startswith("ns")]
+        a2a = [i for i, e in enumerate(events) if e == "a2a"]
+        assert len(a2a) == 12  # 6 buckets x (gather + scatter)
+        assert len(owned) == 3  # this rank owns half of the six matrices
+        # Issue order: g0, then per bucket k: g(k+1), NS k (if owned), s(k). So before NS k,
+        # 2k + 2 all-to-alls were issued (gathers 0..k+1, scatters 0..k-1): the next gather is
+        # in flight. A serial gather-NS-scatter order would show 2k + 1. The last bucket has no
+        # next gather: 2 * 5 + 1 = 11.
+        for i in owned:
+            issued = sum(1 for j in a2a if j < i)
+            assert issued % 2 == 0 or issued == 11, events
