@@ -404,12 +404,27 @@ def integration(session: nox.Session) -> None:
     )
 
 
+#: The main job: 4 local CPU ranks, FSDP (dp_shard 2) x TP (2), Muon + AdamW, 60 steps.
+DEMO_ARGS: tuple[str, ...] = (
+    "--model", "small", "--tp", "2", "--steps", "60", "--seq-len", "64", "--global-batch", "8",
+    "--checkpoint-every", "30",
+)  # fmt: skip
+
+
 @nox.session(default=False)
 def demo(session: nox.Session) -> None:
-    """The main job: for now, hp_layout's redistribution-plan demo (python -m hp_layout.demo)."""
-    install_closure(session, "hp-layout", test_extra=False)
-    session.chdir(session.create_tmp())
-    session.run("python", "-m", "hp_layout.demo", *session.posargs, env=TEST_ENV)
+    """The main job: a short training run on 4 local CPU ranks (torchrun, gloo) with FSDP x TP
+    and Muon; writes ``hp_train_out/`` (metrics, loss plot, checkpoints) at the repository root.
+
+    Extra arguments go to ``hp_train`` (e.g. ``nox -s demo -- --steps 100 --resume``).
+    """
+    install_closure(session, "hp-train", test_extra=False)
+    out = ROOT / "hp_train_out"
+    session.run(
+        "python", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
+        "-m", "hp_train", *DEMO_ARGS, "--out", str(out), *session.posargs,
+        env=TEST_ENV,
+    )  # fmt: skip
 
 
 @nox.session(default=False)

@@ -61,6 +61,11 @@ ALLOWED_DEPS: Mapping[str, frozenset[str]] = {
     "hp_muon": _BELOW_SIBLINGS,
     "hp_mpmd": _BELOW_SIBLINGS,
     "hp_offload": _BELOW_SIBLINGS,
+    # The training application on top: it composes the libraries (never imported by them).
+    "hp_train": frozenset(
+        {"hp_layout", "hp_dtensor", "hp_kernels", "hp_fsdp", "hp_muon", "hp_mpmd", "hp_offload"}
+    )
+    | TEST_ONLY,
 }
 
 

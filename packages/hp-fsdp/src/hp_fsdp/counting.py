@@ -182,7 +182,8 @@ class CollectiveCall:
         op: the operator name, e.g. ``"c10d._allgather_base_"``.
         ranks: global ranks of its process group, in group order.
         nbytes: bytes of its largest tensor argument (the unsharded side: an all-gather's
-            output, a reduce-scatter's input, an all-reduce's tensor).
+            output, a reduce-scatter's input, an all-reduce's tensor); for a coalesced
+            collective, the sum over its list of tensors.
         dtype: dtype of that tensor (None when it had no tensor).
     """
 
@@ -314,12 +315,18 @@ class CountingMode(TorchDispatchMode):
     def _record(self, kind: str, name: str, arguments: Any) -> None:
         flat = tree_flatten(arguments)[0]
         largest = _largest_tensor(flat)
+        nbytes = 0 if largest is None else largest.numel() * largest.element_size()
+        if "coalesced" in name:
+            # One collective over a list of tensors: it moves all of them.
+            first = arguments[0][0] if arguments[0] else []
+            tensors = [t for t in tree_flatten(first)[0] if isinstance(t, torch.Tensor)]
+            nbytes = sum(t.numel() * t.element_size() for t in tensors)
         self.collectives.append(
             CollectiveCall(
                 kind=kind,
                 op=name,
                 ranks=_process_group_ranks(flat),
-                nbytes=0 if largest is None else largest.numel() * largest.element_size(),
+                nbytes=nbytes,
                 dtype=None if largest is None else largest.dtype,
             )
         )

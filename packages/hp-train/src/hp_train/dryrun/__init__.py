@@ -1,0 +1,70 @@
+"""The dry-run planner: predict a run's memory, communication and step time without processes.
+
+Shapes come from the model built on ``meta`` (:mod:`~hp_train.dryrun.shapes`), FSDP groups
+from ``hp_layout.plan_flat_buffer``, costs from ``hp_layout.Topology``'s alpha-beta model, Muon
+traffic from ``hp_muon``'s plan (or analytically at scale), compute from a FLOPs model. Every
+planning function is pure and returns frozen dataclasses; :mod:`~hp_train.dryrun.report`
+formats them and :mod:`~hp_train.dryrun.cli` is ``hp-dryrun`` / ``python -m hp_train.dryrun``.
+"""
+
+from hp_train.dryrun.comm import KINDS, CollectiveRecord, RankGrid
+from hp_train.dryrun.memory import MemoryBreakdown, memory_breakdown
+from hp_train.dryrun.muon_traffic import MuonTraffic, muon_traffic
+from hp_train.dryrun.planner import DryRun, KindSummary, StageResult, StepTime, dry_run
+from hp_train.dryrun.predict import PREDICTED_KINDS, Prediction, predict_for_run
+from hp_train.dryrun.presets import (
+    DEVICE_PRESETS,
+    MODEL_PRESETS,
+    MOE_505B_PARAMS,
+    Device,
+    DryRunError,
+    ModelPreset,
+    model_preset,
+    topology_preset,
+)
+from hp_train.dryrun.search import SearchResult, search
+from hp_train.dryrun.shapes import (
+    GroupSpec,
+    ParamSpec,
+    fsdp_groups,
+    model_parameters,
+    parameter_count,
+)
+from hp_train.dryrun.workload import BF16_MIXED, FP32, Precision, StepShape
+
+__all__ = [
+    "BF16_MIXED",
+    "DEVICE_PRESETS",
+    "FP32",
+    "KINDS",
+    "MODEL_PRESETS",
+    "MOE_505B_PARAMS",
+    "PREDICTED_KINDS",
+    "CollectiveRecord",
+    "Device",
+    "DryRun",
+    "DryRunError",
+    "GroupSpec",
+    "KindSummary",
+    "MemoryBreakdown",
+    "ModelPreset",
+    "MuonTraffic",
+    "ParamSpec",
+    "Precision",
+    "Prediction",
+    "RankGrid",
+    "SearchResult",
+    "StageResult",
+    "StepShape",
+    "StepTime",
+    "dry_run",
+    "fsdp_groups",
+    "memory_breakdown",
+    "model_parameters",
+    "model_preset",
+    "muon_traffic",
+    "parameter_count",
+    "predict_for_run",
+    "search",
+    "topology_preset",
+]

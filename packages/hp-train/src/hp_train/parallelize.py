@@ -1,0 +1,121 @@
+"""Lay a :class:`~hp_train.model.Transformer` out over the ranks: TP, then FSDP.
+
+The rank grid is ``(dp_replicate, dp_shard, tp)``, ``tp`` innermost (neighbouring ranks, the
+fastest links). Tensor parallelism follows Megatron's plan
+(``hp_dtensor.parallel.transformer_tp_plan``) on the dense parts; MoE experts stay whole on
+every tensor-parallel rank (expert parallelism is hp-dtensor's, not yet here). FSDP
+(``hp_fsdp.fully_shard``) then shards every block and the root over the data-parallel axes:
+1-d over ``dp_shard``, HSDP over ``(dp_replicate, dp_shard)``. FSDP is applied even to one
+data-parallel rank, so checkpoints and gradient norms take one path at every size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+
+from hp_dtensor import DeviceMesh
+from hp_dtensor.parallel import ParallelStyle, parallelize_module, transformer_tp_plan
+from hp_fsdp import fully_shard
+from hp_layout import Mesh
+from hp_train.config import ConfigError, ModelConfig, ParallelConfig
+from hp_train.model import Transformer
+
+__all__ = ["Layout3D", "build_layout", "check_model_fits", "parallelize", "tp_plan"]
+
+AXES = ("dp_replicate", "dp_shard", "tp")
+
+
+@dataclass(frozen=True)
+class Layout3D:
+    """This rank's place in the job.
+
+    Attributes:
+        mesh: the ``(dp_replicate, dp_shard, tp)`` device mesh.
+        dp_mesh: the data-parallel sub-mesh FSDP shards over (1-d or 2-d).
+        dp_rank: this rank's index among the data-parallel ranks (which batch slice it takes).
+        dp_size: data-parallel ranks.
+        tp_size: tensor-parallel ranks.
+    """
+
+    mesh: DeviceMesh
+    dp_mesh: DeviceMesh
+    dp_rank: int
+    dp_size: int
+    tp_size: int
+
+
+def check_model_fits(model: ModelConfig, parallel: ParallelConfig) -> None:
+    """Raise :class:`ConfigError` when the model cannot be split ``parallel.tp`` ways."""
+    tp = parallel.tp
+    for name, value in (
+        ("n_heads", model.n_heads),
+        ("n_kv_heads", model.n_kv_heads),
+        ("ffn_dim", model.ffn_dim),
+        ("vocab_size", model.vocab_size),
+    ):
+        if value % tp:
+            raise ConfigError(f"tp={tp} must divide {name}={value}")
+    if parallel.pp > 1:
+        raise ConfigError(
+            f"pp={parallel.pp}: pipeline parallelism needs hp-mpmd, which has not landed yet; "
+            "use pp=1 (tools/dryrun can still plan pipelined configurations)"
+        )
+
+
+def build_layout(parallel: ParallelConfig, device_type: str) -> Layout3D:
+    """The device meshes for ``parallel`` over the initialized default process group.
+
+    Raises:
+        ConfigError: the world size differs from ``parallel.world_size``.
+    """
+    world = dist.get_world_size()
+    if world != parallel.world_size:
+        raise ConfigError(
+            f"the job has {world} ranks but dp_replicate x dp_shard x tp x pp = "
+            f"{parallel.world_size}; launch with torchrun --nproc-per-node {parallel.world_size} "
+            "(or change the dimensions)"
+        )
+    shape = (parallel.dp_replicate, parallel.dp_shard, parallel.tp)
+    mesh = DeviceMesh(device_type, Mesh(shape, AXES))
+    # HSDP over both data axes, or 1-d FSDP over the shard axis.
+    dp_axes = ["dp_replicate", "dp_shard"] if parallel.dp_replicate > 1 else ["dp_shard"]
+    dp_mesh = mesh[dp_axes]
+    coordinate = mesh.mesh.coordinate(dist.get_rank())
+    dp_rank = coordinate[0] * parallel.dp_shard + coordinate[1]
+    return Layout3D(mesh, dp_mesh, dp_rank, parallel.dp, parallel.tp)
+
+
+def tp_plan(model: ModelConfig) -> dict[str, ParallelStyle]:
+    """Megatron's plan for the dense parts; MoE blocks keep their feed-forward whole."""
+    plan = transformer_tp_plan()
+    if model.moe is None:
+        return plan
+    dense_ffn = {k: v for k, v in plan.items() if ".ffn." in k}
+    out = {k: v for k, v in plan.items() if ".ffn." not in k}
+    for i in range(model.n_layers):
+        if not model.moe.is_moe_layer(i):
+            for key, style in dense_ffn.items():
+                out[key.replace("layers.*", f"layers.{i}")] = style
+    return out
+
+
+def parallelize(
+    model: Transformer, layout: Layout3D, *, mode: str = "production", **fsdp: Any
+) -> Transformer:
+    """Apply TP (when ``tp > 1``) in ``mode``, then FSDP per block and on the root."""
+    if layout.tp_size > 1:
+        parallelize_module(
+            model,
+            layout.mesh,
+            tp_plan(model.config),
+            mode=mode,  # type: ignore[arg-type]
+            tp_axis="tp",
+            dp_axes=("dp_replicate", "dp_shard"),
+        )
+    for block in model.layers:
+        fully_shard(block, mesh=layout.dp_mesh, **fsdp)
+    fully_shard(model, mesh=layout.dp_mesh, **fsdp)
+    return model
