@@ -129,7 +129,7 @@ def test_moe_routes_every_token_and_balances_to_one() -> None:
     assert out.shape == x.shape
     assert moe.aux_loss is not None
     # top_k == n_experts: every expert gets every token, so f_e = 1/E and the loss is 1.
-    assert math.isclose(float(moe.aux_loss), 1.0, rel_tol=1e-6)
+    assert math.isclose(moe.aux_loss.item(), 1.0, rel_tol=1e-6)
 
 
 def test_latest_checkpoint_skips_partial_and_incomplete(tmp_path: Path) -> None:
