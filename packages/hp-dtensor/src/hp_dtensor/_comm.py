@@ -21,6 +21,7 @@ __all__ = [
     "all_gather_dim",
     "all_reduce",
     "all_to_all_dims",
+    "all_to_all_rows",
     "broadcast",
     "reduce_scatter_dim",
 ]
@@ -199,6 +200,40 @@ def all_to_all_dims(
         for chunk, shape in zip(recv.split(recv_numels), recv_shapes, strict=True)
     ]
     return torch.cat(pieces, dim=concat_dim)
+
+
+def all_to_all_rows(
+    x: torch.Tensor, send_sizes: Sequence[int], recv_sizes: Sequence[int], group: AxisGroup
+) -> torch.Tensor:
+    """Send rows ``x[sum(send_sizes[:j]) : sum(send_sizes[:j + 1])]`` (dim 0) to coordinate
+    ``j``; return the rows received, concatenated in coordinate order.
+
+    ``recv_sizes[i]`` is the number of rows coordinate ``i`` sends here (any may be 0). The
+    result has ``sum(recv_sizes)`` rows and ``x``'s trailing shape.
+    """
+    if len(send_sizes) != group.size or len(recv_sizes) != group.size:
+        raise ValueError(
+            f"all_to_all_rows: {len(send_sizes)} send and {len(recv_sizes)} receive sizes for a "
+            f"group of {group.size}; give one per rank"
+        )
+    if sum(send_sizes) != x.shape[0]:
+        raise ValueError(
+            f"all_to_all_rows: send sizes {list(send_sizes)} do not add up to the "
+            f"{x.shape[0]} rows of x"
+        )
+    row = int(torch.Size(x.shape[1:]).numel())
+    out = x.new_empty((sum(recv_sizes), *x.shape[1:]))
+    if group.size == 1:
+        out.copy_(x)
+        return out
+    dist.all_to_all_single(
+        out.view(-1),
+        x.contiguous().reshape(-1),
+        output_split_sizes=[n * row for n in recv_sizes],
+        input_split_sizes=[n * row for n in send_sizes],
+        group=group.process_group,
+    )
+    return out
 
 
 def broadcast(x: torch.Tensor, src_index: int, group: AxisGroup) -> torch.Tensor:

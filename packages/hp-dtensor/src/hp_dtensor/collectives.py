@@ -15,13 +15,22 @@ from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 import torch
+import torch.distributed as dist
 
 from hp_dtensor import _comm
 from hp_dtensor._comm import AxisGroup
 from hp_dtensor.device_mesh import DeviceMesh
 from hp_layout import ReduceOp, chunk_sizes
 
-__all__ = ["all_gather", "all_reduce", "all_to_all", "broadcast", "reduce_scatter"]
+__all__ = [
+    "all_gather",
+    "all_reduce",
+    "all_to_all",
+    "all_to_all_rows",
+    "broadcast",
+    "reduce_scatter",
+    "ring_shift",
+]
 
 
 def _apply(function: type[torch.autograd.Function]) -> Callable[..., torch.Tensor]:
@@ -132,6 +141,24 @@ class _AllToAll(torch.autograd.Function):
         return back, None, None, None, None, None
 
 
+class _AllToAllRows(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any,
+        x: torch.Tensor,
+        send_sizes: tuple[int, ...],
+        recv_sizes: tuple[int, ...],
+        group: AxisGroup,
+    ) -> torch.Tensor:
+        ctx.args = (send_sizes, recv_sizes, group)
+        return _comm.all_to_all_rows(x, send_sizes, recv_sizes, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        send_sizes, recv_sizes, group = ctx.args
+        return _comm.all_to_all_rows(grad, recv_sizes, send_sizes, group), None, None, None
+
+
 class _Broadcast(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, src_index: int, group: AxisGroup) -> torch.Tensor:
@@ -229,10 +256,62 @@ def all_to_all(
     return out
 
 
+def all_to_all_rows(
+    x: torch.Tensor,
+    mesh: DeviceMesh,
+    axis: str | int,
+    send_sizes: Sequence[int],
+    recv_sizes: Sequence[int],
+) -> torch.Tensor:
+    """Ragged all-to-all of rows (dim 0): the next ``send_sizes[j]`` rows of ``x`` go to
+    coordinate ``j``; the result is the rows received, in coordinate order
+    (``sum(recv_sizes)`` rows, ``recv_sizes[i]`` from coordinate ``i``; any size may be 0).
+    Backward is the reverse exchange (its adjoint)."""
+    group = AxisGroup.of(mesh, axis)
+    _sizes(None, send_sizes, group)
+    _sizes(None, recv_sizes, group)
+    out: torch.Tensor = _apply(_AllToAllRows)(x, tuple(send_sizes), tuple(recv_sizes), group)
+    return out
+
+
 def broadcast(x: torch.Tensor, mesh: DeviceMesh, axis: str | int, src: int = 0) -> torch.Tensor:
     """Every rank of the group gets coordinate ``src``'s ``x``; backward sums onto ``src``."""
     group = AxisGroup.of(mesh, axis)
     if not 0 <= src < group.size:
         raise ValueError(f"src coordinate {src} is outside the axis of size {group.size}")
     out: torch.Tensor = _apply(_Broadcast)(x, src, group)
+    return out
+
+
+def _ring_shift_raw(x: torch.Tensor, shift: int, group: AxisGroup) -> torch.Tensor:
+    """Send ``x`` to coordinate ``index + shift`` and receive from ``index - shift`` (mod size)."""
+    if shift % group.size == 0:
+        return x.clone()
+    pg = group.process_group
+    dst = dist.get_global_rank(pg, (group.index + shift) % group.size)
+    src = dist.get_global_rank(pg, (group.index - shift) % group.size)
+    send = x.contiguous()
+    recv = torch.empty_like(send)
+    ops = [dist.P2POp(dist.isend, send, dst, pg), dist.P2POp(dist.irecv, recv, src, pg)]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    return recv
+
+
+class _RingShift(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, shift: int, group: AxisGroup) -> torch.Tensor:
+        ctx.shift, ctx.group = shift, group
+        return _ring_shift_raw(x, shift, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        return _ring_shift_raw(grad, -ctx.shift, ctx.group), None, None
+
+
+def ring_shift(x: torch.Tensor, mesh: DeviceMesh, axis: str | int, shift: int = 1) -> torch.Tensor:
+    """Rotate ``x`` around the axis: coordinate ``i`` gets coordinate ``i - shift``'s ``x``
+    (mod the axis size; every rank's ``x`` must have the same shape and dtype); backward is the
+    reverse rotation. Point-to-point: each rank sends and receives one tensor."""
+    out: torch.Tensor = _apply(_RingShift)(x, shift, AxisGroup.of(mesh, axis))
     return out

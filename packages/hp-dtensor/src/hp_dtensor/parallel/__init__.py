@@ -8,8 +8,23 @@ validation mode runs DTensors and checks every op against the plan.
 """
 
 from hp_dtensor.parallel.api import Mode, parallelize_module
+from hp_dtensor.parallel.context import (
+    CausalAttention,
+    context_parallel_cross_entropy,
+    gather_sequence,
+    global_token_mean,
+    local_positions,
+    sequence_sharding,
+    shard_sequence,
+)
+from hp_dtensor.parallel.context_plan import (
+    ContextParallelError,
+    ContextParallelPlan,
+    SequenceSharding,
+)
 from hp_dtensor.parallel.init import MaterializeError, materialize
 from hp_dtensor.parallel.loss import GradConvention, loss_parallel, vocab_parallel_cross_entropy
+from hp_dtensor.parallel.moe import GroupedExperts, MoE, Routing, SharedExperts, TopKRouter
 from hp_dtensor.parallel.plan import Boundary, PlanError, ShardingPlan, resolve_plan
 from hp_dtensor.parallel.plans import TransformerNames, transformer_tp_plan
 from hp_dtensor.parallel.random import (
@@ -21,6 +36,9 @@ from hp_dtensor.parallel.random import (
 )
 from hp_dtensor.parallel.styles import (
     ColwiseParallel,
+    ContextParallel,
+    ExpertParallel,
+    ExpertTensorParallel,
     ParallelStyle,
     PrepareModuleInput,
     PrepareModuleOutput,
@@ -31,28 +49,46 @@ from hp_dtensor.parallel.validation import PlanMismatchError, check_gradients
 
 __all__ = [
     "Boundary",
+    "CausalAttention",
     "ColwiseParallel",
+    "ContextParallel",
+    "ContextParallelError",
+    "ContextParallelPlan",
     "DropoutVariant",
+    "ExpertParallel",
+    "ExpertTensorParallel",
     "GradConvention",
+    "GroupedExperts",
     "MaterializeError",
+    "MoE",
     "Mode",
     "ParallelStyle",
     "PlanError",
     "PlanMismatchError",
     "PrepareModuleInput",
     "PrepareModuleOutput",
+    "Routing",
     "RowwiseParallel",
     "SequenceParallel",
+    "SequenceSharding",
     "ShardingPlan",
+    "SharedExperts",
+    "TopKRouter",
     "TransformerNames",
     "check_gradients",
+    "context_parallel_cross_entropy",
     "distributed_dropout",
+    "gather_sequence",
+    "global_token_mean",
+    "local_positions",
     "loss_parallel",
     "materialize",
     "parallel_dropout_forward",
     "parallelize_module",
     "random_region",
     "resolve_plan",
+    "sequence_sharding",
+    "shard_sequence",
     "take_region",
     "transformer_tp_plan",
     "vocab_parallel_cross_entropy",

@@ -76,7 +76,7 @@ def parallelize_module(
     for name, sharding in lowered:
         submodule = module.get_submodule(name)
         for param_name, placement in sharding.params.items():
-            param = getattr(submodule, param_name)
+            param = submodule.get_parameter(param_name)  # dotted: a submodule's parameter
             where = f"parameter {name + '.' if name else ''}{param_name}"
             full = _full_placements(placement, device_mesh, axis_index, where)
             previous = placements.get(id(param))

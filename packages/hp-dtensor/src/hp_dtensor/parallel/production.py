@@ -29,8 +29,10 @@ from torch import nn
 from hp_dtensor.collectives import _apply
 from hp_dtensor.device_mesh import DeviceMesh
 from hp_dtensor.interop import annotate_layout
+from hp_dtensor.parallel import context_attention
 from hp_dtensor.parallel._boundary import BoundaryConverter
 from hp_dtensor.parallel._grad_reduction import install_grad_reductions, set_grad_reduction
+from hp_dtensor.parallel.context_plan import ContextParallelPlan
 from hp_dtensor.parallel.plan import Boundary, ShardingPlan
 from hp_dtensor.redistribute import execute_plan
 from hp_layout import Layout, Placement, ReduceOp, Replicate, Shard, StepKind
@@ -273,6 +275,12 @@ def _install_production_forward(
         forward = _vocab_parallel_embedding_forward(start, stop)
     elif plan.style == "SequenceParallel" and isinstance(module, nn.modules.dropout._DropoutNd):
         forward = _sequence_parallel_dropout_forward(axis_mesh, plan)
+    elif isinstance(plan, ContextParallelPlan):
+        forward = context_attention.production_forward(module, plan, axis_mesh)
+    elif plan.style in ("ExpertParallel", "ExpertTensorParallel"):
+        from hp_dtensor.parallel.expert import expert_parallel_forward
+
+        forward = expert_parallel_forward(module, axis_mesh)
     if forward is None:
         raise NotImplementedError(
             f"{plan.style} replaces the forward of {type(module).__name__} in production mode, "

@@ -24,11 +24,16 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
+from hp_dtensor.parallel.context_plan import ContextParallelPlan
+from hp_dtensor.parallel.moe import MoE
 from hp_dtensor.parallel.plan import Boundary, PlanError, ShardingPlan
 from hp_layout import Partial, Placement, Replicate, Shard
 
 __all__ = [
     "ColwiseParallel",
+    "ContextParallel",
+    "ExpertParallel",
+    "ExpertTensorParallel",
     "ParallelStyle",
     "PrepareModuleInput",
     "PrepareModuleOutput",
@@ -145,6 +150,160 @@ class SequenceParallel(ParallelStyle):
             use_local_output=self.use_local_output,
             replaces_forward=isinstance(module, nn.modules.dropout._DropoutNd),
             style="SequenceParallel",
+        )
+
+
+@dataclass(frozen=True)
+class ContextParallel(ParallelStyle):
+    """Context-parallel causal attention on a core module (``q, k, v -> out``, each
+    ``[batch, heads, seq, head_size]`` with the sequence sharded on the parallel axis; e.g.
+    :class:`hp_dtensor.parallel.context.CausalAttention`). See :mod:`hp_dtensor.parallel.context`.
+
+    Attributes:
+        variant: ``"ring"`` (key/value blocks rotate around the ring) or ``"ulysses"``
+            (all-to-all between sequence and heads; heads must divide by the axis size).
+        balanced: the load-balanced ("zigzag") sequence sharding (default) or contiguous.
+        use_local_output: hand on a plain local tensor (validation mode keeps DTensors).
+    """
+
+    variant: str = "ring"
+    balanced: bool = True
+    use_local_output: bool = False
+
+    def lower(self, module: nn.Module, name: str) -> ShardingPlan:
+        if _own_params(module):
+            raise _refuse("ContextParallel", module, name, "parameter-free attention cores")
+        seq = Shard(2)
+        return ContextParallelPlan(
+            inputs=(Boundary(seq, seq),) * 3,
+            outputs=Boundary(seq, seq),
+            use_local_output=self.use_local_output,
+            replaces_forward=True,
+            style="ContextParallel",
+            variant=self.variant,
+            balanced=self.balanced,
+        )
+
+
+_EXPERT_STACKS = ("experts.w1", "experts.w2", "experts.w3")
+
+
+def _expert_boundaries(
+    style: str,
+    module: nn.Module,
+    name: str,
+    params: Mapping[str, Placement | tuple[Placement, ...]],
+    input_layouts: Placement | None,
+    output_layouts: Placement | None,
+    use_local_output: bool,
+) -> ShardingPlan:
+    if not isinstance(module, MoE):
+        raise _refuse(style, module, name, "hp_dtensor.parallel.moe.MoE")
+    tokens = Shard(0)
+    return ShardingPlan(
+        params=params,
+        inputs=(Boundary(input_layouts or tokens, tokens),),
+        outputs=Boundary(tokens, output_layouts or tokens),
+        use_local_output=use_local_output,
+        replaces_forward=True,
+        style=style,
+    )
+
+
+@dataclass(frozen=True)
+class ExpertParallel(ParallelStyle):
+    """Expert parallelism on a :class:`~hp_dtensor.parallel.moe.MoE` over the parallel axis
+    (the ep axis: ``parallelize_module(..., tp_axis="ep")``). See
+    :mod:`hp_dtensor.parallel.expert`.
+
+    The expert stacks are ``Shard(0)`` (whole experts per rank; the number of experts must be
+    divisible by the axis size); router and shared experts replicated. Tokens are ``Shard(0)``
+    on the axis inside the MoE (each rank routes its own batch; tokens are exchanged by
+    all-to-all). The global loss is the sum of the per-rank losses.
+
+    Attributes:
+        input_layouts: how the input arrives on the ep axis (default Shard(0): each rank its
+            own batch; Replicate: every rank the whole batch, sliced at the boundary).
+        output_layouts: how the output is handed on (default Shard(0); Replicate gathers).
+        use_local_output: hand on a plain local tensor (validation mode keeps DTensors).
+    """
+
+    input_layouts: Placement | None = None
+    output_layouts: Placement | None = None
+    use_local_output: bool = True
+
+    def lower(self, module: nn.Module, name: str) -> ShardingPlan:
+        params: dict[str, Placement | tuple[Placement, ...]] = dict.fromkeys(
+            _EXPERT_STACKS, Shard(0)
+        )
+        return _expert_boundaries(
+            "ExpertParallel",
+            module,
+            name,
+            params,
+            self.input_layouts,
+            self.output_layouts,
+            self.use_local_output,
+        )
+
+
+@dataclass(frozen=True)
+class ExpertTensorParallel(ParallelStyle):
+    """EP x TP on a :class:`~hp_dtensor.parallel.moe.MoE`: experts sharded over ``ep_axis``
+    (``Shard(0)``), each expert's hidden dim over ``tp_axis`` (``w1``/``w3`` ``Shard(1)``,
+    ``w2`` ``Shard(2)``). Apply with the ep axis as the parallel axis and no data-parallel
+    axis among them: ``parallelize_module(model, mesh, plan, tp_axis=ep_axis, dp_axes=())``.
+
+    The expert placements are given in the tuple form (one placement per mesh axis, in the
+    order of ``mesh_axes``, which must be the mesh's axis names); tokens are ``Shard(0)`` on
+    ep (as :class:`ExpertParallel`) and replicated over tp.
+
+    Attributes:
+        mesh_axes: the mesh's axis names in order.
+        ep_axis: the expert-parallel axis.
+        tp_axis: the axis sharding each expert's hidden dim.
+        input_layouts, output_layouts, use_local_output: as :class:`ExpertParallel`.
+    """
+
+    mesh_axes: tuple[str, ...] = ("ep", "tp")
+    ep_axis: str = "ep"
+    tp_axis: str = "tp"
+    input_layouts: Placement | None = None
+    output_layouts: Placement | None = None
+    use_local_output: bool = True
+
+    def lower(self, module: nn.Module, name: str) -> ShardingPlan:
+        if (
+            self.ep_axis == self.tp_axis
+            or self.ep_axis not in self.mesh_axes
+            or self.tp_axis not in self.mesh_axes
+        ):
+            raise PlanError(
+                f"ExpertTensorParallel for {name!r}: ep_axis {self.ep_axis!r} and tp_axis "
+                f"{self.tp_axis!r} must be two different names of mesh_axes {self.mesh_axes}"
+            )
+
+        def placement(axis: str, tp_dim: int) -> Placement:
+            if axis == self.ep_axis:
+                return Shard(0)
+            return Shard(tp_dim) if axis == self.tp_axis else Replicate()
+
+        def placements(tp_dim: int) -> tuple[Placement, ...]:
+            return tuple(placement(axis, tp_dim) for axis in self.mesh_axes)
+
+        params: dict[str, Placement | tuple[Placement, ...]] = {
+            "experts.w1": placements(1),
+            "experts.w2": placements(2),
+            "experts.w3": placements(1),
+        }
+        return _expert_boundaries(
+            "ExpertTensorParallel",
+            module,
+            name,
+            params,
+            self.input_layouts,
+            self.output_layouts,
+            self.use_local_output,
         )
 
 

@@ -32,6 +32,8 @@ from hp_dtensor import _dispatch
 from hp_dtensor.device_mesh import DeviceMesh
 from hp_dtensor.dtensor import DTensor, distribute_tensor
 from hp_dtensor.parallel._grad_reduction import install_grad_reductions, set_grad_reduction
+from hp_dtensor.parallel.context_attention import install_validation_forward
+from hp_dtensor.parallel.context_plan import ContextParallelPlan
 from hp_dtensor.parallel.plan import Boundary, ShardingPlan
 from hp_layout import Layout, Placement, ReduceOp, Replicate, Shard
 
@@ -253,6 +255,13 @@ def apply_validation(
         return value.redistribute(placements=_with_axis(value, index, target))
 
     styled = dict(lowered)
+    for core_name, core_plan in lowered:
+        if isinstance(core_plan, ContextParallelPlan):  # runs on local shards, as in production
+            install_validation_forward(root.get_submodule(core_name), core_plan, mesh, axis)
+        elif core_plan.style in ("ExpertParallel", "ExpertTensorParallel"):
+            from hp_dtensor.parallel import expert  # runs on local shards, as in production
+
+            expert.install_validation_forward(root.get_submodule(core_name), mesh, axis)
     for name, module in root.named_modules():
         plan = styled.get(name)
         is_root = module is root

@@ -1,0 +1,401 @@
+"""Mixture-of-experts building blocks with single-device semantics.
+
+* :class:`TopKRouter` -- token-choice top-k routing: softmax or sigmoid scores, an optional
+  expert bias that shifts the *selection* only (DeepSeek-V3 auxiliary-loss-free balancing; the
+  combine weights are the unbiased scores), optional renormalization of the k weights.
+* :class:`GroupedExperts` -- ``E`` SwiGLU experts stored as stacks: ``w1``, ``w3``
+  ``[E, hidden, dim]``, ``w2`` ``[E, dim, hidden]``, run on rows grouped by expert.
+* :class:`SharedExperts` -- a SwiGLU MLP every token goes through.
+* :class:`MoE` -- router + grouped experts (+ shared experts) + auxiliary load-balance loss.
+
+The pieces of the forward are pure functions on plain tensors (:func:`route`,
+:func:`sort_by_expert`, :func:`grouped_swiglu`, :func:`combine`, :func:`load_balance_loss`)
+so the expert-parallel forward (:mod:`hp_dtensor.parallel.expert`) composes exactly the same
+computation around its token exchange. Order is deterministic: an expert sees its tokens in
+token order (a stable sort), so a token set split over ranks in order and concatenated gives
+the same rows per expert.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Literal, cast
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = [
+    "GroupedExperts",
+    "MoE",
+    "Routing",
+    "ScoreFunc",
+    "SharedExperts",
+    "TopKRouter",
+    "attach_aux_loss",
+    "combine",
+    "grouped_swiglu",
+    "load_balance_loss",
+    "route",
+    "sort_by_expert",
+    "swiglu",
+]
+
+ScoreFunc = Literal["softmax", "sigmoid"]
+
+
+@dataclass(frozen=True)
+class Routing:
+    """The routing of ``T`` tokens to ``k`` of ``E`` experts each.
+
+    Attributes:
+        experts: ``[T, k]`` int64 expert ids (distinct per token).
+        weights: ``[T, k]`` combine weights (differentiable through the router).
+        scores: ``[T, E]`` router scores, normalized per token to sum 1 (softmax scores, or
+            sigmoid scores divided by their sum): the ``P`` of the load-balance loss.
+        counts: ``[E]`` int64: how many of the ``T * k`` assignments each expert got.
+    """
+
+    experts: torch.Tensor
+    weights: torch.Tensor
+    scores: torch.Tensor
+    counts: torch.Tensor
+
+
+def route(
+    tokens: torch.Tensor,
+    weight: torch.Tensor,
+    top_k: int,
+    *,
+    score_func: ScoreFunc = "softmax",
+    expert_bias: torch.Tensor | None = None,
+    normalize: bool = False,
+    scale: float = 1.0,
+) -> Routing:
+    """Route ``tokens`` ``[T, dim]`` with gate ``weight`` ``[E, dim]`` to ``top_k`` experts.
+
+    The top-k is taken over ``scores + expert_bias`` (bias for selection only); the weights are
+    the unbiased scores of the chosen experts, divided by their sum if ``normalize``, times
+    ``scale``. Postcondition: row ``t`` of the result depends only on token ``t``.
+    """
+    num_experts = weight.shape[0]
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(
+            f"top_k must be in [1, {num_experts}] (the number of experts), got {top_k}"
+        )
+    logits = F.linear(tokens, weight)
+    if score_func == "softmax":
+        scores = torch.softmax(logits, dim=-1)
+        probs = scores
+    elif score_func == "sigmoid":
+        scores = torch.sigmoid(logits)
+        probs = scores / scores.sum(dim=-1, keepdim=True)
+    else:
+        raise ValueError(f"score_func must be 'softmax' or 'sigmoid', got {score_func!r}")
+    select = scores.detach() if expert_bias is None else scores.detach() + expert_bias
+    experts = torch.topk(select, top_k, dim=-1, sorted=True).indices
+    weights = scores.gather(-1, experts)
+    if normalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    if scale != 1.0:
+        weights = weights * scale
+    counts = torch.bincount(experts.reshape(-1), minlength=num_experts)
+    return Routing(experts=experts, weights=weights, scores=probs, counts=counts)
+
+
+def sort_by_expert(tokens: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``T * k`` token copies grouped by expert (expert 0's first), in token order within an
+    expert; and ``order``, the assignment (``t * k + j``) each row came from.
+
+    Postcondition: ``rows[i] == tokens[order[i] // k]``; expert ``e``'s rows are the
+    ``routing.counts[e]`` rows after those of experts ``< e``.
+    """
+    top_k = routing.experts.shape[-1]
+    order = torch.argsort(routing.experts.reshape(-1), stable=True)
+    return tokens.index_select(0, order // top_k), order
+
+
+def combine(rows: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Undo :func:`sort_by_expert` and sum each token's ``k`` expert outputs by its weights.
+
+    ``rows`` ``[T * k, dim]`` in the sorted order; returns ``[T, dim]``:
+    ``out[t] = sum_j weights[t, j] * rows[position of assignment t * k + j]``.
+    """
+    tokens, top_k = weights.shape
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device=order.device)
+    per_assignment = rows.index_select(0, inverse).view(tokens, top_k, -1)
+    return (per_assignment * weights.unsqueeze(-1).to(rows.dtype)).sum(dim=1)
+
+
+def swiglu(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor) -> torch.Tensor:
+    """``(silu(x w1^T) * (x w3^T)) w2^T`` with ``w1``, ``w3`` ``[hidden, dim]``, ``w2``
+    ``[dim, hidden]``."""
+    return F.linear(F.silu(F.linear(x, w1)) * F.linear(x, w3), w2)
+
+
+def grouped_swiglu(
+    rows: torch.Tensor,
+    counts: list[int],
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    w3: torch.Tensor,
+) -> torch.Tensor:
+    """Expert ``e``'s SwiGLU (``w1[e]``, ``w2[e]``, ``w3[e]``) on its ``counts[e]`` rows.
+
+    ``rows`` are grouped by expert in the order of the stacks; an expert with no rows
+    contributes nothing (its weights still get a zero gradient). Returns rows of
+    ``w2.shape[1]`` features, in the same order.
+    """
+    if len(counts) != w1.shape[0] or sum(counts) != rows.shape[0]:
+        raise ValueError(
+            f"grouped_swiglu: {len(counts)} counts summing to {sum(counts)} for {w1.shape[0]} "
+            f"experts and {rows.shape[0]} rows"
+        )
+    pieces = rows.split(counts, dim=0)
+    outs = [swiglu(piece, w1[e], w2[e], w3[e]) for e, piece in enumerate(pieces)]
+    if not outs:
+        return rows.new_zeros((0, w2.shape[1]))
+    return torch.cat(outs, dim=0)
+
+
+def load_balance_loss(
+    scores: torch.Tensor, counts: torch.Tensor, num_tokens: int, top_k: int
+) -> torch.Tensor:
+    """Switch-style auxiliary loss ``E * sum_e f_e * P_e``, written so that it splits over
+    token shards: ``f_e = counts[e] / (num_tokens * k)`` and
+    ``P_e = scores[:, e].sum() / num_tokens``.
+
+    ``counts`` and ``num_tokens`` are over *all* tokens (no gradient); ``scores`` may be a
+    subset of the tokens' rows, giving that subset's additive term (the terms of disjoint
+    subsets sum to the loss over their union).
+    """
+    num_experts = scores.shape[-1]
+    if num_tokens == 0:
+        return scores.sum() * 0.0
+    f = counts.to(scores.dtype) / float(num_tokens * top_k)
+    p = scores.sum(dim=0) / float(num_tokens)
+    return num_experts * (f * p).sum()
+
+
+class _AttachAuxLoss(torch.autograd.Function):
+    """Identity on ``out``; backward also seeds ``aux`` with gradient ``aux_grad``."""
+
+    @staticmethod
+    def forward(ctx: Any, out: torch.Tensor, aux: torch.Tensor, aux_grad: float) -> torch.Tensor:
+        ctx.aux_grad = aux_grad
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        return grad, torch.full((), ctx.aux_grad, dtype=grad.dtype, device=grad.device), None
+
+
+def attach_aux_loss(out: torch.Tensor, aux: torch.Tensor, aux_grad: float = 1.0) -> torch.Tensor:
+    """``out`` unchanged; whenever a gradient flows back through it, ``aux`` gets gradient
+    ``aux_grad``: the effect of adding ``aux`` to the loss (as Megatron's aux-loss scaler)."""
+    return cast(torch.Tensor, _AttachAuxLoss.apply(out, aux, aux_grad))  # type: ignore[no-untyped-call]
+
+
+class TopKRouter(nn.Module):
+    """Token-choice top-k gate: ``weight`` ``[E, dim]``; optional ``expert_bias`` buffer ``[E]``.
+
+    Args:
+        dim: token features.
+        num_experts: ``E``.
+        top_k: experts per token.
+        score_func: ``"softmax"`` or ``"sigmoid"``.
+        use_expert_bias: keep an ``expert_bias`` buffer added to the scores for the top-k
+            selection only (update it with :meth:`update_expert_bias`).
+        normalize_weights: divide the k weights by their sum (default: True for sigmoid).
+        route_scale: factor on the combine weights.
+    """
+
+    expert_bias: torch.Tensor | None
+
+    def __init__(
+        self,
+        dim: int,
+        num_experts: int,
+        top_k: int,
+        *,
+        score_func: ScoreFunc = "softmax",
+        use_expert_bias: bool = False,
+        normalize_weights: bool | None = None,
+        route_scale: float = 1.0,
+    ) -> None:
+        super().__init__()
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"top_k must be in [1, {num_experts}], got {top_k}")
+        if score_func not in ("softmax", "sigmoid"):
+            raise ValueError(f"score_func must be 'softmax' or 'sigmoid', got {score_func!r}")
+        self.top_k = top_k
+        self.score_func: ScoreFunc = score_func
+        self.normalize = score_func == "sigmoid" if normalize_weights is None else normalize_weights
+        self.route_scale = route_scale
+        self.weight = nn.Parameter(torch.empty(num_experts, dim))
+        self.register_buffer(
+            "expert_bias", torch.zeros(num_experts) if use_expert_bias else None, persistent=True
+        )
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Uniform in ``+-1/sqrt(dim)`` (as ``nn.Linear``)."""
+        bound = 1.0 / math.sqrt(self.weight.shape[1])
+        nn.init.uniform_(self.weight, -bound, bound)
+
+    def forward(self, tokens: torch.Tensor) -> Routing:
+        """Route ``tokens`` ``[T, dim]`` (see :func:`route`)."""
+        return route(
+            tokens,
+            self.weight,
+            self.top_k,
+            score_func=self.score_func,
+            expert_bias=self.expert_bias,
+            normalize=self.normalize,
+            scale=self.route_scale,
+        )
+
+    @torch.no_grad()
+    def update_expert_bias(self, counts: torch.Tensor, rate: float) -> None:
+        """DeepSeek-V3 balancing: ``bias += rate * sign(mean(counts) - counts)``.
+
+        Pass the counts over *all* tokens of the step (``MoE.last_counts`` is that, also under
+        expert parallelism), so every rank applies the same update.
+        """
+        if self.expert_bias is None:
+            raise RuntimeError("this router has no expert bias (use_expert_bias=False)")
+        bias = self.expert_bias
+        local = cast(torch.Tensor, bias.to_local()) if hasattr(bias, "to_local") else bias
+        load = counts.to(local.dtype)
+        local.add_(rate * torch.sign(load.mean() - load))
+
+
+class GroupedExperts(nn.Module):
+    """``E`` SwiGLU experts as stacks ``w1``, ``w3`` ``[E, hidden, dim]``, ``w2``
+    ``[E, dim, hidden]`` (each matrix ``[out, in]``, as ``nn.Linear``)."""
+
+    def __init__(self, dim: int, hidden: int, num_experts: int) -> None:
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(num_experts, hidden, dim))
+        self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden))
+        self.w3 = nn.Parameter(torch.empty(num_experts, hidden, dim))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Each matrix uniform in ``+-1/sqrt(in_features)`` (as ``nn.Linear``)."""
+        for w in (self.w1, self.w2, self.w3):
+            bound = 1.0 / math.sqrt(w.shape[-1])
+            nn.init.uniform_(w, -bound, bound)
+
+    @property
+    def num_experts(self) -> int:
+        """The number of experts held here (local experts under expert parallelism)."""
+        return int(self.w1.shape[0])
+
+    def forward(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """Rows grouped by expert (``counts[e]`` for expert ``e``) through their experts."""
+        return grouped_swiglu(rows, counts, self.w1, self.w2, self.w3)
+
+
+class SharedExperts(nn.Module):
+    """A SwiGLU MLP that every token goes through (``w1``, ``w3`` ``[hidden, dim]``, ``w2``
+    ``[dim, hidden]``; several shared experts are one with their hidden sizes added)."""
+
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``swiglu(x)``."""
+        return swiglu(x, self.w1.weight, self.w2.weight, self.w3.weight)
+
+
+class MoE(nn.Module):
+    """Router + grouped experts (+ shared experts): ``[..., dim] -> [..., dim]``.
+
+    Args:
+        dim: token features.
+        hidden: each routed expert's hidden size.
+        num_experts: routed experts ``E``.
+        top_k: experts per token.
+        score_func, use_expert_bias, normalize_weights, route_scale: see :class:`TopKRouter`.
+        shared_hidden: hidden size of the shared experts (0: none).
+        aux_loss_coef: ``alpha`` of the auxiliary load-balance loss
+            ``alpha * load_balance_loss`` (0: none). It enters training through the output's
+            backward (:func:`attach_aux_loss`): the gradients are those of
+            ``loss + alpha * aux``; ``last_aux_loss`` holds its value (detached).
+
+    After each forward, ``last_counts`` holds the tokens per expert (over all tokens, also
+    under expert parallelism) and ``last_aux_loss`` the auxiliary loss (this rank's additive
+    term under expert parallelism; the terms of all ranks sum to the loss).
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        hidden: int,
+        num_experts: int,
+        top_k: int,
+        *,
+        score_func: ScoreFunc = "softmax",
+        use_expert_bias: bool = False,
+        normalize_weights: bool | None = None,
+        route_scale: float = 1.0,
+        shared_hidden: int = 0,
+        aux_loss_coef: float = 0.0,
+    ) -> None:
+        super().__init__()
+        self.dim = dim
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.aux_loss_coef = aux_loss_coef
+        self.router = TopKRouter(
+            dim,
+            num_experts,
+            top_k,
+            score_func=score_func,
+            use_expert_bias=use_expert_bias,
+            normalize_weights=normalize_weights,
+            route_scale=route_scale,
+        )
+        self.experts = GroupedExperts(dim, hidden, num_experts)
+        self.shared = SharedExperts(dim, shared_hidden) if shared_hidden > 0 else None
+        self.last_counts: torch.Tensor | None = None
+        self.last_aux_loss: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Single device: every token to its top-k experts, weighted sum, plus shared experts."""
+        if x.shape[-1] != self.dim:
+            raise ValueError(f"MoE expects {self.dim} features, got shape {tuple(x.shape)}")
+        tokens = x.reshape(-1, self.dim)
+        routing = self.router(tokens)
+        rows, order = sort_by_expert(tokens, routing)
+        out = combine(self.experts(rows, routing.counts.tolist()), order, routing.weights)
+        if self.shared is not None:
+            out = out + self.shared(tokens)
+        self.last_counts = routing.counts.detach()
+        out = self.finish(out, routing.scores, routing.counts, tokens.shape[0])
+        return out.view_as(x)
+
+    def finish(
+        self,
+        out: torch.Tensor,
+        scores: torch.Tensor,
+        counts: torch.Tensor,
+        num_tokens: int,
+        *,
+        aux_grad: float = 1.0,
+    ) -> torch.Tensor:
+        """Attach the auxiliary loss (``counts``, ``num_tokens`` over all tokens; ``scores``
+        this rank's rows; its gradient seed ``aux_grad``) to ``out`` and record it in
+        ``last_aux_loss``."""
+        if self.aux_loss_coef == 0.0:
+            self.last_aux_loss = None
+            return out
+        aux = self.aux_loss_coef * load_balance_loss(scores, counts, num_tokens, self.top_k)
+        self.last_aux_loss = aux.detach()
+        return attach_aux_loss(out, aux, aux_grad)

@@ -1,0 +1,366 @@
+"""Expert parallelism: the dispatch plan, the ragged all-to-all, and MoE blocks under EP=2,
+EP=4 and EP x TP (2x2) in production and validation mode, equal to single device.
+
+Loss convention (EP = DP, tokens ``Shard(0)`` on the ep axis): the single-device reference
+runs the concatenation of all ranks' batches with the loss ``mean(y * probe)`` (+ the
+auxiliary load-balance loss, attached by the MoE); rank ``r``'s loss is
+``sum(y_r * probe_r) / numel(global y)``, so the global loss is the *sum* of the per-rank
+losses (and the aux loss the sum of the per-rank terms). Every routing in these cases sends no
+token to expert 3 (expert bias -1e3: the selection ignores it, the weights do not see the bias).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hp_dtensor import DeviceMesh, DTensor, _comm, layout_of
+from hp_dtensor.collectives import all_to_all_rows
+from hp_dtensor.parallel import (
+    ExpertParallel,
+    ExpertTensorParallel,
+    MoE,
+    PlanError,
+    PrepareModuleInput,
+    check_gradients,
+    parallelize_module,
+)
+from hp_dtensor.parallel.equivalence import assert_equivalent, full_value
+from hp_dtensor.parallel.expert import plan_dispatch, regroup_index
+from hp_dtensor.parallel.moe import route
+from hp_layout import Mesh, ReduceOp, Replicate, Shard
+from hp_testing import run_on_ranks
+
+DIM, HIDDEN, EXPERTS, TOP_K, SHARED = 8, 12, 8, 2, 8
+EMPTY_EXPERT = 3
+
+
+# Pure pieces ------------------------------------------------------------------------------
+
+
+def test_dispatch_plan_sizes_and_regroup() -> None:
+    counts = [[1, 0, 2, 3], [0, 4, 1, 1]]
+    p0, p1 = plan_dispatch(counts, 0), plan_dispatch(counts, 1)
+    assert p0.send_sizes == (1, 5)
+    assert p1.send_sizes == (4, 2)
+    assert p0.recv_sizes == (1, 4)
+    assert p1.recv_sizes == (5, 2)
+    assert p0.expert_counts == (1, 4)
+    assert p1.expert_counts == (3, 4)
+    # Rank 1 receives [e2 x2, e3 x3] from rank 0, then [e2, e3] from rank 1.
+    assert regroup_index(p1).tolist() == [0, 1, 5, 2, 3, 4, 6]
+    # Zero rows everywhere still plans (an expert or rank with no token).
+    empty = plan_dispatch([[0, 0], [0, 0]], 1)
+    assert empty.recv_sizes == (0, 0)
+    assert regroup_index(empty).numel() == 0
+    with pytest.raises(ValueError, match="cannot be split evenly"):
+        plan_dispatch([[1, 2, 3]] * 2, 0)
+
+
+def test_regroup_is_a_permutation_for_random_counts() -> None:
+    g = torch.Generator().manual_seed(0)
+    for ep in (1, 2, 4):
+        counts = torch.randint(0, 4, (ep, 2 * ep), generator=g).tolist()
+        for c in range(ep):
+            plan = plan_dispatch(counts, c)
+            index = regroup_index(plan)
+            assert sorted(index.tolist()) == list(range(sum(plan.recv_sizes)))
+            assert sum(plan.send_sizes) == sum(counts[c])
+
+
+def _naive_moe(moe: MoE, x: torch.Tensor) -> torch.Tensor:
+    tokens = x.reshape(-1, DIM)
+    r = moe.router
+    routing = route(
+        tokens,
+        r.weight,
+        r.top_k,
+        score_func=r.score_func,
+        expert_bias=r.expert_bias,
+        normalize=r.normalize,
+    )
+    rows = []
+    for t in range(tokens.shape[0]):
+        acc = torch.zeros(DIM)
+        for j in range(TOP_K):
+            e = int(routing.experts[t, j])
+            w1, w2, w3 = moe.experts.w1[e], moe.experts.w2[e], moe.experts.w3[e]
+            h = torch.nn.functional.silu(w1 @ tokens[t]) * (w3 @ tokens[t])
+            acc = acc + routing.weights[t, j] * (w2 @ h)
+        rows.append(acc)
+    out = torch.stack(rows)
+    if moe.shared is not None:
+        out = out + moe.shared(tokens)
+    return out.view_as(x)
+
+
+@pytest.mark.parametrize("score_func", ["softmax", "sigmoid"])
+def test_single_device_moe_matches_a_per_token_loop(score_func: str) -> None:
+    torch.manual_seed(0)
+    moe = _build(score_func)
+    x = torch.randn(3, 5, DIM)
+    got = moe(x)
+    torch.testing.assert_close(got, _naive_moe(moe, x), rtol=1e-5, atol=1e-6)
+    assert moe.last_counts is not None
+    assert int(moe.last_counts[EMPTY_EXPERT]) == 0
+    assert int(moe.last_counts.sum()) == 15 * TOP_K
+
+
+def test_plan_errors() -> None:
+    with pytest.raises(PlanError, match="ExpertParallel cannot shard module 'lin'"):
+        parallelize_module_lower(nn.ModuleDict({"lin": nn.Linear(2, 2)}))
+    with pytest.raises(PlanError, match="two different names"):
+        ExpertTensorParallel(ep_axis="ep", tp_axis="ep").lower(_build("softmax"), "moe")
+
+
+def parallelize_module_lower(model: nn.Module) -> None:
+    from hp_dtensor.parallel import resolve_plan
+
+    resolve_plan(model, {"lin": ExpertParallel()})
+
+
+# Multi-process ---------------------------------------------------------------------------
+
+
+def _build(score_func: str = "softmax") -> MoE:
+    moe = MoE(
+        DIM,
+        HIDDEN,
+        EXPERTS,
+        TOP_K,
+        score_func=score_func,  # type: ignore[arg-type]
+        use_expert_bias=True,
+        shared_hidden=SHARED,
+        aux_loss_coef=0.01,
+    )
+    assert moe.router.expert_bias is not None
+    moe.router.expert_bias[EMPTY_EXPERT] = -1e3  # no token to this expert, on any rank
+    return moe
+
+
+def _err(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float]:
+    diff = (got.double() - want.double()).abs().max().item() if want.numel() else 0.0
+    scale = max(want.abs().max().item() if want.numel() else 0.0, 1e-12)
+    return diff, diff / scale
+
+
+def _mesh(kind: str) -> tuple[DeviceMesh, Any, int]:
+    world = dist.get_world_size()
+    if kind == "etp":
+        return DeviceMesh("cpu", Mesh((2, 2), ("ep", "tp"))), ExpertTensorParallel(), 2
+    return DeviceMesh("cpu", Mesh((world,), ("ep",))), ExpertParallel(), world
+
+
+def _equivalence(kind: str, mode: str, score_func: str) -> dict[str, Any]:
+    """One forward and backward under the plan vs single device; errors (abs, rel)."""
+    torch.set_num_threads(1)
+    mesh, style, ep = _mesh(kind)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2 * ep, 3, DIM, generator=g)
+    probe = torch.randn(2 * ep, 3, DIM, generator=g)
+    torch.manual_seed(0)
+    ref = _build(score_func)
+    xr = x.clone().requires_grad_()
+    yr = ref(xr)
+    ref_loss = (yr * probe).mean()
+    ref_loss.backward()
+    assert ref.last_counts is not None
+    assert ref.last_aux_loss is not None
+    torch.manual_seed(0)
+    model = parallelize_module(
+        _build(score_func),
+        mesh,
+        {"": style},
+        mode=mode,  # type: ignore[arg-type]
+        tp_axis="ep",
+        dp_axes=(),
+    )
+    coord = mesh.get_local_rank("ep")
+    x_local = x.chunk(ep)[coord].clone().requires_grad_()
+    probe_local = probe.chunk(ep)[coord]
+    y = model(x_local)
+    ep_group = _comm.AxisGroup.of(mesh, "ep")
+    if mode == "validation":
+        assert isinstance(y, DTensor)
+        assert y.placements[0] == Shard(0)
+        loss = (y * DTensor.from_local(probe_local, mesh, y.placements)).sum() / yr.numel()
+        loss.backward()
+        assert isinstance(loss, DTensor)
+        total = loss.full_tensor().detach()
+        y_local = y.to_local().detach()
+        check_gradients(model)
+    else:
+        assert not isinstance(y, DTensor)
+        loss = (y * probe_local).sum() / yr.numel()
+        loss.backward()
+        total = _comm.all_reduce(loss.detach(), ReduceOp.SUM, ep_group)
+        y_local = y.detach()
+    x_grad = x_local.grad
+    assert x_grad is not None
+    if mode == "validation" and kind == "etp":  # adjoint pieces over tp
+        x_grad = _comm.all_reduce(x_grad, ReduceOp.SUM, _comm.AxisGroup.of(mesh, "tp"))
+    assert isinstance(model, MoE)
+    assert model.last_aux_loss is not None
+    aux = _comm.all_reduce(model.last_aux_loss, ReduceOp.SUM, ep_group)
+    grad_err, worst = (0.0, 0.0), ""
+    ref_params = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        assert p.grad is not None, name
+        want = ref_params[name].grad
+        assert want is not None, name
+        e = _err(full_value(p.grad, mesh, like=p), want)
+        if e[1] >= grad_err[1]:
+            grad_err, worst = e, name
+    w1 = model.experts.w1
+    return {
+        "out": _err(y_local, yr.detach().chunk(ep)[coord]),
+        "loss": _err(total, ref_loss.detach()),
+        "aux": _err(aux, ref.last_aux_loss),
+        "x_grad": _err(x_grad, xr.grad.chunk(ep)[coord]),  # type: ignore[union-attr]
+        "grad": grad_err,
+        "worst_grad": worst,
+        "empty_expert_tokens": int(ref.last_counts[EMPTY_EXPERT]),
+        "counts_equal": bool(torch.equal(model.last_counts, ref.last_counts)),  # type: ignore[arg-type]
+        "w1_layout": (layout_of(w1).global_shape, layout_of(w1).placements),
+        "w1_local": tuple(w1.to_local().shape if isinstance(w1, DTensor) else w1.shape),
+    }
+
+
+CASES = [
+    ("ep", "production", 2, "softmax"),
+    ("ep", "validation", 2, "softmax"),
+    ("ep", "production", 4, "sigmoid"),
+    ("ep", "validation", 4, "sigmoid"),
+    ("etp", "production", 4, "softmax"),
+    ("etp", "validation", 4, "sigmoid"),
+]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(("kind", "mode", "world", "score_func"), CASES)
+def test_moe_block_equals_single_device(kind: str, mode: str, world: int, score_func: str) -> None:
+    for rank, r in enumerate(
+        run_on_ranks(world, _equivalence, kind, mode, score_func, timeout=120)
+    ):
+        print(kind, mode, world, rank, r)
+        assert r["empty_expert_tokens"] == 0, r
+        assert r["counts_equal"], r
+        for key in ("out", "loss", "aux", "x_grad", "grad"):
+            assert r[key][1] < 1e-5, (key, r)
+        ep = world if kind == "ep" else 2
+        shape, placements = r["w1_layout"]
+        assert shape == (EXPERTS, HIDDEN, DIM)
+        if kind == "ep":
+            assert placements == (Shard(0),)
+            assert r["w1_local"] == (EXPERTS // ep, HIDDEN, DIM)
+        else:
+            assert placements == (Shard(0), Shard(1))
+            assert r["w1_local"] == (EXPERTS // 2, HIDDEN // 2, DIM)
+
+
+# Training over several steps through assert_equivalent (inputs whole on every rank) ----------
+
+
+VOCAB = 16
+
+
+class _TinyMoEModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.moe = _build("softmax")
+        self.head = nn.Linear(DIM, VOCAB, bias=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids)
+        h = h + self.moe(h)
+        return self.head(h)  # type: ignore[no-any-return]
+
+
+def _training(kind: str, mode: str) -> tuple[float, float]:
+    torch.set_num_threads(1)
+    mesh, _, _ = _mesh(kind)
+    style: Any = (
+        ExpertTensorParallel(input_layouts=Replicate(), output_layouts=Replicate())
+        if kind == "etp"
+        else ExpertParallel(input_layouts=Replicate(), output_layouts=Replicate())
+    )
+    g = torch.Generator().manual_seed(3)
+    batches = [
+        (torch.randint(0, VOCAB, (4, 3), generator=g), torch.randint(0, VOCAB, (4, 3), generator=g))
+        for _ in range(3)
+    ]
+    report = assert_equivalent(
+        _TinyMoEModel,
+        {
+            # The token ids enter replicated (validation mode then makes them a DTensor).
+            "": PrepareModuleInput(
+                input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),)
+            ),
+            "moe": style,
+        },
+        mesh,
+        batches,
+        mode=mode,  # type: ignore[arg-type]
+        tp_axis="ep",
+        dp_axes=(),
+        loss_tolerance=1e-6,
+        grad_tolerance=1e-5,
+    )
+    return report.loss_error, report.grad_error
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(("kind", "world"), [("ep", 2), ("etp", 4)])
+@pytest.mark.parametrize("mode", ["production", "validation"])
+def test_training_steps_equal_single_device(kind: str, world: int, mode: str) -> None:
+    for loss_error, grad_error in run_on_ranks(world, _training, kind, mode, timeout=120):
+        print(kind, mode, loss_error, grad_error)
+        assert loss_error < 1e-6
+        assert grad_error < 1e-5
+
+
+def _indivisible() -> str:
+    mesh = DeviceMesh("cpu", Mesh((2,), ("ep",)))
+    moe = MoE(DIM, HIDDEN, 3, 1)
+    try:
+        parallelize_module(moe, mesh, {"": ExpertParallel()}, mode="production")
+    except PlanError as exc:
+        return str(exc)
+    return "no error"
+
+
+@pytest.mark.multiprocess
+def test_experts_not_divisible_by_ep_is_an_error() -> None:
+    assert "3 experts, not divisible by the 2 ranks" in run_on_ranks(2, _indivisible)[0]
+
+
+def _rows_adjoint() -> tuple[float, float]:
+    torch.set_num_threads(1)
+    mesh = DeviceMesh("cpu", Mesh((2,), ("ep",)))
+    rank = dist.get_rank()
+    send = [(3, 0), (2, 4)][rank]  # rank 0 sends nothing to rank 1
+    recv = [(3, 2), (0, 4)][rank]
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(sum(send), 2, generator=g, requires_grad=True)
+    probe = torch.randn(sum(recv), 2, generator=g)
+    y = all_to_all_rows(x, mesh, "ep", send, recv)
+    (y * probe).sum().backward()
+    # <A x, p> summed over ranks == <x, A^T p> summed over ranks.
+    lhs = _comm.all_reduce((y * probe).sum().detach(), ReduceOp.SUM, _comm.AxisGroup.of(mesh, 0))
+    assert x.grad is not None
+    rhs = _comm.all_reduce((x * x.grad).sum().detach(), ReduceOp.SUM, _comm.AxisGroup.of(mesh, 0))
+    expect_first = x.detach()[:3] if rank == 0 else None
+    if expect_first is not None:
+        assert torch.equal(y[:3].detach(), expect_first)
+    return float(lhs), float(rhs)
+
+
+@pytest.mark.multiprocess
+def test_ragged_all_to_all_rows_and_its_adjoint() -> None:
+    for lhs, rhs in run_on_ranks(2, _rows_adjoint):
+        assert abs(lhs - rhs) < 1e-5 * max(1.0, abs(lhs))
