@@ -14,7 +14,7 @@ from hp_train.checkpoint import latest_checkpoint
 from hp_train.cli import parse
 from hp_train.config import ConfigError, ModelConfig, MoEConfig, ParallelConfig, TrainConfig
 from hp_train.data import corpus_bytes, make_source
-from hp_train.model import MoEFeedForward, Transformer
+from hp_train.model import Transformer, moe_feed_forward
 from hp_train.monitor import divergent_ranks, layer_of
 from hp_train.optim import build_optimizer, build_schedule, lr_factor
 from hp_train.parallelize import check_model_fits, tp_plan
@@ -105,7 +105,7 @@ def test_muon_takes_matrices_and_experts_adamw_the_rest() -> None:
     muon, adamw = optimizer.optimizers  # type: ignore[attr-defined]
     muon_ids = {id(p) for g in muon.param_groups for p in g["params"]}
     names = {n for n, p in model.named_parameters() if id(p) in muon_ids}
-    assert "layers.1.ffn.w1" in names  # an expert stack [E, ffn, dim]
+    assert "layers.1.ffn.experts.w1" in names  # an expert stack [E, ffn, dim]
     assert "layers.0.ffn.w1.weight" in names
     assert "layers.1.ffn.router.weight" not in names
     assert "tok_embeddings.weight" not in names
@@ -123,13 +123,16 @@ def test_tp_plan_leaves_moe_feed_forwards_whole() -> None:
 
 def test_moe_routes_every_token_and_balances_to_one() -> None:
     torch.manual_seed(0)
-    moe = MoEFeedForward(8, MoEConfig(n_experts=4, top_k=4, expert_ffn_dim=8))
+    moe = moe_feed_forward(8, MoEConfig(n_experts=4, top_k=4, expert_ffn_dim=8))
     x = torch.randn(2, 5, 8)
     out = moe(x)
     assert out.shape == x.shape
-    assert moe.aux_loss is not None
-    # top_k == n_experts: every expert gets every token, so f_e = 1/E and the loss is 1.
-    assert math.isclose(moe.aux_loss.item(), 1.0, rel_tol=1e-6)
+    assert moe.last_counts is not None
+    assert moe.last_counts.tolist() == [10, 10, 10, 10]
+    assert moe.last_aux_loss is not None
+    # top_k == n_experts: every expert gets every token, so f_e = 1/E and the balance loss
+    # is 1, times its weight.
+    assert math.isclose(moe.last_aux_loss.item(), 0.01, rel_tol=1e-5)
 
 
 def test_latest_checkpoint_skips_partial_and_incomplete(tmp_path: Path) -> None:

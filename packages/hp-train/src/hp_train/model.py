@@ -1,9 +1,9 @@
 """The Llama-style decoder the training entry point trains, dense or with MoE layers.
 
 Module names follow ``hp_dtensor.parallel.TransformerNames`` (torchtitan's), so
-``transformer_tp_plan`` applies to the dense parts. An MoE feed-forward keeps its experts as
-``[E, out, in]`` parameters (``w1``, ``w3``: ``[E, ffn, dim]``; ``w2``: ``[E, dim, ffn]``),
-which FSDP shards like any tensor and Muon orthogonalizes per expert.
+``transformer_tp_plan`` applies to the dense parts. An MoE feed-forward is hp-dtensor's
+``MoE`` block: its experts are ``[E, out, in]`` stacks, which FSDP shards like any tensor and
+Muon orthogonalizes per expert.
 
 Every operation is one that ``hp_dtensor`` has a sharding rule for, so the dense model also
 runs in validation mode.
@@ -15,9 +15,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hp_dtensor.parallel import MoE
 from hp_train.config import ModelConfig, MoEConfig
 
-__all__ = ["Attention", "Block", "FeedForward", "MoEFeedForward", "RMSNorm", "Transformer"]
+__all__ = ["Attention", "Block", "FeedForward", "RMSNorm", "Transformer", "moe_feed_forward"]
 
 
 class RMSNorm(nn.Module):
@@ -90,57 +91,19 @@ class FeedForward(nn.Module):
         return out
 
 
-class MoEFeedForward(nn.Module):
-    """Token-choice top-k mixture of SwiGLU experts, with optional shared experts.
-
-    Scores are a softmax over the router's logits; each token's top-k scores are renormalized
-    to sum to one and weight its experts' outputs. Every token is processed (no capacity, no
-    dropping). ``aux_loss`` after a forward is the Switch-style load-balancing loss
-    ``E * sum_e f_e * p_e`` (``f_e``: fraction of routed slots that chose expert ``e``,
-    ``p_e``: its mean score), which is 1 for perfectly balanced routing.
-    """
-
-    aux_loss: torch.Tensor | None
-
-    def __init__(self, dim: int, moe: MoEConfig) -> None:
-        super().__init__()
-        self.n_experts, self.top_k = moe.n_experts, moe.top_k
-        hidden = moe.expert_ffn_dim
-        self.router = nn.Linear(dim, moe.n_experts, bias=False)
-        self.w1 = nn.Parameter(torch.empty(moe.n_experts, hidden, dim))
-        self.w3 = nn.Parameter(torch.empty(moe.n_experts, hidden, dim))
-        self.w2 = nn.Parameter(torch.empty(moe.n_experts, dim, hidden))
-        self.shared = (
-            FeedForward(dim, hidden * moe.n_shared_experts) if moe.n_shared_experts else None
-        )
-        self.aux_loss = None
-        self.reset_parameters()
-
-    def reset_parameters(self) -> None:
-        """Each expert initialized like an ``nn.Linear`` of its shape."""
-        for weight in (self.w1, self.w3, self.w2):
-            bound = 1.0 / weight.shape[-1] ** 0.5
-            nn.init.uniform_(weight, -bound, bound)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        tokens = x.reshape(-1, x.shape[-1])
-        scores = F.softmax(self.router(tokens).float(), dim=-1)
-        top_scores, top_experts = scores.topk(self.top_k, dim=-1)
-        weights = (top_scores / top_scores.sum(-1, keepdim=True)).to(x.dtype)
-        out = torch.zeros_like(tokens)
-        for e in range(self.n_experts):
-            token_index, slot = (top_experts == e).nonzero(as_tuple=True)
-            if token_index.numel() == 0:
-                continue
-            h = tokens[token_index]
-            y = (F.silu(h @ self.w1[e].T) * (h @ self.w3[e].T)) @ self.w2[e].T
-            out = out.index_add(0, token_index, y * weights[token_index, slot].unsqueeze(-1))
-        chosen = F.one_hot(top_experts, self.n_experts).sum(1).float()
-        fraction = chosen.mean(0) / self.top_k
-        self.aux_loss = self.n_experts * (fraction * scores.mean(0)).sum()
-        if self.shared is not None:
-            out = out + self.shared(tokens)
-        return out.view_as(x)
+def moe_feed_forward(dim: int, moe: MoEConfig) -> MoE:
+    """hp-dtensor's MoE block for ``moe``: softmax top-k routing, grouped SwiGLU experts
+    (``experts.w1``/``w3`` ``[E, ffn, dim]``, ``experts.w2`` ``[E, dim, ffn]``), shared experts
+    of ``n_shared_experts x expert_ffn_dim`` hidden units, and the load-balancing loss with
+    weight ``aux_loss_weight`` entering through the block's backward."""
+    return MoE(
+        dim,
+        moe.expert_ffn_dim,
+        moe.n_experts,
+        moe.top_k,
+        shared_hidden=moe.expert_ffn_dim * moe.n_shared_experts,
+        aux_loss_coef=moe.aux_loss_weight,
+    )
 
 
 class Block(nn.Module):
@@ -153,7 +116,7 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
         moe = config.moe
         self.ffn: nn.Module = (
-            MoEFeedForward(config.dim, moe)
+            moe_feed_forward(config.dim, moe)
             if moe is not None and moe.is_moe_layer(index)
             else FeedForward(config.dim, config.ffn_dim)
         )
@@ -205,10 +168,11 @@ class Transformer(nn.Module):
         return logits
 
     def aux_loss(self) -> torch.Tensor | None:
-        """Sum of the MoE layers' load-balancing losses of the last forward (None if dense)."""
+        """The MoE layers' weighted load-balancing losses of the last forward, summed (detached:
+        they already enter the gradients through the MoE blocks' backward); None if dense."""
         losses = [
-            m.aux_loss
+            m.last_aux_loss
             for m in self.modules()
-            if isinstance(m, MoEFeedForward) and m.aux_loss is not None
+            if isinstance(m, MoE) and m.last_aux_loss is not None
         ]
         return torch.stack(losses).sum() if losses else None

@@ -98,12 +98,12 @@ def _write_pid(out_dir: Path, rank: int) -> None:
     (pids / f"rank_{rank}.pid").write_text(f"{os.getpid()}\n")
 
 
-def _loss(model: Transformer, batch: Batch, moe_weight: float) -> tuple[torch.Tensor, float]:
+def _loss(model: Transformer, batch: Batch) -> tuple[torch.Tensor, float]:
+    """The language-model loss (MoE load-balancing losses enter through the MoE blocks'
+    backward, weighted by ``MoEConfig.aux_loss_weight``)."""
     logits = model(batch.inputs)
     lm = F.cross_entropy(logits.float().flatten(0, 1), batch.targets.flatten())
-    aux = model.aux_loss()
-    total = lm if aux is None else lm + moe_weight * aux
-    return total, lm.item()
+    return lm, lm.item()
 
 
 def _validate(
@@ -205,7 +205,6 @@ def train(
         elif is_main:
             print(f"--resume: no complete checkpoint in {checkpoints}; starting at step 0")
     schedule = build_schedule(optimizer, config, start)
-    moe_weight = model_config.moe.aux_loss_weight if model_config.moe else 0.0
 
     metrics_path = options.out_dir / "metrics.jsonl"
     if is_main and not options.resume:
@@ -223,10 +222,13 @@ def train(
             assert batch.inputs.shape[0] == local_batch
             batch = Batch(batch.inputs.to(runtime.device), batch.targets.to(runtime.device))
             monitored = step % config.log_every == 0 or step == config.steps - 1
-            loss, local_lm = _loss(model, batch, moe_weight)
+            loss, local_lm = _loss(model, batch)
             loss.backward()
             record: dict[str, Any] = {"step": step, "lr": schedule.get_last_lr()}
             before = None
+            aux = model.aux_loss()
+            if aux is not None:
+                record["moe_aux_loss"] = float(aux)
             if monitored:
                 record["grad_norm"] = global_grad_norm(model)
                 before = snapshot(model)

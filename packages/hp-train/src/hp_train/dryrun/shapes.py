@@ -85,8 +85,8 @@ _TP_RULES: tuple[tuple[str, int], ...] = (
     (r"layers\.\d+\.attn\.o_proj\.weight", 1),
     (r"layers\.\d+\.ffn\.(shared\.)?w[13]\.weight", 0),
     (r"layers\.\d+\.ffn\.(shared\.)?w2\.weight", 1),
-    (r"layers\.\d+\.ffn\.w[13]", 1),
-    (r"layers\.\d+\.ffn\.w2", 2),
+    (r"layers\.\d+\.ffn\.experts\.w[13]", 1),
+    (r"layers\.\d+\.ffn\.experts\.w2", 2),
     (r"output\.weight", 0),
 )
 
