@@ -137,6 +137,13 @@ def _row_col_layouts(fulls: Sequence[torch.Tensor]) -> list[Layout]:
     ]
 
 
+def _expert_layouts(fulls: Sequence[torch.Tensor]) -> list[Layout]:
+    """hp-dtensor's expert parallelism: expert stacks ``[E, out, in]`` sharded on the expert
+    dim (uneven: 3 experts over 2 or 4 ranks), matrices on their rows."""
+    mesh = _world_mesh("ep")
+    return [Layout(tuple(f.shape), mesh, [Shard(0)]) for f in fulls]
+
+
 def _hp_dtensor_make(fulls: Sequence[torch.Tensor]) -> list[nn.Parameter]:
     mesh = hp_dtensor.init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp",))
     return [
@@ -173,6 +180,7 @@ def sharders(world: int) -> list[Sharder]:
     tp_make, tp_grad = _torch(lambda i, f: [TorchShard(f.dim() - 2 + i % 2)], (world,), ("tp",))
     flat_make, flat_grad, flat_full = _annotated(_flat_layouts)
     prod_make, prod_grad, prod_full = _annotated(_row_col_layouts)
+    ep_make, ep_grad, ep_full = _annotated(_expert_layouts)
     out = [
         Sharder(
             "plain", _plain_make, lambda p, g: g.clone(), lambda p: p.detach().clone(), _no_kwargs
@@ -184,6 +192,7 @@ def sharders(world: int) -> list[Sharder]:
         Sharder("torch_tp", tp_make, tp_grad, _torch_full, _no_kwargs),
         Sharder("hp_fsdp_flat", flat_make, flat_grad, flat_full, _no_kwargs),
         Sharder("hp_tp_production", prod_make, prod_grad, prod_full, _no_kwargs),
+        Sharder("hp_expert_parallel", ep_make, ep_grad, ep_full, _no_kwargs),
         Sharder("hp_dtensor", _hp_dtensor_make, _hp_dtensor_grad, _hp_dtensor_full, _no_kwargs),
     ]
     if world == 4:

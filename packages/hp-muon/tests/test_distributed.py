@@ -102,6 +102,7 @@ def _held_elements(name: str, world: int) -> int:
         "torch_tp",
         "hp_fsdp_flat",
         "hp_tp_production",
+        "hp_expert_parallel",
         "hp_dtensor",
         "torch_hsdp",
         "torch_fsdp_x_tp",
