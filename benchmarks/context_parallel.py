@@ -26,7 +26,6 @@ from __future__ import annotations
 import json
 import os
 import platform
-import socket
 import statistics
 import time
 from collections.abc import Callable
@@ -34,8 +33,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
+from _ranks import run_local_ranks
 
 from hp_dtensor import DeviceMesh
 from hp_dtensor.parallel import shard_sequence
@@ -135,26 +134,13 @@ def _bench(world: int) -> dict[str, Any]:
     }
 
 
-def _worker(rank: int, world: int, port: int, queue: Any) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+def _rank(world: int) -> dict[str, Any]:
     _count_bytes()
-    result = _bench(world)
-    if rank == 0:
-        queue.put(result)
-    dist.barrier()
-    dist.destroy_process_group()
+    return _bench(world)
 
 
 def _run(world: int) -> dict[str, Any]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    queue = mp.get_context("spawn").SimpleQueue()
-    spawn: Any = mp.start_processes  # type: ignore[attr-defined]
-    spawn(_worker, args=(world, port, queue), nprocs=world, start_method="spawn")
-    result: dict[str, Any] = queue.get()
+    result: dict[str, Any] = run_local_ranks(world, _rank, world)
     return result
 
 

@@ -16,16 +16,14 @@ from __future__ import annotations
 import json
 import os
 import platform
-import socket
 import statistics
 import time
 from collections.abc import Callable
-from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
+from _ranks import run_local_ranks
 
 ROUNDS, ITERS = 7, 300
 
@@ -87,10 +85,7 @@ def _workloads() -> dict[str, dict[str, Callable[[], object]]]:
     }
 
 
-def _worker(rank: int, world: int, port: int, queue: mp.SimpleQueue) -> None:  # type: ignore[type-arg]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+def _rank() -> dict[str, dict[str, float]]:
     samples: dict[str, dict[str, list[float]]] = {}
     workloads = _workloads()
     for _ in range(ROUNDS):
@@ -98,23 +93,12 @@ def _worker(rank: int, world: int, port: int, queue: mp.SimpleQueue) -> None:  #
             for name, fn in variants.items():
                 dist.barrier()
                 samples.setdefault(op, {}).setdefault(name, []).append(_time(fn))
-    if rank == 0:
-        queue.put(
-            {op: {n: statistics.median(v) for n, v in d.items()} for op, d in samples.items()}
-        )
-    dist.barrier()
-    dist.destroy_process_group()
+    return {op: {n: statistics.median(v) for n, v in d.items()} for op, d in samples.items()}
 
 
 def main() -> None:
     world = 2
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    queue = mp.get_context("spawn").SimpleQueue()
-    spawn: Any = mp.start_processes  # type: ignore[attr-defined]
-    spawn(_worker, args=(world, port, queue), nprocs=world, start_method="spawn")
-    medians = queue.get()
+    medians = run_local_ranks(world, _rank)
     print(
         f"machine: {platform.node()} {platform.machine()} {os.cpu_count()} cpus, "
         f"torch {torch.__version__}, {world} gloo ranks"

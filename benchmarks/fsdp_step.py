@@ -48,7 +48,6 @@ import json
 import os
 import platform
 import resource
-import socket
 import statistics
 import sys
 import time
@@ -58,8 +57,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
+from _ranks import run_local_ranks
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -336,25 +335,12 @@ def _bench_world(variants: tuple[Variant, ...]) -> dict[str, Any]:
     }
 
 
-def _worker(rank: int, world: int, port: int, queue: mp.SimpleQueue) -> None:  # type: ignore[type-arg]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    result = _bench_world(WORLDS[world])
-    if rank == 0:
-        queue.put(result)
-    dist.barrier()
-    dist.destroy_process_group()
+def _rank(world: int) -> dict[str, Any]:
+    return _bench_world(WORLDS[world])
 
 
 def _run_world(world: int) -> dict[str, Any]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    queue = mp.get_context("spawn").SimpleQueue()
-    spawn: Any = mp.start_processes  # type: ignore[attr-defined]
-    spawn(_worker, args=(world, port, queue), nprocs=world, start_method="spawn")
-    result: dict[str, Any] = queue.get()
+    result: dict[str, Any] = run_local_ranks(world, _rank, world)
     return result
 
 

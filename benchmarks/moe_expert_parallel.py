@@ -25,7 +25,6 @@ from __future__ import annotations
 import json
 import os
 import platform
-import socket
 import statistics
 import time
 from collections.abc import Callable
@@ -33,7 +32,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from _ranks import run_local_ranks
 
 from hp_dtensor import DeviceMesh
 from hp_dtensor.parallel import ExpertParallel, MoE, parallelize_module
@@ -121,27 +120,14 @@ def _bench() -> dict[str, Any]:
     }
 
 
-def _worker(rank: int, port: int, queue: Any) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+def _rank() -> dict[str, Any]:
     _count_bytes()
-    result = _bench()
-    if rank == 0:
-        queue.put(result)
-    dist.barrier()
-    dist.destroy_process_group()
+    return _bench()
 
 
 def main() -> None:
     started = time.perf_counter()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    queue = mp.get_context("spawn").SimpleQueue()
-    spawn: Any = mp.start_processes  # type: ignore[attr-defined]
-    spawn(_worker, args=(port, queue), nprocs=WORLD, start_method="spawn")
-    result = queue.get()
+    result = run_local_ranks(WORLD, _rank)
     med, sent = result["median_s"], result["max_bytes_sent_per_rank"]
     print(
         f"machine: {platform.node()} {platform.machine()} {os.cpu_count()} cpus, torch "

@@ -29,7 +29,6 @@ from __future__ import annotations
 import json
 import os
 import platform
-import socket
 import statistics
 import time
 from collections.abc import Callable
@@ -37,7 +36,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from _ranks import run_local_ranks
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
@@ -160,17 +159,6 @@ def _bench() -> dict[str, Any]:
     }
 
 
-def _worker(rank: int, port: int, queue: Any) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    result = _bench()
-    if rank == 0:
-        queue.put(result)
-    dist.barrier()
-    dist.destroy_process_group()
-
-
 def _kernel() -> dict[str, float]:
     """Newton-Schulz alone on one process: one by one vs batched by shape."""
     torch.set_num_threads(1)
@@ -188,13 +176,7 @@ def _kernel() -> dict[str, float]:
 
 def main() -> None:
     started = time.perf_counter()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    queue = mp.get_context("spawn").SimpleQueue()
-    spawn: Any = mp.start_processes  # type: ignore[attr-defined]
-    spawn(_worker, args=(port, queue), nprocs=WORLD, start_method="spawn")
-    result = queue.get()
+    result = run_local_ranks(WORLD, _bench)
     kernel = _kernel()
     shapes = _shapes()
     print(

@@ -35,7 +35,6 @@ import json
 import os
 import platform
 import pstats
-import socket
 import statistics
 import sys
 import time
@@ -45,8 +44,8 @@ from typing import Any, cast
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
+from _ranks import run_local_ranks
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -441,16 +440,10 @@ def _profile_ours(size: Size) -> str:
     return out.getvalue()
 
 
-def _worker(rank: int, world: int, port: int, profile: bool, queue: mp.SimpleQueue) -> None:  # type: ignore[type-arg]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+def _rank(profile: bool) -> tuple[dict[str, Any], str]:
     results = {size.name: _bench_size(size) for size in SIZES}
     profile_text = _profile_ours(SIZES[0]) if profile else ""
-    if rank == 0:
-        queue.put((results, profile_text))
-    dist.barrier()
-    dist.destroy_process_group()
+    return results, profile_text
 
 
 def _print(results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
@@ -498,13 +491,7 @@ def _print(results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
 
 def main() -> None:
     profile = "--profile" in sys.argv[1:]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    queue = mp.get_context("spawn").SimpleQueue()
-    spawn: Any = mp.start_processes  # type: ignore[attr-defined]
-    spawn(_worker, args=(WORLD, port, profile, queue), nprocs=WORLD, start_method="spawn")
-    results, profile_text = queue.get()
+    results, profile_text = run_local_ranks(WORLD, _rank, profile)
     print(
         f"machine: {platform.node()} {platform.machine()} {os.cpu_count()} cpus, "
         f"torch {torch.__version__}, {WORLD} gloo ranks, 1 thread each; "
