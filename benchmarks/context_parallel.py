@@ -71,8 +71,8 @@ def _count_bytes() -> None:
                 _SENT[0] += op.tensor.numel() * op.tensor.element_size()
         return batch(ops)
 
-    dist.all_to_all_single = counted_all_to_all  # type: ignore[assignment]
-    dist.batch_isend_irecv = counted_batch
+    dist.all_to_all_single = counted_all_to_all
+    dist.batch_isend_irecv = counted_batch  # type: ignore[assignment]
 
 
 def _variants(world: int) -> dict[str, Callable[[], None]]:
