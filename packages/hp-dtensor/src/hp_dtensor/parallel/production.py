@@ -130,9 +130,15 @@ def _convert_all(
 
 
 def _rowwise_linear_forward(coordinate: int) -> Callable[..., torch.Tensor]:
-    # Every rank's local product is a partial sum; the bias must be counted once.
+    # Every rank's local product is a partial sum; the bias must be counted once. The other
+    # ranks still add it times zero: their (zero) bias gradient then arrives too, so every rank
+    # reduces the same gradient bucket in backward (a rank without it would leave the others'
+    # reduction without a partner).
     def forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias if coordinate == 0 else None)
+        bias: torch.Tensor | None = self.bias
+        if bias is not None and coordinate != 0:
+            bias = bias * 0.0
+        return F.linear(x, self.weight, bias)
 
     return forward
 

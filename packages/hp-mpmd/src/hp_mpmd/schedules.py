@@ -1,0 +1,317 @@
+"""Schedule builders: GPipe, 1F1B, interleaved 1F1B and ZB-H1 as pure :class:`SchedulePlan` s.
+
+Every builder first fixes each rank's *compute* order and then inserts the communication with
+one rule (:func:`with_transfers`): right before a compute action, the receive it needs (if its
+producer stage runs on another rank); right after it, the send it produces (if its consumer
+stage runs on another rank). The sends of one compute action and the receives of the next are
+consecutive, so the runtime posts them as one batch (Megatron's ``send_forward_recv_backward``
+pairing). Where that order would deadlock under rendezvous semantics (interleaved schedules,
+whose stages form a ring over the ranks), the receive a blocked send waits for is hoisted into
+the batch its rank is blocked in, until the plan runs through: receives stay as late as
+deadlock freedom allows and sends right after their compute. Every plan
+built here passes :func:`hp_mpmd.check.check_plan`, deadlock check included (property-tested
+over stages 1..6, microbatches 1..12, 1..3 stages per rank).
+
+Conventions (shared with the checker): ``SEND_ACT(s, mb, s + 1)`` after ``FORWARD(s, mb)``
+matches ``RECV_ACT(s + 1, mb, s)`` before ``FORWARD(s + 1, mb)``; ``SEND_GRAD(s, mb, s - 1)``
+after the backward (or input-gradient pass) of ``(s, mb)`` matches ``RECV_GRAD(s - 1, mb, s)``
+before the backward of ``(s - 1, mb)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from hp_mpmd.actions import Action, ActionKind, SchedulePlan
+from hp_mpmd.check import Replay, match_of, posted_until, replay
+
+__all__ = ["gpipe", "interleaved_1f1b", "one_f_one_b", "with_transfers", "zero_bubble_h1"]
+
+F = ActionKind.FORWARD
+B = ActionKind.BACKWARD
+I = ActionKind.BACKWARD_INPUT  # noqa: E741 - the schedule letter used by the paper
+W = ActionKind.BACKWARD_WEIGHT
+
+
+def _positive(name: str, value: object) -> int:
+    """``value`` as an int, or a ValueError saying it must be a positive integer."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return value
+
+
+def with_transfers(
+    name: str,
+    num_microbatches: int,
+    stage_to_rank: Sequence[int],
+    compute: Sequence[Sequence[Action]],
+    *,
+    resolve_deadlocks: bool = True,
+) -> SchedulePlan:
+    """Build a plan from per-rank compute orders by inserting every cross-rank transfer.
+
+    Postconditions: each rank's actions are its compute actions in the given order; directly
+    before a ``FORWARD(s, mb)`` whose stage ``s - 1`` runs on another rank sits
+    ``RECV_ACT(s, mb, s - 1)``, directly after a ``FORWARD(s, mb)`` whose stage ``s + 1`` runs
+    on another rank sits ``SEND_ACT(s, mb, s + 1)``; likewise ``RECV_GRAD(s, mb, s + 1)``
+    before and ``SEND_GRAD(s, mb, s - 1)`` after each ``BACKWARD`` / ``BACKWARD_INPUT``.
+    ``BACKWARD_WEIGHT`` moves nothing. Between two compute actions the sends come before the
+    receives. With ``resolve_deadlocks`` (default), receives are then hoisted as described in
+    the module docstring until the plan cannot deadlock. No other validation happens here: run
+    :func:`hp_mpmd.check.check_plan`.
+    """
+    num_stages = len(stage_to_rank)
+    ranks = tuple(stage_to_rank)
+    per_rank: list[tuple[Action, ...]] = []
+    for rank, order in enumerate(compute):
+        out: list[Action] = []
+        for act in order:
+            s, mb = act.stage, act.microbatch
+            prev_remote = s > 0 and ranks[s - 1] != rank
+            next_remote = s < num_stages - 1 and ranks[s + 1] != rank
+            if act.kind is F:
+                if prev_remote:
+                    out.append(Action(ActionKind.RECV_ACT, s, mb, s - 1))
+                out.append(act)
+                if next_remote:
+                    out.append(Action(ActionKind.SEND_ACT, s, mb, s + 1))
+            elif act.kind in (B, I):
+                if next_remote:
+                    out.append(Action(ActionKind.RECV_GRAD, s, mb, s + 1))
+                out.append(act)
+                if prev_remote:
+                    out.append(Action(ActionKind.SEND_GRAD, s, mb, s - 1))
+            else:
+                out.append(act)
+        per_rank.append(tuple(out))
+    plan = SchedulePlan(
+        name=name,
+        num_stages=num_stages,
+        num_microbatches=num_microbatches,
+        stage_to_rank=ranks,
+        actions=tuple(per_rank),
+    )
+    return _hoist_receives(plan) if resolve_deadlocks else _replace_actions(plan, per_rank)
+
+
+def _hoist_receives(plan: SchedulePlan) -> SchedulePlan:
+    """Move receives earlier until ``plan`` cannot deadlock; sort each batch sends-first.
+
+    While the replay of :mod:`hp_mpmd.check` gets stuck, pick a blocked batch that waits for a
+    *receive* its peer has not posted yet, and move that receive to the end of the batch the
+    peer is blocked in (a receive has no local predecessor, so moving it earlier never breaks a
+    dependency). Each move strictly advances one receive, so this terminates.
+
+    Raises:
+        AssertionError: a deadlock that no receive hoist can break (a builder bug).
+    """
+    plan = _replace_actions(plan, [list(a) for a in plan.actions])
+    while True:
+        result = replay(plan)
+        if not result.stuck:
+            return plan
+        move = _hoistable(plan, result)
+        if move is None:  # pragma: no cover - would be a builder bug
+            raise AssertionError(f"{plan.name}: unresolvable deadlock at {result.stuck}")
+        rank, old, new = move
+        actions = [list(a) for a in plan.actions]
+        actions[rank].insert(new, actions[rank].pop(old))
+        plan = _replace_actions(plan, actions)
+
+
+def _hoistable(plan: SchedulePlan, result: Replay) -> tuple[int, int, int] | None:
+    """``(rank, from, to)`` for one receive to hoist into its rank's blocked batch, or None."""
+    where = {a: (r, p) for r, acts in enumerate(plan.actions) for p, a in enumerate(acts)}
+    for rank, head in result.stuck:
+        for q in range(head, posted_until(plan, result, rank)):
+            peer = match_of(plan.actions[rank][q])
+            if peer.kind not in (ActionKind.RECV_ACT, ActionKind.RECV_GRAD):
+                continue
+            peer_rank, peer_pos = where[peer]
+            reached = posted_until(plan, result, peer_rank)
+            if peer_pos >= reached:
+                return peer_rank, peer_pos, reached
+    return None
+
+
+def _replace_actions(plan: SchedulePlan, actions: Sequence[Sequence[Action]]) -> SchedulePlan:
+    """``plan`` with the given per-rank actions, each batch ordered sends first."""
+    return SchedulePlan(
+        name=plan.name,
+        num_stages=plan.num_stages,
+        num_microbatches=plan.num_microbatches,
+        stage_to_rank=plan.stage_to_rank,
+        actions=tuple(tuple(_sends_first(list(a))) for a in actions),
+    )
+
+
+def _sends_first(actions: list[Action]) -> list[Action]:
+    """Within each run of consecutive comm actions, put sends before receives (stable)."""
+    sends = (ActionKind.SEND_ACT, ActionKind.SEND_GRAD)
+    recvs = (ActionKind.RECV_ACT, ActionKind.RECV_GRAD)
+    out: list[Action] = []
+    run: list[Action] = []
+    for act in [*actions, None]:
+        if act is not None and act.kind in (*sends, *recvs):
+            run.append(act)
+            continue
+        out.extend(a for a in run if a.kind in sends)
+        out.extend(a for a in run if a.kind in recvs)
+        run = []
+        if act is not None:
+            out.append(act)
+    return out
+
+
+def gpipe(num_stages: int, num_microbatches: int) -> SchedulePlan:
+    """GPipe: every forward, then every backward.
+
+    Stage ``s`` runs on rank ``s``. Postconditions: rank ``r`` runs
+    ``FORWARD(r, 0..m-1)`` then ``BACKWARD(r, 0..m-1)``, both in microbatch order, with the
+    transfers of :func:`with_transfers`. Peak activations: ``m`` microbatches on every rank.
+    Any ``num_stages >= 1`` and ``num_microbatches >= 1`` work.
+
+    Raises:
+        ValueError: a count that is not a positive integer.
+    """
+    p = _positive("num_stages", num_stages)
+    m = _positive("num_microbatches", num_microbatches)
+    compute = [
+        [Action(F, r, mb) for mb in range(m)] + [Action(B, r, mb) for mb in range(m)]
+        for r in range(p)
+    ]
+    return with_transfers("gpipe", m, range(p), compute)
+
+
+def one_f_one_b(num_stages: int, num_microbatches: int) -> SchedulePlan:
+    """1F1B (PipeDream-flush / Megatron's non-interleaved schedule).
+
+    Stage ``s`` runs on rank ``s``. Postconditions: rank ``r`` runs ``w = min(p - 1 - r, m)``
+    warm-up forwards, then ``m - w`` pairs ``FORWARD(r, w + i), BACKWARD(r, i)``, then the
+    ``w`` remaining backwards; forwards and backwards each in microbatch order. At most
+    ``min(p - r, m)`` microbatches are in flight (forward done, backward not) on rank ``r``.
+    Any ``num_microbatches >= 1`` works (with ``m < p`` there is no steady phase).
+
+    Raises:
+        ValueError: a count that is not a positive integer.
+    """
+    p = _positive("num_stages", num_stages)
+    m = _positive("num_microbatches", num_microbatches)
+    compute: list[list[Action]] = []
+    for r in range(p):
+        warmup = min(p - 1 - r, m)
+        order = [Action(F, r, mb) for mb in range(warmup)]
+        for i in range(m - warmup):
+            order += [Action(F, r, warmup + i), Action(B, r, i)]
+        order += [Action(B, r, mb) for mb in range(m - warmup, m)]
+        compute.append(order)
+    return with_transfers("1f1b", m, range(p), compute)
+
+
+def interleaved_1f1b(num_ranks: int, stages_per_rank: int, num_microbatches: int) -> SchedulePlan:
+    """Megatron's interleaved 1F1B: ``v = stages_per_rank`` virtual stages (model chunks) per rank.
+
+    Stage ``s`` runs on rank ``s % p`` (rank ``r`` holds chunks ``r, r + p, ..., r + (v-1)p``).
+    Microbatches go in groups of ``p``. Forward number ``k`` (``0 <= k < m v``) of a rank is
+    chunk ``c = (k // p) % v`` of microbatch ``(k // (p v)) p + k % p``; backward number ``k``
+    is the same microbatch of chunk ``v - 1 - c``. Postconditions: rank ``r`` runs
+    ``w = min(2 (p - 1 - r) + (v - 1) p, m v)`` warm-up forwards, then ``m v - w`` pairs
+    (forward ``w + i``, backward ``i``), then the remaining backwards. With ``v = 1`` this is
+    Megatron's interleaved code path, whose warm-up is longer than :func:`one_f_one_b`'s.
+
+    Raises:
+        ValueError: a count that is not a positive integer, or ``num_microbatches`` not a
+            multiple of ``num_ranks`` (each group of ``p`` microbatches cycles through the
+            chunks together).
+    """
+    p = _positive("num_ranks", num_ranks)
+    v = _positive("stages_per_rank", stages_per_rank)
+    m = _positive("num_microbatches", num_microbatches)
+    if m % p:
+        lower, upper = (m // p) * p, (m // p + 1) * p
+        hint = f"{lower} or {upper}" if lower else f"{upper}"
+        raise ValueError(
+            f"interleaved_1f1b needs num_microbatches to be a multiple of num_ranks: got "
+            f"{m} microbatches for {p} ranks; use {hint}"
+        )
+    total = m * v
+
+    def unit(k: int, backward: bool) -> tuple[int, int]:
+        chunk = (k // p) % v
+        if backward:
+            chunk = v - 1 - chunk
+        return chunk, (k // (p * v)) * p + k % p
+
+    compute: list[list[Action]] = []
+    for r in range(p):
+        warmup = min(2 * (p - 1 - r) + (v - 1) * p, total)
+        order: list[Action] = []
+
+        def fwd(k: int, r: int = r, order: list[Action] = order) -> None:
+            c, mb = unit(k, backward=False)
+            order.append(Action(F, c * p + r, mb))
+
+        def bwd(k: int, r: int = r, order: list[Action] = order) -> None:
+            c, mb = unit(k, backward=True)
+            order.append(Action(B, c * p + r, mb))
+
+        for k in range(warmup):
+            fwd(k)
+        for i in range(total - warmup):
+            fwd(warmup + i)
+            bwd(i)
+        for k in range(total - warmup, total):
+            bwd(k)
+        compute.append(order)
+    stage_to_rank = [s % p for s in range(p * v)]
+    return with_transfers("interleaved_1f1b", m, stage_to_rank, compute)
+
+
+def zero_bubble_h1(num_stages: int, num_microbatches: int) -> SchedulePlan:
+    """ZB-H1 (Qi et al. 2023, "Zero Bubble Pipeline Parallelism"): 1F1B with a split backward.
+
+    Stage ``s`` runs on rank ``s``. Each backward is split into ``BACKWARD_INPUT`` (``I``: the
+    gradient the previous stage waits for; what ``SEND_GRAD`` carries) and
+    ``BACKWARD_WEIGHT`` (``W``), and rank ``r`` defers ``r`` weight passes to the end, where
+    1F1B would leave rank ``r`` idle. Postconditions: rank ``r`` runs, with
+    ``m = num_microbatches``, forwards, input passes and weight passes each in microbatch
+    order, as
+
+    1. ``min(p - 1 - r, m)`` warm-up forwards (as 1F1B);
+    2. up to ``r`` pairs ``F, I`` (weight passes deferred);
+    3. triples ``F, I, W`` until every forward ran;
+    4. pairs ``I, W`` until every input pass ran;
+    5. the deferred weight passes.
+
+    Every weight pass follows its input pass; at most ``min(p, m)`` microbatches are in flight
+    (forward done, weight pass not) on any rank, 1F1B's peak (its rank 0 holds ``p``). With
+    unit costs (F = I = W) the bubble is ``(p - 1) / (3 m + p - 1)`` against 1F1B's
+    ``(p - 1) / (m + p - 1)`` (F = 1, B = 2) once ``m >= p``. Any ``num_microbatches >= 1``
+    works.
+
+    Raises:
+        ValueError: a count that is not a positive integer.
+    """
+    p = _positive("num_stages", num_stages)
+    m = _positive("num_microbatches", num_microbatches)
+    compute: list[list[Action]] = []
+    for r in range(p):
+        order: list[Action] = []
+        nf = nb = nw = 0
+        for _ in range(min(p - 1 - r, m)):
+            order.append(Action(F, r, nf))
+            nf += 1
+        for _ in range(r):
+            if nf == m:
+                break
+            order += [Action(F, r, nf), Action(I, r, nb)]
+            nf, nb = nf + 1, nb + 1
+        while nf < m:
+            order += [Action(F, r, nf), Action(I, r, nb), Action(W, r, nw)]
+            nf, nb, nw = nf + 1, nb + 1, nw + 1
+        while nb < m:
+            order += [Action(I, r, nb), Action(W, r, nw)]
+            nb, nw = nb + 1, nw + 1
+        order += [Action(W, r, mb) for mb in range(nw, m)]
+        compute.append(order)
+    return with_transfers("zb_h1", m, range(p), compute)
