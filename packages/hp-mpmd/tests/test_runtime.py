@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from _reference import train_single_device
 from hp_mpmd import (
     PipelineSchedule,
     PipelineStage,
@@ -68,18 +69,7 @@ def _plan(name: str, world: int, microbatches: int) -> SchedulePlan:
 
 
 def _single_device(steps: int) -> tuple[list[float], list[dict[str, torch.Tensor]]]:
-    model = _mlp()
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    losses, grads = [], []
-    for step in range(steps):
-        opt.zero_grad()
-        x, y = _data(step)
-        loss = _loss(model(x), y)
-        loss.backward()
-        losses.append(loss.item())
-        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})  # type: ignore[union-attr]
-        opt.step()
-    return losses, grads
+    return train_single_device(_mlp(), _data, _loss, steps, LR)
 
 
 def _stage_modules(num_stages: int) -> list[nn.Sequential]:

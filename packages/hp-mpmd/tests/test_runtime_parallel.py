@@ -18,6 +18,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from _reference import train_single_device
 from hp_dtensor import DeviceMesh, layout_of
 from hp_dtensor.device_mesh import ensure_groups, process_group
 from hp_dtensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -68,18 +69,7 @@ def _loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 
 def _reference(steps: int) -> tuple[list[float], list[dict[str, torch.Tensor]]]:
-    model = _model()
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    losses, grads = [], []
-    for step in range(steps):
-        opt.zero_grad()
-        x, y = _data(step)
-        loss = _loss(model(x), y)
-        loss.backward()
-        losses.append(loss.item())
-        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})  # type: ignore[union-attr]
-        opt.step()
-    return losses, grads
+    return train_single_device(_model(), _data, _loss, steps, LR)
 
 
 def _local_part(p: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
