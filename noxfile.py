@@ -1,6 +1,6 @@
 """Nox sessions for the hyper-parallel monorepo.
 
-Every package under ``packages/<dist>/`` gets three sessions, generated from its
+Every package under ``packages/<dist>/`` gets four sessions, generated from its
 ``pyproject.toml``:
 
 * ``tests-<dist>``: a fresh venv with only the package and its hp-* DAG closure, installed
@@ -8,12 +8,15 @@ Every package under ``packages/<dist>/`` gets three sessions, generated from its
   pytest on ``packages/<dist>/tests`` from a directory where ``src/`` is not importable;
 * ``mypy-<dist>``: ``mypy --strict`` (root config) over the package's ``src/`` and ``tests/``;
 * ``build-<dist>``: wheel + sdist into ``dist/<dist>/``, wheel contents checked, wheel
-  installed and imported.
+  installed and imported;
+* ``check-<dist>``: the three above in one environment (one venv and one install instead of
+  three: what CI runs).
 
 Plus ``lint`` (ruff), ``dag`` (tools/check_dag.py, its tests and its types),
 ``integration`` (``tests/integration``: sibling packages installed together), ``demo``,
-``bench`` and ``ci``. Every check carries the tag ``ci``: ``nox -t ci`` runs them all (that is
-what CI runs); ``nox -s ci`` queues the same sessions. Every pip call is constrained by
+``bench`` and ``ci``. ``lint``, ``dag``, ``integration`` and every ``check-<dist>`` carry the
+tag ``ci``: ``nox -t ci`` runs them all (that is what CI runs); ``nox -s ci`` queues the same
+sessions. Every pip call is constrained by
 ``constraints/ci.txt`` (torch must never be resolved unpinned).
 """
 
@@ -207,6 +210,10 @@ def _has_python(directory: Path) -> bool:
 def run_tests(session: nox.Session, pkg: Package) -> None:
     names = install_closure(session, pkg.dist, test_extra=True)
     session.log(f"DAG closure of {pkg.dist}: {' -> '.join(names)}")
+    _pytest(session, pkg)
+
+
+def _pytest(session: nox.Session, pkg: Package) -> None:
     # cwd stays the repository root, where no src/ is importable (and `pytest`, unlike
     # `python -m pytest`, does not put the cwd on sys.path anyway): the tests import the
     # installed, non-editable copy. _check_installed_copy proves it before pytest starts.
@@ -225,6 +232,10 @@ def run_tests(session: nox.Session, pkg: Package) -> None:
 
 def run_mypy(session: nox.Session, pkg: Package) -> None:
     install_closure(session, pkg.dist, test_extra=True, extra_requirements=["mypy"])
+    _mypy(session, pkg)
+
+
+def _mypy(session: nox.Session, pkg: Package) -> None:
     targets = [
         str(d.relative_to(ROOT)) for d in (pkg.path / "src", pkg.path / "tests") if _has_python(d)
     ]
@@ -244,6 +255,14 @@ def run_build(session: nox.Session, pkg: Package) -> None:
     # Build against pinned, pre-installed build requirements (no build isolation): an isolated
     # build would resolve its own, unpinned torch for packages that compile against it.
     session.install(*PIP_ARGS, "build", *pkg.build_requires, env=PIP_ENV)
+    wheel = _build_checked(session, pkg)
+    install_closure(session, pkg.dist, test_extra=False, replace_self=str(wheel))
+    session.chdir(session.create_tmp())
+    _check_installed_copy(session, pkg.import_name)
+
+
+def _build_checked(session: nox.Session, pkg: Package) -> Path:
+    """Build the wheel and sdist into ``dist/<dist>/`` and check their contents."""
     outdir = DIST_DIR / pkg.dist
     shutil.rmtree(outdir, ignore_errors=True)
     session.run("python", "-m", "build", "--no-isolation", "--outdir", str(outdir), str(pkg.path))
@@ -267,14 +286,40 @@ def run_build(session: nox.Session, pkg: Package) -> None:
     if missing:
         session.error(f"{sdist.name}: missing {missing}")
     session.log(f"{wheel.name}: {len(in_wheel)} files incl. {imp}/py.typed; {sdist.name} ok")
+    return wheel
 
-    install_closure(session, pkg.dist, test_extra=False, replace_self=str(wheel))
-    session.chdir(session.create_tmp())
-    _check_installed_copy(session, imp)
+
+def run_check(session: nox.Session, pkg: Package) -> None:
+    """tests, mypy and build of one package in one environment: what CI runs (one venv and
+    one install instead of three). All three run even when one fails."""
+    names = install_closure(
+        session,
+        pkg.dist,
+        test_extra=True,
+        extra_requirements=["mypy", "build", *pkg.build_requires],
+    )
+    session.log(f"DAG closure of {pkg.dist}: {' -> '.join(names)}")
+    failed = []
+    for label, step in (("tests", _pytest), ("mypy", _mypy)):
+        try:
+            step(session, pkg)
+        except CommandFailed:
+            failed.append(label)
+    try:
+        wheel = _build_checked(session, pkg)
+        # The built wheel replaces the source install; it must import from site-packages.
+        session.install(*PIP_ARGS, "--force-reinstall", "--no-deps", str(wheel), env=PIP_ENV)
+        session.chdir(session.create_tmp())
+        _check_installed_copy(session, pkg.import_name)
+    except CommandFailed:
+        failed.append("build")
+    if failed:
+        session.error(f"{pkg.dist}: failed: {', '.join(failed)}")
 
 
 def _register(pkg: Package) -> list[str]:
-    """Define tests-/mypy-/build-<dist> for one package; return their names."""
+    """Define tests-/mypy-/build-<dist> (for working on one package) and check-<dist> (all
+    three in one environment, tagged ci) for one package; return the CI session's name."""
 
     def tests(session: nox.Session) -> None:
         run_tests(session, pkg)
@@ -285,15 +330,18 @@ def _register(pkg: Package) -> list[str]:
     def build(session: nox.Session) -> None:
         run_build(session, pkg)
 
+    def check(session: nox.Session) -> None:
+        run_check(session, pkg)
+
     tests.__doc__ = f"pytest {pkg.dist} against a non-editable install of its DAG closure."
     mypy.__doc__ = f"mypy --strict over {pkg.dist}'s src/ and tests/."
     build.__doc__ = f"Build {pkg.dist}'s wheel + sdist into dist/{pkg.dist}/, install, import."
-    names = []
+    check.__doc__ = f"tests, mypy and build of {pkg.dist} in one environment (CI)."
     for kind, func in (("tests", tests), ("mypy", mypy), ("build", build)):
-        name = f"{kind}-{pkg.dist}"
-        nox.session(name=name, tags=[CI_TAG])(func)
-        names.append(name)
-    return names
+        nox.session(name=f"{kind}-{pkg.dist}")(func)
+    name = f"check-{pkg.dist}"
+    nox.session(name=name, tags=[CI_TAG])(check)
+    return [name]
 
 
 # ----------------------------------------------------------------------------------------------
