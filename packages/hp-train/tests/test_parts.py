@@ -50,7 +50,7 @@ def test_parallel_fill_and_batch_split() -> None:
 def test_model_must_split_tp_ways_and_pp_is_not_there_yet() -> None:
     with pytest.raises(ConfigError, match="tp=3 must divide n_heads=4"):
         check_model_fits(ModelConfig(), ParallelConfig(tp=3))
-    with pytest.raises(ConfigError, match="needs hp-mpmd"):
+    with pytest.raises(ConfigError, match="does not drive hp-mpmd"):
         check_model_fits(ModelConfig(), ParallelConfig(pp=2))
 
 

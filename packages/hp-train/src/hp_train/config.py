@@ -117,7 +117,7 @@ class ParallelConfig:
         dp_replicate: data-parallel replicas (HSDP's replicate axis, the slow tier).
         dp_shard: FSDP shards (the fast tier).
         tp: tensor-parallel ranks (innermost: neighbouring ranks).
-        pp: pipeline stages (needs hp-mpmd).
+        pp: pipeline stages (hp-mpmd; not driven by the training loop yet).
     """
 
     dp_replicate: int = 1

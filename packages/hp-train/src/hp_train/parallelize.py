@@ -60,8 +60,9 @@ def check_model_fits(model: ModelConfig, parallel: ParallelConfig) -> None:
             raise ConfigError(f"tp={tp} must divide {name}={value}")
     if parallel.pp > 1:
         raise ConfigError(
-            f"pp={parallel.pp}: pipeline parallelism needs hp-mpmd, which has not landed yet; "
-            "use pp=1 (tools/dryrun can still plan pipelined configurations)"
+            f"pp={parallel.pp}: the training entry point does not drive hp-mpmd's pipeline "
+            "runtime yet (hp_mpmd.PipelineSchedule runs pipelines directly); use pp=1 here "
+            "(the dry run still plans pipelined configurations)"
         )
 
 
