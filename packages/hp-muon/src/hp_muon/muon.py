@@ -341,45 +341,40 @@ class Muon(Optimizer):
             for e in entries
         }
         stats: list[ExchangeStats] = []
+        prepared_by_entries: list[tuple[Sequence[_Entry], _Prepared]] = []
 
-        def run_local() -> None:
-            if not local:
-                return
-            prepared = self._prepare([e.spec for e in local], me, (me,), 2**62)
+        def exchange(
+            group_entries: Sequence[_Entry],
+            group_ranks: tuple[int, ...],
+            bucket_numel: int,
+            group: dist.ProcessGroup | None,
+            while_first_gather: Callable[[], None] | None = None,
+        ) -> None:
+            prepared = self._prepare([e.spec for e in group_entries], me, group_ranks, bucket_numel)
+            prepared_by_entries.append((group_entries, prepared))
             stats.append(
                 run_program(
                     prepared.program,
                     prepared.plan,
-                    [e.update for e in local],
-                    [outputs[id(e)] for e in local],
-                    self._orthogonalizer(prepared.plan, local),
-                    group=None,
+                    [e.update for e in group_entries],
+                    [outputs[id(e)] for e in group_entries],
+                    self._orthogonalizer(prepared.plan, group_entries),
+                    group=group,
+                    while_first_gather=while_first_gather,
                 )
             )
 
-        prepared_by_entries: list[tuple[Sequence[_Entry], _Prepared]] = []
+        def run_local() -> None:
+            # Single-rank layouts: one plan on this rank alone, one bucket, no collective.
+            if local:
+                exchange(local, (me,), 2**62, None)
+
         if spread:
             group = self._process_group or dist.group.WORLD
             group_ranks = tuple(dist.get_process_group_ranks(group))
-            prepared = self._prepare([e.spec for e in spread], me, group_ranks, self._bucket_numel)
-            prepared_by_entries.append((spread, prepared))
-            stats.append(
-                run_program(
-                    prepared.program,
-                    prepared.plan,
-                    [e.update for e in spread],
-                    [outputs[id(e)] for e in spread],
-                    self._orthogonalizer(prepared.plan, spread),
-                    group=group,
-                    while_first_gather=run_local,
-                )
-            )
+            exchange(spread, group_ranks, self._bucket_numel, group, run_local)
         else:
             run_local()
-        if local:
-            prepared_by_entries.append(
-                (local, self._prepare([e.spec for e in local], me, (me,), 2**62))
-            )
         for group_entries, prep in prepared_by_entries:
             self._apply(group_entries, prep.plan, outputs, me)
         self.last_step_stats = MuonStepStats(
