@@ -183,8 +183,32 @@ def install_closure(
             specs.append(replace_self)
         else:
             specs.append(str(pkg.path) + (f"[{TEST_EXTRA}]" if test_extra else ""))
-    session.install(*PIP_ARGS, *specs, *extra_requirements, env=PIP_ENV)
+    install_local(session, names, specs, extra_requirements)
     return names
+
+
+def _compiles_against_torch(pkg: Package) -> bool:
+    """Whether building ``pkg`` needs torch (a C++ extension, e.g. hp-kernels)."""
+    return "torch" in {_requirement_name(r) for r in pkg.build_requires}
+
+
+def install_local(
+    session: nox.Session, names: Iterable[str], specs: Iterable[str], extra: Iterable[str] = ()
+) -> None:
+    """One pip call installing the local packages ``names`` (as ``specs``) and ``extra``.
+
+    If one of them compiles against torch, every build requirement of ``names`` (pinned, torch
+    included) is installed first and the packages are built without build isolation: an
+    isolated build environment would resolve and unpack a torch of its own for every build
+    (see DESIGN.md), where this compiles once against the venv's pinned torch.
+    """
+    names = list(names)
+    no_isolation: tuple[str, ...] = ()
+    if any(_compiles_against_torch(PACKAGES[n]) for n in names):
+        requires = sorted({r for n in names for r in PACKAGES[n].build_requires})
+        session.install(*PIP_ARGS, *requires, env=PIP_ENV)
+        no_isolation = ("--no-build-isolation",)
+    session.install(*PIP_ARGS, *no_isolation, *specs, *extra, env=PIP_ENV)
 
 
 def _check_installed_copy(session: nox.Session, import_name: str) -> None:
@@ -427,7 +451,7 @@ def integration(session: nox.Session) -> None:
         str(PACKAGES[n].path) + (f"[{TEST_EXTRA}]" if n in INTEGRATION_PACKAGES else "")
         for n in names
     ]
-    session.install(*PIP_ARGS, *specs, "mypy", env=PIP_ENV)
+    install_local(session, names, specs, ["mypy"])
     for dist in INTEGRATION_PACKAGES:
         _check_installed_copy(session, PACKAGES[dist].import_name)
     tests = ROOT / "tests" / "integration"

@@ -55,7 +55,7 @@ _BELOW_SIBLINGS = frozenset({"hp_dtensor", "hp_layout", "hp_kernels"}) | TEST_ON
 ALLOWED_DEPS: Mapping[str, frozenset[str]] = {
     "hp_testing": frozenset(),  # test helpers: torch and pytest only, no hp_* package
     "hp_layout": frozenset(),  # pure Python: no torch, no numpy at import time
-    "hp_kernels": frozenset(),  # torch only
+    "hp_kernels": TEST_ONLY,  # torch only
     "hp_dtensor": frozenset({"hp_layout", "hp_kernels"}) | TEST_ONLY,
     "hp_fsdp": _BELOW_SIBLINGS,
     "hp_muon": _BELOW_SIBLINGS,

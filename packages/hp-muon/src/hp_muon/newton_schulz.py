@@ -7,17 +7,35 @@ below by ``eps``, then per step ``A = X X^T``, ``B = b A + c A A`` and ``X = a X
 bf16 products run other kernels than per-matrix ones, so on CPU they agree with
 ``torch.optim.Muon`` to bf16 rounding, not always bit for bit (measured: a last-bit difference
 in some steps of ``[2, 32, 16]`` and ``[2, 2048, 256]`` batches).
+
+When hp-kernels is installed (``pip install hp-muon[kernels]``), both run through its
+``newton_schulz`` op, which has a native kernel per backend and on CPU calls exactly this
+ATen op sequence (its C++ kernel and its reference alike), so results stay bit-equal to the
+code below and, for one matrix, to ``torch.optim.Muon``. Without hp-kernels the code below runs.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
 from hp_muon.coefficients import Coefficients
 
-__all__ = ["orthogonalize", "orthogonalize_batch", "orthogonalize_many"]
+_kernel: Callable[..., torch.Tensor] | None
+try:  # optional: per-backend kernels, same results on CPU
+    from hp_kernels import newton_schulz as _kernel_op
+except ImportError:  # pragma: no cover - depends on what is installed
+    _kernel = None
+else:
+    _kernel = _kernel_op
+
+__all__ = ["orthogonalize", "orthogonalize_batch", "orthogonalize_many", "uses_hp_kernels"]
+
+
+def uses_hp_kernels() -> bool:
+    """Whether :func:`orthogonalize` and :func:`orthogonalize_batch` run hp-kernels' op."""
+    return _kernel is not None
 
 
 def orthogonalize(
@@ -29,6 +47,8 @@ def orthogonalize(
     """
     if matrix.dim() != 2:
         raise ValueError(f"orthogonalize takes a 2-D matrix, got shape {tuple(matrix.shape)}")
+    if _kernel is not None:
+        return _kernel(matrix, len(schedule), list(schedule), eps)
     x = matrix.bfloat16()
     tall = x.size(0) > x.size(1)
     if tall:
@@ -47,6 +67,8 @@ def orthogonalize_batch(
     """:func:`orthogonalize` of every matrix of a ``[B, m, n]`` batch, as one batched run."""
     if batch.dim() != 3:
         raise ValueError(f"orthogonalize_batch takes [B, m, n], got shape {tuple(batch.shape)}")
+    if _kernel is not None:
+        return _kernel(batch, len(schedule), list(schedule), eps)
     x = batch.bfloat16()
     tall = x.size(1) > x.size(2)
     if tall:

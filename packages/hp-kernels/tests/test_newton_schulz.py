@@ -1,0 +1,111 @@
+"""Newton-Schulz: the CPU extension bit-equal to the reference, the 2-D case bit-equal to
+``torch.optim.Muon``; schedules, errors, fake tensors, opcheck."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.optim._muon import _zeropower_via_newtonschulz
+
+import hp_kernels
+from _util import bit_equal
+from hp_kernels import reference
+from hp_kernels._extension import load_cpu_extension
+
+KELLER = (3.4445, -4.7750, 2.0315)
+SHAPES = [(1, 8, 8), (3, 16, 40), (2, 40, 16), (4, 1, 7), (2, 64, 64), (0, 5, 6), (1, 33, 17)]
+
+
+def _ref(x: torch.Tensor, steps: int = 5, coeffs: tuple[float, ...] = KELLER) -> torch.Tensor:
+    a, b, c = ([coeffs[i]] * steps for i in range(3))
+    return reference.newton_schulz(x, a, b, c, 1e-7)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_batched_bit_equal_to_reference(shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(dtype)
+    got = hp_kernels.newton_schulz(x)
+    want = _ref(x)
+    assert got.dtype == torch.bfloat16
+    assert bit_equal(got, want)
+    assert got.stride() == want.stride()
+
+
+@pytest.mark.parametrize("shape", [(8, 8), (16, 40), (40, 16), (1, 7), (33, 17), (128, 96)])
+def test_two_d_bit_equal_to_torch_muon(shape: tuple[int, int]) -> None:
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(1))
+    got = hp_kernels.newton_schulz(x, steps=5, coefficients=KELLER, eps=1e-7)
+    assert bit_equal(got, _zeropower_via_newtonschulz(x, KELLER, 5, 1e-7))
+
+
+def test_batch_close_to_per_matrix() -> None:
+    # Batched bf16 products run other kernels than per-matrix ones: close, not always bitwise.
+    x = torch.randn(4, 32, 48, generator=torch.Generator().manual_seed(2))
+    got = hp_kernels.newton_schulz(x).float()
+    for i in range(4):
+        one = _zeropower_via_newtonschulz(x[i], KELLER, 5, 1e-7).float()
+        torch.testing.assert_close(got[i], one, atol=2e-2, rtol=0)
+
+
+def test_schedule_repeats_its_last_triple() -> None:
+    x = torch.randn(2, 8, 12, generator=torch.Generator().manual_seed(3))
+    schedule = [(4.0, -3.0, 0.5), KELLER]
+    got = hp_kernels.newton_schulz(x, steps=4, coefficients=schedule)
+    want = reference.newton_schulz(
+        x, [4.0] + [KELLER[0]] * 3, [-3.0] + [KELLER[1]] * 3, [0.5] + [KELLER[2]] * 3, 1e-7
+    )
+    assert bit_equal(got, want)
+    zero_steps = hp_kernels.newton_schulz(x, steps=0)
+    torch.testing.assert_close(
+        zero_steps.float().norm(dim=(-2, -1)), torch.ones(2), atol=1e-2, rtol=0
+    )
+
+
+def test_input_is_not_modified() -> None:
+    x = torch.randn(2, 6, 4).bfloat16()
+    before = x.clone()
+    hp_kernels.newton_schulz(x)
+    assert bit_equal(x, before)
+
+
+def test_errors() -> None:
+    with pytest.raises(ValueError, match=r"takes \[m, n\] or \[B, m, n\], got shape \(5,\)"):
+        hp_kernels.newton_schulz(torch.randn(5))
+    with pytest.raises(ValueError, match="use fewer than 100"):
+        hp_kernels.newton_schulz(torch.randn(2, 3), steps=100)
+    with pytest.raises(ValueError, match=r"one \(a, b, c\) triple or a non-empty sequence"):
+        hp_kernels.newton_schulz(torch.randn(2, 3), coefficients=[(1.0, 2.0)])
+    with pytest.raises(ValueError, match="steps must be >= 0"):
+        hp_kernels.newton_schulz(torch.randn(2, 3), steps=-1)
+
+
+def test_fake_tensors_keep_shape_and_strides() -> None:
+    real_wide = hp_kernels.newton_schulz(torch.randn(3, 4, 6))
+    real_tall = hp_kernels.newton_schulz(torch.randn(3, 6, 4))
+    with FakeTensorMode():
+        wide = hp_kernels.newton_schulz(torch.empty(3, 4, 6))
+        tall = hp_kernels.newton_schulz(torch.empty(3, 6, 4))
+    assert (wide.shape, wide.stride(), wide.dtype) == (
+        real_wide.shape,
+        real_wide.stride(),
+        torch.bfloat16,
+    )
+    assert (tall.shape, tall.stride()) == (real_tall.shape, real_tall.stride())
+
+
+@pytest.mark.parametrize("shape", [(3, 4, 6), (2, 6, 4), (5, 7)])
+def test_opcheck(shape: tuple[int, ...]) -> None:
+    x = torch.randn(shape)
+    torch.library.opcheck(
+        torch.ops.hp_kernels.newton_schulz.default, (x, [3.0, 2.0], [-3.0, -2.0], [1.0, 0.5], 1e-7)
+    )
+
+
+@pytest.mark.skipif(load_cpu_extension() is not None, reason="CPU extension not loaded")
+def test_extension_direct_call_matches_reference() -> None:
+    x = torch.randn(3, 20, 12)
+    a, b, c = [KELLER[0]] * 5, [KELLER[1]] * 5, [KELLER[2]] * 5
+    got = torch.ops.hp_kernels_cpu.newton_schulz(x, a, b, c, 1e-7)
+    assert bit_equal(got, reference.newton_schulz(x, a, b, c, 1e-7))
