@@ -2,7 +2,12 @@
 
 from hp_fsdp.api import FSDPModule, fully_shard
 from hp_fsdp.clip import clip_grad_norm_, total_grad_norm
-from hp_fsdp.policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from hp_fsdp.policy import (
+    CPUOffloadPolicy,
+    LowPrecisionCommPolicy,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+)
 from hp_fsdp.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -15,6 +20,7 @@ __version__ = "0.1.0"
 __all__ = [
     "CPUOffloadPolicy",
     "FSDPModule",
+    "LowPrecisionCommPolicy",
     "MixedPrecisionPolicy",
     "OffloadPolicy",
     "__version__",

@@ -10,7 +10,10 @@ For HSDP, groups form buckets (runs in backward order of about ``bucket_bytes``)
 reduce-scatters of all groups of a bucket are in, ONE asynchronous all-reduce over the replicate
 (slow) axis is issued for all their chunks (a coalesced collective: NCCL groups it, gloo
 flattens it internally), so the slow link works while the backward of earlier layers runs. All
-of them are waited for once, at the end of backward.
+of them are waited for once, at the end of backward. With a low-precision replicate wire dtype
+(``LowPrecisionCommPolicy.replicate_reduce_dtype``) the bucket's all-reduce is
+``_lowp_comm.all_reduce_lowp``: its reduce-scatter part is issued then, its all-gather part when
+it is waited for.
 """
 
 from __future__ import annotations
@@ -22,6 +25,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _coalescing_manager as coalescing_manager
+
+from hp_fsdp._lowp_comm import all_reduce_lowp
+from hp_fsdp.counting import collective_purpose
 
 __all__ = ["GradArena", "Reduced"]
 
@@ -64,7 +70,11 @@ class Reduced:
 
 
 class GradArena:
-    """Reduced gradient chunks of groups of ``sizes`` elements (given in backward order)."""
+    """Reduced gradient chunks of groups of ``sizes`` elements (given in backward order).
+
+    ``replicate_wire``: ``(wire dtype, block size)`` of the replicate-axis all-reduce when it
+    is low precision (bf16 or FP8), None for the backend's all-reduce in ``dtype``.
+    """
 
     def __init__(
         self,
@@ -75,8 +85,10 @@ class GradArena:
         replicate_group: Any,
         replicate_size: int,
         bucket_bytes: int,
+        replicate_wire: tuple[torch.dtype, int] | None = None,
     ) -> None:
         self.dtype = dtype
+        self.replicate_wire = replicate_wire
         self.device = device
         self.shard_size = shard_size
         self.replicate_group = replicate_group
@@ -140,7 +152,18 @@ class GradArena:
         if self.replicate_size == 1 or not members:
             return
         targets = [e.accumulate if e.accumulate is not None else e.chunk for e in members]
-        with coalescing_manager(group=self.replicate_group, async_ops=True) as fused:
+        if self.replicate_wire is not None:
+            wire, block = self.replicate_wire
+            present = [t for t in targets if t is not None]
+            bucket.work = all_reduce_lowp(
+                present, wire, block, self.replicate_size, self.replicate_group
+            )
+            self.slow_collectives += 1
+            return
+        with (
+            collective_purpose("grad_all_reduce"),
+            coalescing_manager(group=self.replicate_group, async_ops=True) as fused,
+        ):
             for target in targets:
                 assert target is not None
                 dist.all_reduce(target, group=self.replicate_group)

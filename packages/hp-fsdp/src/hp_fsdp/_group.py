@@ -8,6 +8,11 @@ its layout (a RaggedShard over the shard axis). Unsharding all-gathers the chunk
 gradients accumulate into views of ``unsharded_grad`` (no copy-in), which is the input of the
 reduce-scatter; the reduce-scatter writes this rank's reduced chunk into a view of the root's
 gradient arena, whose views are the sharded parameters' gradients.
+
+With a :class:`LowPrecisionCommPolicy`, the all-gather may move this rank's shard as
+block-scaled FP8 (quantized once per optimizer step: cached on the shard's version counter,
+which every in-place update of a sharded parameter bumps) and dequantize it into the unsharded
+buffer; the reduce-scatter may move bf16/FP8 records and sum them in fp32 (``_lowp_comm``).
 """
 
 from __future__ import annotations
@@ -22,8 +27,10 @@ import torch.distributed as dist
 from torch import nn
 
 from hp_dtensor import DTensor, annotate_layout, layout_of
+from hp_fsdp._lowp_comm import Deferred, WireCodec, all_gather_records, reduce_scatter_lowp
 from hp_fsdp._mesh import FSDPMesh
-from hp_fsdp.policy import MixedPrecisionPolicy
+from hp_fsdp.counting import collective_purpose
+from hp_fsdp.policy import LowPrecisionCommPolicy, MixedPrecisionPolicy
 from hp_layout import FlatBufferLayout, Layout, ReduceOp, Replicate, plan_flat_buffer
 
 __all__ = ["FSDPParam", "FSDPParamGroup", "ShardedState"]
@@ -130,10 +137,12 @@ class FSDPParamGroup:
         fsdp: FSDPMesh,
         policy: MixedPrecisionPolicy,
         owner: str,
+        comm_policy: LowPrecisionCommPolicy | None = None,
     ) -> None:
         self.fsdp = fsdp
         self.owner = owner
         self.policy = policy
+        self.comm_policy = comm_policy or LowPrecisionCommPolicy()
         params, self.extra_reduce = _order_by_extra_reduction(params, fsdp)
         dtypes = {p.dtype for *_, p in params}
         if len(dtypes) > 1:
@@ -205,12 +214,35 @@ class FSDPParamGroup:
         )
         self.unsharded_flat.untyped_storage().resize_(0)
         self.unsharded_grad: torch.Tensor | None = None
+        self._plan_wire()
         # Inputs of in-flight collectives (cast copies) are kept alive until they complete.
         self._keep_alive: torch.Tensor | None = None
         self.state = ShardedState.SHARDED
         self._pending: Any = None
         self._version = 0
         self.register_sharded()
+
+    def _plan_wire(self) -> None:
+        """The byte records of the low-precision collectives (fixed for the group's life)."""
+        comm = self.comm_policy
+        chunk = self.flat.chunk_numel
+        self.gather_codec: WireCodec | None = None
+        if comm.param_all_gather_dtype is not None:
+            if not self.storage_dtype.is_floating_point:
+                raise ValueError(
+                    f"fully_shard({self.owner!r}): an FP8 parameter all-gather "
+                    f"({comm.param_all_gather_dtype}) needs floating-point parameters, got "
+                    f"{self.storage_dtype}; leave param_all_gather_dtype None for this module"
+                )
+            self.gather_codec = WireCodec(comm.param_all_gather_dtype, chunk, comm.block_size)
+        self.reduce_codec: WireCodec | None = None
+        wire = comm.shard_reduce_dtype
+        if wire is not None and wire != torch.float32:
+            self.reduce_codec = WireCodec(wire, chunk, comm.block_size)
+        # The quantized shard and the version of ``sharded_flat`` it was made from.
+        self._gather_cache: tuple[int, torch.Tensor] | None = None
+        self.param_quantizations = 0
+        """Times this rank's shard was quantized for the all-gather (once per step)."""
 
     def chunk_range(self, index: int) -> tuple[int, int]:
         """``(offset, length)`` of parameter ``index``'s piece in this rank's chunk."""
@@ -273,22 +305,63 @@ class FSDPParamGroup:
             return
         storage = self.unsharded_flat.untyped_storage()
         storage.resize_(self.unsharded_flat.numel() * self.unsharded_flat.element_size())
-        source = self.sharded_flat
-        if self.param_dtype != self.storage_dtype:
-            source = source.to(self.param_dtype)
         self._version = self.unsharded_flat._version
-        if self.fsdp.shard_size == 1:
-            self.unsharded_flat.copy_(source)
-            self._pending = None
+        if self.gather_codec is not None:
+            self._pending = self._unshard_quantized(self.gather_codec)
         else:
-            group = self.fsdp.mesh.get_group(self.fsdp.shard_axis)
-            self._pending = dist.all_gather_single(
-                self.unsharded_flat, source, group=group, async_op=True
-            )
-            self._keep_alive = source
+            source = self.sharded_flat
+            if self.param_dtype != self.storage_dtype:
+                source = source.to(self.param_dtype)
+            if self.fsdp.shard_size == 1:
+                self.unsharded_flat.copy_(source)
+                self._pending = None
+            else:
+                group = self.fsdp.mesh.get_group(self.fsdp.shard_axis)
+                with collective_purpose("param_all_gather"):
+                    self._pending = dist.all_gather_single(
+                        self.unsharded_flat, source, group=group, async_op=True
+                    )
+                self._keep_alive = source
         self.state = ShardedState.UNSHARDING
         if not async_op:
             self.wait()
+
+    def quantized_shard(self) -> torch.Tensor:
+        """This rank's shard as an FP8 record (``uint8``: data, then scales), quantized only
+        when the shard changed since the last call (its version counter moved)."""
+        codec = self.gather_codec
+        assert codec is not None
+        version = self.sharded_flat._version
+        if self._gather_cache is not None and self._gather_cache[0] == version:
+            return self._gather_cache[1]
+        # No all-gather reading the previous record is in flight: they complete within the
+        # step, and the shard only changes between steps.
+        record = (
+            self._gather_cache[1]
+            if self._gather_cache is not None
+            else torch.empty(codec.nbytes, dtype=torch.uint8, device=self.device)
+        )
+        codec.encode(self.sharded_flat, record)
+        self.param_quantizations += 1
+        self._gather_cache = (self.sharded_flat._version, record)
+        return record
+
+    def _unshard_quantized(self, codec: WireCodec) -> Deferred:
+        record = self.quantized_shard()
+        chunk, world = codec.numel, self.fsdp.shard_size
+        if world == 1:
+            # Quantized all the same, so one rank computes with what n ranks would.
+            gathered, work = record.view(1, -1), None
+        else:
+            group = self.fsdp.mesh.get_group(self.fsdp.shard_axis)
+            gathered, work = all_gather_records(record, world, group, "param_all_gather")
+
+        def dequantize() -> None:
+            for r in range(world):
+                piece = codec.decode(gathered[r], self.param_dtype)
+                self.unsharded_flat[r * chunk : (r + 1) * chunk].copy_(piece)
+
+        return Deferred(work, dequantize, gathered)
 
     def wait(self) -> None:
         """Finish a pending unshard and put the unsharded parameters on the modules."""
@@ -337,7 +410,15 @@ class FSDPParamGroup:
                 from hp_dtensor import DeviceMesh
 
                 group = DeviceMesh.lookup(self.device.type, mesh).get_group(axis)
-                dist.all_reduce(tail, op=_TORCH_OPS[op], group=group)
+                with collective_purpose("grad_extra_all_reduce"):
+                    dist.all_reduce(tail, op=_TORCH_OPS[op], group=group)
+        if self.fsdp.shard_size > 1 and self.reduce_codec is not None:
+            # Encode the gradient as computed (param dtype, no cast to the reduce dtype first);
+            # the receivers accumulate in fp32.
+            group = self.fsdp.mesh.get_group(self.fsdp.shard_axis)
+            return reduce_scatter_lowp(
+                self.unsharded_grad, output, self.reduce_codec, self.fsdp.shard_size, group
+            )
         source = self.unsharded_grad
         if self.reduce_dtype != self.param_dtype:
             source = source.to(self.reduce_dtype)
@@ -345,7 +426,8 @@ class FSDPParamGroup:
             output.copy_(source)
             return None
         group = self.fsdp.mesh.get_group(self.fsdp.shard_axis)
-        work = dist.reduce_scatter_single(output, source, group=group, async_op=True)
+        with collective_purpose("grad_reduce_scatter"):
+            work = dist.reduce_scatter_single(output, source, group=group, async_op=True)
         self._keep_alive = source
         return work
 

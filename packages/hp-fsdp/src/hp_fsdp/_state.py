@@ -139,6 +139,7 @@ class FSDPState:
                 replicate,
                 fsdp.replicate_size,
                 _BUCKET_BYTES,
+                _replicate_wire([s.group for s in groups if s.group is not None]),
             )
             context.arena_index = {id(s): i for i, s in enumerate(backward)}
 
@@ -279,6 +280,25 @@ class FSDPState:
             state._backward_started = False
             state._post_backward_done = False
         root.callback_queued = False
+
+
+def _replicate_wire(groups: list[FSDPParamGroup]) -> tuple[torch.dtype, int] | None:
+    """The replicate-axis wire of the root's gradient arena, which fuses the all-reduces of
+    all groups: every group must ask for the same one."""
+    wires = {
+        (g.comm_policy.replicate_reduce_dtype, g.comm_policy.block_size)
+        if g.comm_policy.replicate_reduce_dtype not in (None, torch.float32)
+        else None
+        for g in groups
+    }
+    if len(wires) > 1:
+        owners = {g.owner: g.comm_policy.replicate_reduce_dtype for g in groups}
+        raise NotImplementedError(
+            f"fully_shard groups under one root ask for different replicate_reduce_dtype (or "
+            f"block_size): {owners}; the slow-tier all-reduce is fused across groups, so give "
+            "every fully_shard call the same LowPrecisionCommPolicy replicate settings"
+        )
+    return next(iter(wires))
 
 
 def _weak_accumulated_hook(ref: weakref.ReferenceType[FSDPState]) -> Any:

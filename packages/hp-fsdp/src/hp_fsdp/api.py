@@ -12,7 +12,7 @@ from hp_dtensor import DeviceMesh
 from hp_fsdp._group import FSDPParamGroup
 from hp_fsdp._mesh import resolve_mesh
 from hp_fsdp._state import FSDPState
-from hp_fsdp.policy import MixedPrecisionPolicy, OffloadPolicy
+from hp_fsdp.policy import LowPrecisionCommPolicy, MixedPrecisionPolicy, OffloadPolicy
 from hp_fsdp.state_dict import register_state_dict_hooks
 from hp_layout import Topology
 
@@ -125,6 +125,7 @@ def fully_shard(
     mp_policy: MixedPrecisionPolicy | None = None,
     offload_policy: OffloadPolicy | None = None,
     topology: Topology | None = None,
+    comm_policy: LowPrecisionCommPolicy | None = None,
 ) -> Any:
     """Shard ``module``'s parameters (those not owned by nested calls) over the mesh.
 
@@ -141,6 +142,8 @@ def fully_shard(
         mp_policy: mixed precision.
         offload_policy: only ``OffloadPolicy()`` (no offload) is implemented.
         topology: link tiers; the shard axis must lie on the faster tier.
+        comm_policy: what the collectives put on the wire (FP8 parameter all-gather, bf16/FP8
+            gradient reduction per tier); None: the dtypes of ``mp_policy``.
     """
     if not isinstance(module, nn.Module):
         raise NotImplementedError("fully_shard of several modules as one group is not supported")
@@ -166,7 +169,17 @@ def fully_shard(
             )
     device = params[0][3].device if params else torch.device("cpu")
     fsdp = resolve_mesh(mesh, topology, device.type)
-    group = FSDPParamGroup(params, fsdp, policy, owner) if params else None
+    if (
+        comm_policy is not None
+        and comm_policy.replicate_reduce_dtype is not None
+        and fsdp.replicate_axis is None
+    ):
+        raise ValueError(
+            f"fully_shard({owner!r}): comm_policy.replicate_reduce_dtype="
+            f"{comm_policy.replicate_reduce_dtype} needs a 2-d (replicate, shard) mesh, got "
+            f"{fsdp.mesh!r}; use shard_reduce_dtype for the gradient reduction of a 1-d mesh"
+        )
+    group = FSDPParamGroup(params, fsdp, policy, owner, comm_policy) if params else None
     for _, _, _, param in params:
         setattr(param, _OWNER, owner)
     input_dtype = policy.param_dtype if policy.cast_forward_inputs else None

@@ -21,6 +21,20 @@ not the aten kernels inside it). Fills (``zeros``, ``zero_``, ``fill_``, ...) an
 additions (``add_``, ...) are counted by their own helpers: an accumulating gradient buffer
 costs a fill and one in-place addition per parameter, not a copy.
 
+Purposes and bytes. hp-fsdp tags each collective it issues with what it is for
+(:func:`collective_purpose`: ``"param_all_gather"``, ``"grad_reduce_scatter"``,
+``"grad_all_reduce"``), whatever primitive carries it (a low-precision reduce-scatter is an
+all-to-all); :meth:`CountingMode.bytes_by` sums bytes by purpose or kind, optionally over one
+process group (one mesh axis)::
+
+    counts.bytes_by("purpose", ranks=shard_group_ranks)  # {"param_all_gather": 81920, ...}
+
+By default these are *wire bytes* (:attr:`CollectiveCall.wire_bytes`): what each rank sends
+under a bandwidth-optimal algorithm, ``(n - 1) / n`` of the unsharded side for an all-gather,
+reduce-scatter or all-to-all and twice that for an all-reduce (a reduce-scatter plus an
+all-gather), so an all-reduce and its low-precision reduce-scatter + all-gather replacement
+compare fairly; ``wire=False`` sums :attr:`CollectiveCall.nbytes` instead.
+
 Backend internals. A collective's work handle may run kernels when it is waited for (gloo's
 ``reduce_scatter_single`` reduces into a scratch buffer, then splits it and copies this rank's
 chunk into the output inside ``Work.wait``; NCCL writes the output directly). While the mode
@@ -31,9 +45,10 @@ the communication library, not to the code under test.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Final
@@ -50,6 +65,7 @@ __all__ = [
     "CollectiveCall",
     "CountingMode",
     "collective_kind",
+    "collective_purpose",
     "extra_counts",
     "is_copy_kernel",
     "op_name",
@@ -185,6 +201,7 @@ class CollectiveCall:
             output, a reduce-scatter's input, an all-reduce's tensor); for a coalesced
             collective, the sum over its list of tensors.
         dtype: dtype of that tensor (None when it had no tensor).
+        purpose: what it was issued for (:func:`collective_purpose`), or None.
     """
 
     kind: str
@@ -192,11 +209,40 @@ class CollectiveCall:
     ranks: tuple[int, ...]
     nbytes: int
     dtype: torch.dtype | None
+    purpose: str | None = None
 
     @property
     def group_size(self) -> int:
         """Ranks in its process group."""
         return len(self.ranks)
+
+    @property
+    def wire_bytes(self) -> float:
+        """Bytes each rank sends under a bandwidth-optimal algorithm (ring or equivalent):
+        ``(n - 1) / n * nbytes`` for an all-gather, reduce-scatter or all-to-all, twice that
+        for an all-reduce, ``nbytes`` for anything else (broadcast, point to point)."""
+        n = max(self.group_size, 1)
+        share = (n - 1) / n * self.nbytes
+        if self.kind in ("all_gather", "reduce_scatter", "all_to_all"):
+            return share
+        if self.kind == "all_reduce":
+            return 2 * share
+        return float(self.nbytes)
+
+
+_PURPOSE = threading.local()
+
+
+@contextlib.contextmanager
+def collective_purpose(purpose: str) -> Iterator[None]:
+    """Tag the collectives issued inside with ``purpose`` (recorded by an active
+    :class:`CountingMode` in :attr:`CollectiveCall.purpose`; costs nothing otherwise)."""
+    previous = getattr(_PURPOSE, "value", None)
+    _PURPOSE.value = purpose
+    try:
+        yield
+    finally:
+        _PURPOSE.value = previous
 
 
 def _resolve_process_group(name: str) -> Any:
@@ -328,6 +374,7 @@ class CountingMode(TorchDispatchMode):
                 ranks=_process_group_ranks(flat),
                 nbytes=nbytes,
                 dtype=None if largest is None else largest.dtype,
+                purpose=getattr(_PURPOSE, "value", None),
             )
         )
 
@@ -371,6 +418,21 @@ class CountingMode(TorchDispatchMode):
         shard group or replicate group of an HSDP mesh, even when both have the same size."""
         wanted = frozenset(ranks)
         return [c for c in self.collectives if frozenset(c.ranks) == wanted]
+
+    def bytes_by(
+        self, key: str = "purpose", ranks: Iterable[int] | None = None, *, wire: bool = True
+    ) -> dict[str, float]:
+        """Bytes of the collectives by ``key`` (``"purpose"``, untagged ones under their kind,
+        or ``"kind"``), only those over exactly ``ranks`` (as a set) when given; wire bytes
+        (:attr:`CollectiveCall.wire_bytes`), or with ``wire=False`` the unsharded side."""
+        if key not in ("purpose", "kind"):
+            raise ValueError(f"bytes_by groups by 'purpose' or 'kind', got {key!r}")
+        calls = self.collectives if ranks is None else self.collectives_over(ranks)
+        out: dict[str, float] = {}
+        for c in calls:
+            name = (c.purpose or c.kind) if key == "purpose" else c.kind
+            out[name] = out.get(name, 0.0) + (c.wire_bytes if wire else c.nbytes)
+        return out
 
     def summary(self) -> dict[str, Any]:
         """Picklable digest: ``ops``, ``backend_ops``, ``copies``, ``copy_count``, ``fills``,

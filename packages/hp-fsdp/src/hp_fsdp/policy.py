@@ -1,4 +1,5 @@
-"""Policies of fully_shard: mixed precision and offload (frozen, documented, FSDP2 names)."""
+"""Policies of fully_shard: mixed precision, low-precision communication and offload (frozen,
+documented, FSDP2 names where FSDP2 has the feature)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,13 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["CPUOffloadPolicy", "MixedPrecisionPolicy", "OffloadPolicy"]
+__all__ = [
+    "FLOAT8_WIRE_DTYPES",
+    "CPUOffloadPolicy",
+    "LowPrecisionCommPolicy",
+    "MixedPrecisionPolicy",
+    "OffloadPolicy",
+]
 
 
 @dataclass(frozen=True)
@@ -27,6 +34,72 @@ class MixedPrecisionPolicy:
     reduce_dtype: torch.dtype | None = None
     output_dtype: torch.dtype | None = None
     cast_forward_inputs: bool = True
+
+
+FLOAT8_WIRE_DTYPES: frozenset[torch.dtype] = frozenset({torch.float8_e4m3fn, torch.float8_e5m2})
+"""Wire dtypes sent as block-scaled FP8 (data bytes plus one fp32 scale per block)."""
+
+_REDUCE_WIRE_DTYPES = frozenset({torch.float32, torch.bfloat16}) | FLOAT8_WIRE_DTYPES
+
+
+@dataclass(frozen=True)
+class LowPrecisionCommPolicy:
+    """What the collectives of a fully_shard group put on the wire, separately for the parameter
+    all-gather and for the gradient reduction of each tier (a :class:`MixedPrecisionPolicy` still
+    sets the compute dtype of the unsharded parameters and the dtype of the reduced gradients).
+
+    Block-scaled FP8: a rank's contribution is cut into blocks of ``block_size`` elements (the
+    blocks of one rank's chunk never straddle into another rank's chunk), each block sent as FP8
+    data plus one fp32 scale, ``x ~ data * scale``; data and scales travel in one byte buffer
+    per rank (gloo has no FP8 collectives; bytes are bytes).
+
+    Attributes:
+        param_all_gather_dtype: None: all-gather the parameters in the compute dtype (the
+            default, FSDP2's behaviour); ``torch.float8_e4m3fn`` (or ``float8_e5m2``): quantize
+            this rank's shard once per optimizer step (cached on the shard's version counter, so
+            the re-gather in backward reuses it), all-gather FP8 bytes and scales, and dequantize
+            into the unsharded parameter buffer (compute dtype). Needs floating-point parameters.
+            Updates must go through the parameters (torch optimizers, ``load_state_dict``): a
+            write through ``param.data`` does not move the version counter and would leave the
+            cached FP8 shard stale.
+        shard_reduce_dtype: wire dtype of the gradient reduce-scatter over the shard (fast)
+            axis. None or ``torch.float32``: the backend's own reduce-scatter in the reduce
+            dtype. ``torch.bfloat16`` or an FP8 dtype: each rank casts (quantizes) the chunk
+            destined to each peer, one all-to-all moves them, and each rank dequantizes what it
+            received and sums it in fp32 in rank order (deterministic, identical on every run).
+        replicate_reduce_dtype: wire dtype of the gradient all-reduce over the replicate (slow)
+            axis of HSDP, same values. Low precision: the same reduce-scatter as above over the
+            replicate axis, then an all-gather of each rank's reduced chunk re-cast
+            (re-quantized) for the wire; every replica decodes the same bytes, so replicas stay
+            bit-identical. Only valid on a 2-d (replicate, shard) mesh.
+        block_size: elements per FP8 scale (positive; 128 by default: one fp32 scale per 128
+            one-byte elements adds 1/32 to the bytes of the data).
+    """
+
+    param_all_gather_dtype: torch.dtype | None = None
+    shard_reduce_dtype: torch.dtype | None = None
+    replicate_reduce_dtype: torch.dtype | None = None
+    block_size: int = 128
+
+    def __post_init__(self) -> None:
+        if isinstance(self.block_size, bool) or not isinstance(self.block_size, int):
+            raise TypeError(f"block_size must be an int, got {self.block_size!r}")
+        if self.block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {self.block_size}")
+        gather = self.param_all_gather_dtype
+        if gather is not None and gather not in FLOAT8_WIRE_DTYPES:
+            raise ValueError(
+                f"param_all_gather_dtype must be None or an FP8 dtype (torch.float8_e4m3fn, "
+                f"torch.float8_e5m2), got {gather}; for a bf16 all-gather set "
+                "MixedPrecisionPolicy(param_dtype=torch.bfloat16)"
+            )
+        for name in ("shard_reduce_dtype", "replicate_reduce_dtype"):
+            dtype = getattr(self, name)
+            if dtype is not None and dtype not in _REDUCE_WIRE_DTYPES:
+                raise ValueError(
+                    f"{name} must be None, torch.float32, torch.bfloat16, torch.float8_e4m3fn or "
+                    f"torch.float8_e5m2, got {dtype}"
+                )
 
 
 @dataclass(frozen=True)
