@@ -383,6 +383,34 @@ def test_conversions_share_storage_and_gradients(world: int) -> None:
     assert reports[0].cases == (7 if world == 2 else len(MESH_2D_CODES) + 4)
 
 
+def _stage_submesh_to_torch() -> tuple[list[int], list[int], bool]:
+    torch.set_num_threads(1)
+    root = DeviceMesh("cpu", Mesh((2, 2, 1), ("pp", "dp", "tp")))
+    # Ranks of different "pp" rows convert *different* sub-meshes at the same point, as
+    # pipeline stages do when they build their state dicts.
+    stage = root[["dp", "tp"]]
+    converted = stage.to_torch()
+    sliced = root.to_torch()[("dp", "tp")]
+    group = converted.get_group("dp")
+    value = torch.tensor([float(dist.get_rank())])
+    dist.all_reduce(value, group=group)
+    return (
+        converted.mesh.flatten().tolist(),
+        [int(value.item())],
+        converted.get_group("dp") is sliced.get_group("dp"),
+    )
+
+
+@pytest.mark.multiprocess
+def test_sub_meshes_of_one_root_convert_through_the_root() -> None:
+    """Each pipeline stage converting its own sub-mesh never pairs mismatched group
+    creations: the conversion slices the root's torch mesh, built by every rank."""
+    results = run_on_ranks(4, _stage_submesh_to_torch, timeout=120)
+    assert [r[0] for r in results] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    assert [r[1] for r in results] == [[1], [1], [5], [5]]
+    assert all(r[2] for r in results)
+
+
 # Multi-rank: torch.distributed.checkpoint -------------------------------------------------------
 
 

@@ -233,10 +233,27 @@ class DeviceMesh:
             return cached
         from torch.distributed.device_mesh import DeviceMesh as TorchDeviceMesh
 
-        grid = torch.tensor(self.mesh.ranks, dtype=torch.int).reshape(self.mesh.shape)
-        torch_mesh = TorchDeviceMesh(self.device_type, grid, mesh_dim_names=self.mesh.axis_names)
+        root = self._root
+        names = self.mesh.axis_names
+        if root != self.mesh and self._is_slice_of_root():
+            # A sub-mesh (e.g. one pipeline stage's ranks): ranks of other sub-meshes convert
+            # theirs at the same point, and torch creates groups collectively over the job, so
+            # each rank building only its own sub-mesh would pair mismatched group creations.
+            # Every rank builds the root instead (the same collective sequence) and slices it.
+            root_mesh = DeviceMesh(self.device_type, root).to_torch()
+            torch_mesh = root_mesh[names]
+        else:
+            grid = torch.tensor(self.mesh.ranks, dtype=torch.int).reshape(self.mesh.shape)
+            torch_mesh = TorchDeviceMesh(self.device_type, grid, mesh_dim_names=names)
         _TORCH_MESHES[self] = torch_mesh
         return torch_mesh
+
+    def _is_slice_of_root(self) -> bool:
+        """Whether this mesh is the root's sub-mesh over some of its axes through this rank."""
+        names = self.mesh.axis_names
+        if not set(names) <= set(self._root.axis_names) or self.get_rank() not in self.mesh:
+            return False
+        return self._root.submesh(list(names), self.get_rank()) == self.mesh
 
     @classmethod
     def from_torch(cls, mesh: Any) -> DeviceMesh:
