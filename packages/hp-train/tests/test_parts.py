@@ -47,11 +47,41 @@ def test_parallel_fill_and_batch_split() -> None:
         TrainConfig(global_batch=6).check_batch(parallel)
 
 
-def test_model_must_split_tp_ways_and_pp_is_not_there_yet() -> None:
+def test_model_must_split_tp_ways_and_pp_stages() -> None:
     with pytest.raises(ConfigError, match="tp=3 must divide n_heads=4"):
         check_model_fits(ModelConfig(), ParallelConfig(tp=3))
-    with pytest.raises(ConfigError, match="does not drive hp-mpmd"):
-        check_model_fits(ModelConfig(), ParallelConfig(pp=2))
+    check_model_fits(ModelConfig(n_layers=2), ParallelConfig(pp=2))
+    with pytest.raises(ConfigError, match="pp=3 needs at least 3 blocks"):
+        check_model_fits(ModelConfig(n_layers=2), ParallelConfig(pp=3))
+
+
+def test_microbatches_need_a_pipeline_and_divide_the_rank_batch() -> None:
+    with pytest.raises(ConfigError, match="needs pipeline parallelism"):
+        TrainConfig(microbatches=2).check_batch(ParallelConfig())
+    with pytest.raises(ConfigError, match="must divide the per-rank batch"):
+        TrainConfig(global_batch=8, microbatches=3).check_batch(ParallelConfig(pp=2))
+    assert TrainConfig(global_batch=8, microbatches=4).check_batch(ParallelConfig(pp=2)) == 8
+
+
+def test_pipeline_stages_keep_global_names_and_balance_blocks() -> None:
+    from hp_train.model import Transformer
+    from hp_train.parallelize import tp_plan
+    from hp_train.pipeline import keep_stage, stage_boundaries
+
+    config = ModelConfig(n_layers=5, moe=MoEConfig(every=2))
+    bounds = stage_boundaries(config, 2)
+    assert (bounds[0], bounds[-1], len(bounds)) == (0, 5, 3)
+    names = []
+    for stage in range(2):
+        model = keep_stage(Transformer(config), stage, bounds)
+        names.append({n for n, _ in model.named_parameters()})
+        plan = tp_plan(config, model)
+        assert ("tok_embeddings" in plan) == (stage == 0)
+        assert ("output" in plan) == (stage == 1)
+    whole = {n for n, _ in Transformer(config).named_parameters()}
+    assert names[0] | names[1] == whole
+    assert not names[0] & names[1]
+    assert "layers.4.attn.q_proj.weight" in names[1]
 
 
 def test_corpus_is_the_installed_packages_text() -> None:

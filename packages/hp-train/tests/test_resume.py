@@ -106,3 +106,30 @@ def test_resume_at_another_world_size(tmp_path: Path) -> None:
     worst = max(abs(got[s] - want[s]) for s in got)
     print(f"4 -> 2 ranks: max |loss difference| = {worst:.3g} over steps {sorted(got)}")
     assert worst <= 2e-3
+
+
+@pytest.mark.multiprocess
+def test_pipelined_checkpoint_resumes_with_other_data_and_tensor_sizes(tmp_path: Path) -> None:
+    """Saved by pp 2 x tp 2, resumed by pp 2 x dp_shard 2 (AdamW: fp32 rounding only); the
+    same checkpoint refuses a run without pipelining, naming the saved pp."""
+    first, second, flat = tmp_path / "pp_tp", tmp_path / "pp_dp", tmp_path / "flat"
+    _run(4, first, "--pp", "2", "--optimizer", "adamw")
+    saved = first / "checkpoints" / f"step_{2 * EVERY:06d}"
+    for out in (second, flat):
+        shutil.copytree(saved, out / "checkpoints" / saved.name)
+    _run(4, second, "--pp", "2", "--tp", "1", "--optimizer", "adamw", "--resume")
+    want, got = _losses(first), _losses(second)
+    assert sorted(got) == list(range(2 * EVERY, STEPS))
+    worst = max(abs(got[s] - want[s]) for s in got)
+    print(f"pp2 x tp2 -> pp2 x dp2: max |loss difference| = {worst:.3g}")
+    assert worst <= 1e-5
+    refused = subprocess.run(
+        _command(2, flat, "--optimizer", "adamw", "--resume"),
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert refused.returncode != 0
+    assert "saved with pp=2" in refused.stderr
+    assert "resume with --pp 2" in refused.stderr

@@ -29,11 +29,13 @@ MOE_MODEL = ModelConfig(
     max_seq_len=32,
     moe=MoEConfig(n_experts=4, top_k=2, expert_ffn_dim=32, every=2, n_shared_experts=1),
 )
+# Four blocks: pp=4 runs one per stage.
+PP_MODEL = ModelConfig(dim=32, n_layers=4, n_heads=4, n_kv_heads=4, ffn_dim=64, max_seq_len=32)
 
 
 def _run(
     model: ModelConfig,
-    dims: tuple[int, int, int],
+    dims: tuple[int, ...],
     config: TrainConfig,
     out: str,
     validate: bool = False,
@@ -145,3 +147,38 @@ def test_validate_checks_the_plan_before_training(tmp_path: Path) -> None:
         2, _run, MODEL, (1, 1, 2), config, str(tmp_path / "v"), True, timeout=300
     )
     assert all(len(r["losses"]) == 2 for r in results)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    ("dims", "schedule", "optimizer"),
+    [
+        ((1, 1, 2, 2), "1f1b", "muon"),  # pp 2 x tp 2
+        ((1, 2, 1, 2), "gpipe", "adamw"),  # pp 2 x FSDP 2
+        ((1, 1, 1, 4), "1f1b", "adamw"),  # pp 4 (one block per stage)
+    ],
+)
+def test_pipeline_matches_one_rank(
+    dims: tuple[int, int, int, int], schedule: str, optimizer: str, tmp_path: Path
+) -> None:
+    model = PP_MODEL
+    config = _config(microbatches=2, pp_schedule=schedule, optimizer=optimizer)
+    (one,) = run_on_ranks(
+        1, _run, model, (1, 1, 1), _config(optimizer=optimizer), str(tmp_path / "one"), timeout=300
+    )
+    four = run_on_ranks(4, _run, model, dims, config, str(tmp_path / "four"), timeout=300)
+    ref = one["losses"]
+    assert all(r["losses"] == four[0]["losses"] for r in four)
+    worst = max(abs(four[0]["losses"][s] - ref[s]) for s in ref)
+    print(f"pp {dims} {schedule} {optimizer}: {ref[0]:.4f} -> {ref[19]:.4f}; max diff {worst:.3g}")
+    assert ref[19] < ref[0] - 0.1
+    assert worst <= (ADAMW_LOSS_TOLERANCE if optimizer == "adamw" else MUON_LOSS_TOLERANCE)
+
+
+def test_zero_bubble_schedule_is_refused_under_fsdp() -> None:
+    from hp_train.config import ConfigError
+    from hp_train.pipeline import PIPELINE_SCHEDULES
+
+    assert "zbh1" not in PIPELINE_SCHEDULES
+    with pytest.raises(ConfigError, match=r"zbh1.*input and weight"):
+        TrainConfig(pp_schedule="zbh1")

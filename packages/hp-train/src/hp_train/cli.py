@@ -46,7 +46,14 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--dp-replicate", type=int, default=1)
     d.add_argument("--dp-shard", type=int, default=None, help="default: what is left")
     d.add_argument("--tp", type=int, default=1)
-    d.add_argument("--pp", type=int, default=1)
+    d.add_argument("--pp", type=int, default=1, help="pipeline stages")
+    d.add_argument(
+        "--microbatches",
+        type=int,
+        default=None,
+        help="pipeline microbatches per step (default: pp; 1 without pipelining)",
+    )
+    d.add_argument("--pp-schedule", default="1f1b", choices=("1f1b", "gpipe"))
     d.add_argument("--device", default="cpu", choices=("cpu", "cuda", "npu"))
     d.add_argument("--threads", type=int, default=None, help="CPU threads per rank")
     t = p.add_argument_group("training")
@@ -115,6 +122,8 @@ def parse(
         deterministic=args.deterministic,
         checkpoint_every=args.checkpoint_every,
         log_every=args.log_every,
+        microbatches=args.microbatches if args.microbatches is not None else parallel.pp,
+        pp_schedule=args.pp_schedule,
     )
     options = RunOptions(
         out_dir=args.out,
@@ -135,6 +144,7 @@ def _print_summary(
     print(
         f"hp-train: {len(steps)} steps (from step {summary.first_step}) on "
         f"dp_replicate={parallel.dp_replicate} x dp_shard={parallel.dp_shard} x tp={parallel.tp}"
+        f"{f' x pp={parallel.pp}' if parallel.pp > 1 else ''}"
         f" ({'MoE' if model.moe else 'dense'} dim {model.dim}, {model.n_layers} layers)\n"
         f"  loss {first:.4f} -> {last:.4f}; median step {summary.step_time_s * 1e3:.0f} ms, "
         f"{summary.tokens_per_s:.0f} tokens/s; peak memory per rank (MiB): {peaks}\n"

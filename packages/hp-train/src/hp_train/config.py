@@ -117,7 +117,7 @@ class ParallelConfig:
         dp_replicate: data-parallel replicas (HSDP's replicate axis, the slow tier).
         dp_shard: FSDP shards (the fast tier).
         tp: tensor-parallel ranks (innermost: neighbouring ranks).
-        pp: pipeline stages (hp-mpmd; not driven by the training loop yet).
+        pp: pipeline stages (hp-mpmd's runtime; the outermost axis).
     """
 
     dp_replicate: int = 1
@@ -172,6 +172,9 @@ class TrainConfig:
         log_every: precision monitoring every N steps.
         divergence_threshold: warn when a rank's local loss differs from the mean over ranks by
             more than this fraction.
+        microbatches: microbatches per step and data-parallel rank under pipeline parallelism
+            (must divide the per-rank batch; 1 without pipelining).
+        pp_schedule: the pipeline schedule, ``"1f1b"`` or ``"gpipe"``.
     """
 
     steps: int = 20
@@ -189,12 +192,22 @@ class TrainConfig:
     checkpoint_every: int = 0
     log_every: int = 5
     divergence_threshold: float = 0.5
+    microbatches: int = 1
+    pp_schedule: str = "1f1b"
 
     def __post_init__(self) -> None:
-        for name in ("steps", "global_batch", "seq_len", "log_every"):
+        for name in ("steps", "global_batch", "seq_len", "log_every", "microbatches"):
             _positive(name, getattr(self, name))
         if self.optimizer not in ("muon", "adamw"):
             raise ConfigError(f"optimizer must be 'muon' or 'adamw', got {self.optimizer!r}")
+        if self.pp_schedule == "zbh1":
+            raise ConfigError(
+                "pp_schedule='zbh1' splits each backward into input and weight passes, which "
+                "hp-fsdp's gradient hooks do not follow yet (they reduce after the input pass); "
+                "use '1f1b' or 'gpipe' (hp_mpmd.PipelineSchedule runs zbh1 without FSDP)"
+            )
+        if self.pp_schedule not in ("1f1b", "gpipe"):
+            raise ConfigError(f"pp_schedule must be '1f1b' or 'gpipe', got {self.pp_schedule!r}")
         if self.data not in ("corpus", "synthetic"):
             raise ConfigError(f"data must be 'corpus' or 'synthetic', got {self.data!r}")
         if self.warmup_steps < 0 or self.checkpoint_every < 0:
@@ -213,4 +226,15 @@ class TrainConfig:
                 f"global_batch={self.global_batch} must be divisible by the data-parallel "
                 f"degree dp_replicate x dp_shard = {parallel.dp}"
             )
-        return self.global_batch // parallel.dp
+        local = self.global_batch // parallel.dp
+        if parallel.pp == 1 and self.microbatches != 1:
+            raise ConfigError(
+                f"microbatches={self.microbatches} needs pipeline parallelism (pp > 1); "
+                "use microbatches=1 with pp=1"
+            )
+        if local % self.microbatches:
+            raise ConfigError(
+                f"microbatches={self.microbatches} must divide the per-rank batch "
+                f"global_batch / (dp_replicate x dp_shard) = {local}"
+            )
+        return local

@@ -132,12 +132,17 @@ class Transformer(nn.Module):
 
     cos: torch.Tensor
     sin: torch.Tensor
+    tok_embeddings: nn.Embedding | None
+    norm: RMSNorm | None
+    output: nn.Linear | None
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
-        self.layers = nn.ModuleList(Block(config, i) for i in range(config.n_layers))
+        # A dict keyed by the layer index (not a list): a pipeline stage keeps a subset of the
+        # blocks under their global names, so checkpoints and plans name them the same way.
+        self.layers = nn.ModuleDict({str(i): Block(config, i) for i in range(config.n_layers)})
         self.norm = RMSNorm(config.dim, config.norm_eps)
         self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
         cos, sin = self._rotary_tables()
@@ -157,15 +162,20 @@ class Transformer(nn.Module):
         self.cos, self.sin = cos.to(self.cos.device), sin.to(self.sin.device)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """Token ids ``[batch, seq]`` to logits; a pipeline stage without the embedding takes
+        hidden states ``[batch, seq, dim]`` and one without the head returns them."""
         seq = ids.shape[1]
         if seq > self.config.max_seq_len:
             raise ValueError(f"sequence length {seq} exceeds max_seq_len {self.config.max_seq_len}")
         cos, sin = self.cos[:seq], self.sin[:seq]
-        x: torch.Tensor = self.tok_embeddings(ids)
-        for layer in self.layers:
+        x: torch.Tensor = ids if self.tok_embeddings is None else self.tok_embeddings(ids)
+        for layer in self.layers.values():
             x = layer(x, cos, sin)
-        logits: torch.Tensor = self.output(self.norm(x))
-        return logits
+        if self.norm is not None:
+            x = self.norm(x)
+        if self.output is not None:
+            x = self.output(x)
+        return x
 
     def aux_loss(self) -> torch.Tensor | None:
         """The MoE layers' weighted load-balancing losses of the last forward, summed (detached:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -107,13 +108,18 @@ class Divergence:
         )
 
 
-def divergent_ranks(losses: list[float], threshold: float) -> list[Divergence]:
+def divergent_ranks(
+    losses: list[float], threshold: float, ranks: Sequence[int] | None = None
+) -> list[Divergence]:
     """Ranks whose loss is non-finite or differs from the mean of the finite ones by more
-    than ``threshold`` times that mean's magnitude."""
-    finite = [v for v in losses if math.isfinite(v)]
+    than ``threshold`` times that mean's magnitude. ``ranks`` restricts the comparison to
+    the ranks that compute a loss (under pipelining, the last stage's); default all."""
+    considered = list(range(len(losses))) if ranks is None else list(ranks)
+    finite = [losses[r] for r in considered if math.isfinite(losses[r])]
     mean = sum(finite) / len(finite) if finite else float("nan")
     out = []
-    for rank, loss in enumerate(losses):
+    for rank in considered:
+        loss = losses[rank]
         if not math.isfinite(loss) or abs(loss - mean) > threshold * max(abs(mean), 1e-12):
             out.append(Divergence(rank, loss, mean))
     return out

@@ -1,8 +1,10 @@
 """Lay a :class:`~hp_train.model.Transformer` out over the ranks: TP, then FSDP.
 
 The rank grid is ``(dp_replicate, dp_shard, tp)``, ``tp`` innermost (neighbouring ranks, the
-fastest links). Tensor parallelism follows Megatron's plan
-(``hp_dtensor.parallel.transformer_tp_plan``) on the dense parts; MoE experts stay whole on
+fastest links); with pipeline parallelism a ``pp`` axis goes in front (stages on the slowest
+links: one activation per microbatch crosses them) and each stage's ranks form that grid.
+Tensor parallelism follows Megatron's plan (``hp_dtensor.parallel.transformer_tp_plan``) on
+the dense parts; MoE experts stay whole on
 every tensor-parallel rank (expert parallelism is hp-dtensor's, not yet here). FSDP
 (``hp_fsdp.fully_shard``) then shards every block and the root over the data-parallel axes:
 1-d over ``dp_shard``, HSDP over ``(dp_replicate, dp_shard)``. FSDP is applied even to one
@@ -38,6 +40,8 @@ class Layout3D:
         dp_rank: this rank's index among the data-parallel ranks (which batch slice it takes).
         dp_size: data-parallel ranks.
         tp_size: tensor-parallel ranks.
+        pipeline_mesh: with ``pp > 1``, the ``(pp, dp_replicate, dp_shard, tp)`` mesh of the
+            job (``mesh`` is then this rank's stage); None without pipelining.
     """
 
     mesh: DeviceMesh
@@ -45,6 +49,7 @@ class Layout3D:
     dp_rank: int
     dp_size: int
     tp_size: int
+    pipeline_mesh: DeviceMesh | None = None
 
 
 def check_model_fits(model: ModelConfig, parallel: ParallelConfig) -> None:
@@ -58,11 +63,10 @@ def check_model_fits(model: ModelConfig, parallel: ParallelConfig) -> None:
     ):
         if value % tp:
             raise ConfigError(f"tp={tp} must divide {name}={value}")
-    if parallel.pp > 1:
+    if parallel.pp > model.n_layers:
         raise ConfigError(
-            f"pp={parallel.pp}: the training entry point does not drive hp-mpmd's pipeline "
-            "runtime yet (hp_mpmd.PipelineSchedule runs pipelines directly); use pp=1 here "
-            "(the dry run still plans pipelined configurations)"
+            f"pp={parallel.pp} needs at least {parallel.pp} blocks (one per stage), the model "
+            f"has n_layers={model.n_layers}"
         )
 
 
@@ -80,27 +84,43 @@ def build_layout(parallel: ParallelConfig, device_type: str) -> Layout3D:
             "(or change the dimensions)"
         )
     shape = (parallel.dp_replicate, parallel.dp_shard, parallel.tp)
-    mesh = DeviceMesh(device_type, Mesh(shape, AXES))
+    pipeline_mesh = None
+    if parallel.pp > 1:
+        pipeline_mesh = DeviceMesh(device_type, Mesh((parallel.pp, *shape), ("pp", *AXES)))
+        mesh = pipeline_mesh[list(AXES)]
+    else:
+        mesh = DeviceMesh(device_type, Mesh(shape, AXES))
     # HSDP over both data axes, or 1-d FSDP over the shard axis.
     dp_axes = ["dp_replicate", "dp_shard"] if parallel.dp_replicate > 1 else ["dp_shard"]
     dp_mesh = mesh[dp_axes]
     coordinate = mesh.mesh.coordinate(dist.get_rank())
     dp_rank = coordinate[0] * parallel.dp_shard + coordinate[1]
-    return Layout3D(mesh, dp_mesh, dp_rank, parallel.dp, parallel.tp)
+    return Layout3D(mesh, dp_mesh, dp_rank, parallel.dp, parallel.tp, pipeline_mesh)
 
 
-def tp_plan(model: ModelConfig) -> dict[str, ParallelStyle]:
-    """Megatron's plan for the dense parts; MoE blocks keep their feed-forward whole."""
+def tp_plan(model: ModelConfig, stage: Transformer | None = None) -> dict[str, ParallelStyle]:
+    """Megatron's plan for the dense parts; MoE blocks keep their feed-forward whole. Given a
+    pipeline ``stage``, only the entries naming modules the stage has."""
     plan = transformer_tp_plan()
-    if model.moe is None:
-        return plan
-    dense_ffn = {k: v for k, v in plan.items() if ".ffn." in k}
-    out = {k: v for k, v in plan.items() if ".ffn." not in k}
-    for i in range(model.n_layers):
-        if not model.moe.is_moe_layer(i):
-            for key, style in dense_ffn.items():
-                out[key.replace("layers.*", f"layers.{i}")] = style
-    return out
+    out = plan
+    if model.moe is not None:
+        dense_ffn = {k: v for k, v in plan.items() if ".ffn." in k}
+        out = {k: v for k, v in plan.items() if ".ffn." not in k}
+        for i in range(model.n_layers):
+            if not model.moe.is_moe_layer(i):
+                for key, style in dense_ffn.items():
+                    out[key.replace("layers.*", f"layers.{i}")] = style
+    if stage is None:
+        return out
+    return {k: v for k, v in out.items() if _names_part_of(stage, k)}
+
+
+def _names_part_of(stage: Transformer, key: str) -> bool:
+    head, _, rest = key.partition(".")
+    if head != "layers":
+        return getattr(stage, head) is not None
+    index = rest.partition(".")[0]
+    return bool(stage.layers) if index == "*" else index in stage.layers
 
 
 def parallelize(
@@ -111,12 +131,12 @@ def parallelize(
         parallelize_module(
             model,
             layout.mesh,
-            tp_plan(model.config),
+            tp_plan(model.config, model),
             mode=mode,  # type: ignore[arg-type]
             tp_axis="tp",
             dp_axes=("dp_replicate", "dp_shard"),
         )
-    for block in model.layers:
+    for block in model.layers.values():
         fully_shard(block, mesh=layout.dp_mesh, **fsdp)
     fully_shard(model, mesh=layout.dp_mesh, **fsdp)
     return model

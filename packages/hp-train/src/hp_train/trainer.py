@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from hp_dtensor import DeviceMesh
 from hp_layout import Mesh
-from hp_train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from hp_train.checkpoint import StageOf, latest_checkpoint, load_checkpoint, save_checkpoint
 from hp_train.config import ConfigError, ModelConfig, ParallelConfig, TrainConfig
 from hp_train.data import Batch, TokenSource, make_source
 from hp_train.metrics import MetricsWriter, peak_memory_bytes
@@ -35,6 +35,7 @@ from hp_train.monitor import (
 )
 from hp_train.optim import build_optimizer, build_schedule
 from hp_train.parallelize import Layout3D, build_layout, check_model_fits, parallelize, tp_plan
+from hp_train.pipeline import PipelineRunner, build_pipeline, keep_stage, stage_boundaries
 from hp_train.plot import write_line_plot_png
 from hp_train.progress import ProgressBar
 from hp_train.runtime import Runtime
@@ -132,9 +133,17 @@ def _validate(
         return Transformer(model_config).to(device)
 
     # Validation mode treats every data axis as one (the plan's gradients are Partial over
-    # them until reduced): one "dp" axis of all data-parallel ranks, or none.
-    if layout.dp_size > 1:
-        mesh = DeviceMesh(device.type, Mesh((layout.dp_size, layout.tp_size), ("dp", "tp")))
+    # them until reduced): one "dp" axis of all data-parallel ranks, or none. The check is of
+    # the tensor-parallel plan, so pipeline ranks join the data axis (whole models there).
+    data_ranks = dist.get_world_size() // layout.tp_size
+    if config.global_batch % data_ranks:
+        raise ConfigError(
+            f"--validate runs the whole model on {data_ranks} data-parallel x {layout.tp_size} "
+            f"tensor-parallel ranks: global_batch={config.global_batch} must be divisible by "
+            f"{data_ranks}"
+        )
+    if data_ranks > 1:
+        mesh = DeviceMesh(device.type, Mesh((data_ranks, layout.tp_size), ("dp", "tp")))
         dp_axes: tuple[str, ...] = ("dp",)
     else:
         mesh = DeviceMesh(device.type, Mesh((layout.tp_size,), ("tp",)))
@@ -156,6 +165,40 @@ def _validate(
         f"--validate: {steps} steps in validation mode match one device (loss error "
         f"{report.loss_error:.2g}, worst gradient {report.grad_error:.2g} at {report.worst_grad})"
     )
+
+
+def _aux_loss(model: Transformer, pipeline: PipelineRunner | None) -> float | None:
+    """The MoE load-balancing loss of the last forward (summed over the pipeline's stages)."""
+    aux = model.aux_loss()
+    if pipeline is None:
+        return None if aux is None else float(aux)
+    # Collective over the stages: a stage without MoE layers adds zero.
+    total = torch.zeros((), dtype=torch.float64)
+    if aux is not None:
+        total += aux.detach().double().cpu()
+    has_moe = torch.tensor(float(aux is not None), dtype=torch.float64)
+    both = torch.stack([total, has_moe])
+    dist.all_reduce(both, group=pipeline.pp_group)
+    return float(both[0]) if float(both[1]) > 0 else None
+
+
+def _grad_norm(model: Transformer, pipeline: PipelineRunner | None) -> float:
+    """The global gradient norm; the pipeline's stages hold disjoint parameters, so their
+    squared norms add."""
+    norm = global_grad_norm(model)
+    if pipeline is None:
+        return norm
+    square = torch.tensor(norm * norm, dtype=torch.float64)
+    dist.all_reduce(square, group=pipeline.pp_group)
+    return math.sqrt(float(square))
+
+
+def _loss_ranks(layout: Layout3D, parallel: ParallelConfig) -> list[int] | None:
+    """The ranks that compute a loss (the last pipeline stage's), None for every rank."""
+    if layout.pipeline_mesh is None:
+        return None
+    grid = layout.pipeline_mesh.mesh
+    return [r for r in grid.ranks if grid.coordinate(r)[0] == parallel.pp - 1]
 
 
 def train(
@@ -192,14 +235,29 @@ def train(
     torch.manual_seed(config.seed)
     with runtime.device:
         model = Transformer(model_config)
+    pipeline: PipelineRunner | None = None
+    if layout.pipeline_mesh is not None:
+        # Every rank initializes the whole model (the same numbers as one device), then keeps
+        # its stage.
+        stage = layout.pipeline_mesh.mesh.coordinate(runtime.rank)[0]
+        keep_stage(model, stage, stage_boundaries(model_config, parallel.pp))
     parallelize(model, layout)
+    if layout.pipeline_mesh is not None:
+        pipeline = build_pipeline(
+            model,
+            layout.pipeline_mesh,
+            schedule=config.pp_schedule,
+            microbatches=config.microbatches,
+            device=runtime.device,
+        )
     optimizer = build_optimizer(model, config)
+    stage_of = None if pipeline is None else StageOf(pipeline.stage, pipeline.num_stages)
     start = 0
     checkpoints = options.out_dir / "checkpoints"
     if options.resume:
         found = latest_checkpoint(checkpoints)
         if found is not None:
-            start = load_checkpoint(found[1], model, optimizer)
+            start = load_checkpoint(found[1], model, optimizer, stage_of)
             if is_main:
                 print(f"resumed from {found[1]} (step {start})", flush=True)
         elif is_main:
@@ -222,15 +280,18 @@ def train(
             assert batch.inputs.shape[0] == local_batch
             batch = Batch(batch.inputs.to(runtime.device), batch.targets.to(runtime.device))
             monitored = step % config.log_every == 0 or step == config.steps - 1
-            loss, local_lm = _loss(model, batch)
-            loss.backward()
+            if pipeline is None:
+                loss, local_lm = _loss(model, batch)
+                loss.backward()
+            else:
+                local_lm = pipeline.step(batch.inputs, batch.targets)
             record: dict[str, Any] = {"step": step, "lr": schedule.get_last_lr()}
             before = None
-            aux = model.aux_loss()
+            aux = _aux_loss(model, pipeline)
             if aux is not None:
-                record["moe_aux_loss"] = float(aux)
+                record["moe_aux_loss"] = aux
             if monitored:
-                record["grad_norm"] = global_grad_norm(model)
+                record["grad_norm"] = _grad_norm(model, pipeline)
                 before = snapshot(model)
             optimizer.step()
             schedule.step()
@@ -239,7 +300,8 @@ def train(
             optimizer.zero_grad(set_to_none=True)
             reduced = torch.tensor([local_lm], dtype=torch.float64)
             dist.all_reduce(reduced)
-            global_loss = float(reduced) / runtime.world_size
+            # Only the last pipeline stage's ranks hold a loss (the others add 0.0).
+            global_loss = float(reduced) / (runtime.world_size // parallel.pp)
             losses[step] = global_loss
             elapsed = time.perf_counter() - began
             times.append(elapsed)
@@ -247,14 +309,17 @@ def train(
             if monitored:
                 per_rank = rank_losses(local_lm)
                 record["rank_losses"] = per_rank
-                for d in divergent_ranks(per_rank, config.divergence_threshold):
+                holders = _loss_ranks(layout, parallel)
+                for d in divergent_ranks(per_rank, config.divergence_threshold, holders):
                     if is_main:
                         warnings.warn(d.message(), stacklevel=1)
                 peaks: list[object] = [None] * runtime.world_size
                 dist.all_gather_object(peaks, peak_memory_bytes(runtime.device))
                 record["peak_memory_bytes"] = peaks
             if config.checkpoint_every and (step + 1) % config.checkpoint_every == 0:
-                last_checkpoint = str(save_checkpoint(checkpoints, step + 1, model, optimizer))
+                last_checkpoint = str(
+                    save_checkpoint(checkpoints, step + 1, model, optimizer, stage_of)
+                )
                 record["checkpoint"] = last_checkpoint
             if metrics is not None:
                 metrics.write(record)
