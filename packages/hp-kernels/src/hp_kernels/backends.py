@@ -86,7 +86,9 @@ class Native:
     kernel: Callable[..., Any]
 
 
-def _warn_once(op: str, device_type: str, message: str) -> None:
+def warn_fallback(op: str, device_type: str, message: str) -> None:
+    """Log that ``op`` on ``device_type`` runs its reference because of ``message``, once per
+    (op, device type) and process (every fallback of the package reports through here)."""
     if (op, device_type) in _warned:
         return
     _warned.add((op, device_type))
@@ -110,11 +112,11 @@ def pick(op: str, device_type: str, natives: Mapping[str, Native]) -> Callable[.
         return None
     native = natives.get(device_type)
     if native is None:
-        _warn_once(op, device_type, f"no native kernel for device type {device_type!r}")
+        warn_fallback(op, device_type, f"no native kernel for device type {device_type!r}")
         return None
     why = native.missing()
     if why is not None:
-        _warn_once(op, device_type, f"{native.backend} unavailable ({why})")
+        warn_fallback(op, device_type, f"{native.backend} unavailable ({why})")
         return None
     return native.kernel
 

@@ -27,19 +27,9 @@ from torch.distributed.distributed_c10d import GroupName
 from torch.distributed.distributed_c10d import _get_group_size_by_name as _group_size_of
 
 from hp_kernels import reference
-from hp_kernels.backends import force_reference, logger, torch_npu_missing
+from hp_kernels.backends import force_reference, torch_npu_missing, warn_fallback
 
 __all__ = ["all_gather_matmul", "matmul_reduce_scatter"]
-
-_reported: set[tuple[str, str]] = set()
-
-
-def _fallback(op: str, device_type: str, why: str) -> None:
-    if (op, device_type) not in _reported:
-        _reported.add((op, device_type))
-        logger.warning(
-            "hp_kernels.%s on %s: %s; running the decomposed reference", op, device_type, why
-        )
 
 
 def _world(group_name: str) -> int:
@@ -84,7 +74,7 @@ def _ag_native(
         return None
     if device_type == "cuda":
         if not _symm_mem_enabled(group_name):
-            _fallback(op, device_type, "symmetric memory is not enabled for the group")
+            warn_fallback(op, device_type, "symmetric memory is not enabled for the group")
             return None
 
         def cuda() -> torch.Tensor:
@@ -98,7 +88,9 @@ def _ag_native(
     if device_type == "npu":
         why = torch_npu_missing()
         if why is not None or not _npu_mc2_fits(a_shard, b, gather_dim):
-            _fallback(op, device_type, why or "shapes/dtypes outside what torch_npu's mc2 op takes")
+            warn_fallback(
+                op, device_type, why or "shapes/dtypes outside what torch_npu's mc2 op takes"
+            )
             return None
 
         def npu() -> torch.Tensor:
@@ -124,7 +116,7 @@ def _rs_native(
         return None
     if device_type == "cuda":
         if not _symm_mem_enabled(group_name):
-            _fallback(op, device_type, "symmetric memory is not enabled for the group")
+            warn_fallback(op, device_type, "symmetric memory is not enabled for the group")
             return None
 
         def cuda() -> torch.Tensor:
@@ -137,7 +129,9 @@ def _rs_native(
     if device_type == "npu":
         why = torch_npu_missing()
         if why is not None or reduce_op != "sum" or not _npu_mc2_fits(a, b, scatter_dim):
-            _fallback(op, device_type, why or "shapes/dtypes outside what torch_npu's mc2 op takes")
+            warn_fallback(
+                op, device_type, why or "shapes/dtypes outside what torch_npu's mc2 op takes"
+            )
             return None
 
         def npu() -> torch.Tensor:

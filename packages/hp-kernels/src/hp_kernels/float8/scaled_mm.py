@@ -24,17 +24,15 @@ Backends, chosen from the operands' device:
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 from torch import Tensor
 
+from hp_kernels.backends import warn_fallback
 from hp_kernels.float8.quantize import expand_block_scales
 
 __all__ = ["dequantize_operand", "scaled_mm"]
 
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
-_npu_fallback_warned = False
 
 
 def dequantize_operand(
@@ -84,7 +82,6 @@ def _cuda_scaled_mm(a: Tensor, a_scale: Tensor, b: Tensor, b_scale: Tensor) -> T
 
 def _npu_scaled_mm(a: Tensor, a_scale: Tensor, b: Tensor, b_scale: Tensor) -> Tensor | None:
     """Ascend quantized matmul, or None when this chip's kernel rejects FP8 operands."""
-    global _npu_fallback_warned
     import torch_npu  # only reached for tensors on an NPU
 
     try:
@@ -96,14 +93,10 @@ def _npu_scaled_mm(a: Tensor, a_scale: Tensor, b: Tensor, b_scale: Tensor) -> Te
             output_dtype=torch.bfloat16,
         )
     except (RuntimeError, TypeError) as exc:
-        if not _npu_fallback_warned:
-            warnings.warn(
-                f"torch_npu.npu_quant_matmul rejected FP8 operands ({exc}); "
-                "hp_kernels.float8.scaled_mm falls back to its fp32 emulation on this device",
-                RuntimeWarning,
-                stacklevel=3,
-            )
-            _npu_fallback_warned = True
+        # The emulation is scaled_mm's reference: reported once, like every hp-kernels fallback.
+        warn_fallback(
+            "float8.scaled_mm", "npu", f"torch_npu.npu_quant_matmul rejected FP8 operands ({exc})"
+        )
         return None
     return out.float()
 
