@@ -18,7 +18,15 @@ from torch import nn
 from hp_dtensor.parallel import MoE
 from hp_train.config import ModelConfig, MoEConfig
 
-__all__ = ["Attention", "Block", "FeedForward", "RMSNorm", "Transformer", "moe_feed_forward"]
+__all__ = [
+    "Attention",
+    "Block",
+    "FeedForward",
+    "RMSNorm",
+    "Transformer",
+    "lm_loss",
+    "moe_feed_forward",
+]
 
 
 class RMSNorm(nn.Module):
@@ -186,3 +194,9 @@ class Transformer(nn.Module):
             if isinstance(m, MoE) and m.last_aux_loss is not None
         ]
         return torch.stack(losses).sum() if losses else None
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The language-model loss of a batch or microbatch: mean cross entropy over its tokens
+    (in fp32 whatever the logits' dtype)."""
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())

@@ -19,7 +19,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from hp_dtensor import DeviceMesh
 from hp_mpmd import (
@@ -32,7 +31,7 @@ from hp_mpmd import (
 )
 from hp_mpmd.schedules import gpipe, one_f_one_b
 from hp_train.config import ConfigError, ModelConfig
-from hp_train.model import Transformer
+from hp_train.model import Transformer, lm_loss
 
 __all__ = [
     "PIPELINE_SCHEDULES",
@@ -52,16 +51,9 @@ PIPELINE_SCHEDULES: dict[str, Callable[[int, int], SchedulePlan]] = {
 
 
 def stage_boundaries(model: ModelConfig, pp: int) -> tuple[int, ...]:
-    """Block indices where the ``pp`` stages start (and the end), balanced by parameters.
-
-    Raises:
-        ConfigError: fewer blocks than stages.
+    """Block indices where the ``pp`` stages start (and the end), balanced by parameters
+    (:func:`hp_train.parallelize.check_model_fits` refuses fewer blocks than stages first).
     """
-    if pp > model.n_layers:
-        raise ConfigError(
-            f"pp={pp} needs at least {pp} blocks (one per stage), the model has "
-            f"n_layers={model.n_layers}"
-        )
     with torch.device("meta"):
         whole = Transformer(model)
     return balanced_boundaries(parameter_costs(list(whole.layers.items())), pp)
@@ -79,11 +71,6 @@ def keep_stage(model: Transformer, stage: int, boundaries: tuple[int, ...]) -> T
         model.norm = None
         model.output = None
     return model
-
-
-def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """The language-model loss of one microbatch: mean cross entropy over its tokens."""
-    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
 
 @dataclass(frozen=True)

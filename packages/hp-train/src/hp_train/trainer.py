@@ -17,7 +17,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from hp_dtensor import DeviceMesh
 from hp_layout import Mesh
@@ -25,7 +24,7 @@ from hp_train.checkpoint import StageOf, latest_checkpoint, load_checkpoint, sav
 from hp_train.config import ConfigError, ModelConfig, ParallelConfig, TrainConfig
 from hp_train.data import Batch, TokenSource, make_source
 from hp_train.metrics import MetricsWriter, peak_memory_bytes
-from hp_train.model import Transformer
+from hp_train.model import Transformer, lm_loss
 from hp_train.monitor import (
     divergent_ranks,
     global_grad_norm,
@@ -35,7 +34,12 @@ from hp_train.monitor import (
 )
 from hp_train.optim import build_optimizer, build_schedule
 from hp_train.parallelize import Layout3D, build_layout, check_model_fits, parallelize, tp_plan
-from hp_train.pipeline import PipelineRunner, build_pipeline, keep_stage, stage_boundaries
+from hp_train.pipeline import (
+    PipelineRunner,
+    build_pipeline,
+    keep_stage,
+    stage_boundaries,
+)
 from hp_train.plot import write_line_plot_png
 from hp_train.progress import ProgressBar
 from hp_train.runtime import Runtime
@@ -103,7 +107,7 @@ def _loss(model: Transformer, batch: Batch) -> tuple[torch.Tensor, float]:
     """The language-model loss (MoE load-balancing losses enter through the MoE blocks'
     backward, weighted by ``MoEConfig.aux_loss_weight``)."""
     logits = model(batch.inputs)
-    lm = F.cross_entropy(logits.float().flatten(0, 1), batch.targets.flatten())
+    lm = lm_loss(logits, batch.targets)
     return lm, lm.item()
 
 
