@@ -176,9 +176,10 @@ def test_pipeline_matches_one_rank(
 
 
 def test_zero_bubble_schedule_is_refused_under_fsdp() -> None:
-    from hp_train.config import ConfigError
+    from hp_train.config import PIPELINE_SCHEDULE_NAMES, ConfigError
     from hp_train.pipeline import PIPELINE_SCHEDULES
 
     assert "zbh1" not in PIPELINE_SCHEDULES
+    assert set(PIPELINE_SCHEDULES) == set(PIPELINE_SCHEDULE_NAMES)
     with pytest.raises(ConfigError, match=r"zbh1.*input and weight"):
         TrainConfig(pp_schedule="zbh1")

@@ -18,7 +18,14 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from hp_train.config import ConfigError, ModelConfig, MoEConfig, ParallelConfig, TrainConfig
+from hp_train.config import (
+    PIPELINE_SCHEDULE_NAMES,
+    ConfigError,
+    ModelConfig,
+    MoEConfig,
+    ParallelConfig,
+    TrainConfig,
+)
 from hp_train.runtime import init_runtime, shutdown
 from hp_train.trainer import RunOptions, Summary, train
 
@@ -53,7 +60,7 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="pipeline microbatches per step (default: pp; 1 without pipelining)",
     )
-    d.add_argument("--pp-schedule", default="1f1b", choices=("1f1b", "gpipe"))
+    d.add_argument("--pp-schedule", default="1f1b", choices=PIPELINE_SCHEDULE_NAMES)
     d.add_argument("--device", default="cpu", choices=("cpu", "cuda", "npu"))
     d.add_argument("--threads", type=int, default=None, help="CPU threads per rank")
     t = p.add_argument_group("training")

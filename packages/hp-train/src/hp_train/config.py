@@ -9,7 +9,17 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-__all__ = ["ConfigError", "MoEConfig", "ModelConfig", "ParallelConfig", "TrainConfig"]
+__all__ = [
+    "PIPELINE_SCHEDULE_NAMES",
+    "ConfigError",
+    "MoEConfig",
+    "ModelConfig",
+    "ParallelConfig",
+    "TrainConfig",
+]
+
+#: The pipeline schedules the entry point runs (``hp_train.pipeline.PIPELINE_SCHEDULES``).
+PIPELINE_SCHEDULE_NAMES = ("1f1b", "gpipe")
 
 
 class ConfigError(ValueError):
@@ -206,8 +216,10 @@ class TrainConfig:
                 "hp-fsdp's gradient hooks do not follow yet (they reduce after the input pass); "
                 "use '1f1b' or 'gpipe' (hp_mpmd.PipelineSchedule runs zbh1 without FSDP)"
             )
-        if self.pp_schedule not in ("1f1b", "gpipe"):
-            raise ConfigError(f"pp_schedule must be '1f1b' or 'gpipe', got {self.pp_schedule!r}")
+        if self.pp_schedule not in PIPELINE_SCHEDULE_NAMES:
+            raise ConfigError(
+                f"pp_schedule must be one of {PIPELINE_SCHEDULE_NAMES}, got {self.pp_schedule!r}"
+            )
         if self.data not in ("corpus", "synthetic"):
             raise ConfigError(f"data must be 'corpus' or 'synthetic', got {self.data!r}")
         if self.warmup_steps < 0 or self.checkpoint_every < 0:
