@@ -11,8 +11,9 @@ Checks, for every directory ``packages/<dist>/``:
     (found with ``ast``, nested imports and ``importlib.import_module("...")`` included) names
     the package itself or a declared dependency;
 (c) restricted third-party imports (``RESTRICTED_IMPORTS``): ``hp_layout`` never imports torch,
-    and imports numpy only in ``hp_layout/reference.py``; its required dependencies name
-    neither;
+    and imports numpy only in ``hp_layout/reference.py``; no package imports a test-only
+    third-party package (``TEST_ONLY_THIRD_PARTY``: transformers) from ``src/``; the required
+    dependencies name none of them;
 (d) at run time, in a fresh interpreter with only ``packages/hp-layout/src`` added to the path,
     importing ``hp_layout`` and all its submodules except ``hp_layout.reference`` neither
     loads nor even tries to import torch or numpy;
@@ -77,13 +78,25 @@ class Restriction:
     only_in: frozenset[str] = frozenset()  # empty: nowhere
 
 
-#: import name -> restricted third-party imports in its src/ (static check (c)).
-RESTRICTED_IMPORTS: Mapping[str, tuple[Restriction, ...]] = {
+#: Third-party packages the tests use and no package may need at run time (real models from
+#: Hugging Face, for instance): restricted everywhere (check (c)).
+TEST_ONLY_THIRD_PARTY: tuple[str, ...] = ("transformers",)
+
+_SPECIFIC_RESTRICTIONS: Mapping[str, tuple[Restriction, ...]] = {
     "hp_layout": (
         Restriction("torch"),
         Restriction("torch_npu"),
         Restriction("numpy", only_in=frozenset({"hp_layout.reference"})),
     ),
+}
+
+#: import name -> restricted third-party imports in its src/ (static check (c)).
+RESTRICTED_IMPORTS: Mapping[str, tuple[Restriction, ...]] = {
+    name: (
+        *_SPECIFIC_RESTRICTIONS.get(name, ()),
+        *(Restriction(module) for module in TEST_ONLY_THIRD_PARTY),
+    )
+    for name in ALLOWED_DEPS
 }
 
 
