@@ -17,6 +17,7 @@ from hp_dtensor import (
     ShardingRuleError,
     distribute_tensor,
     grad_layout,
+    implicit_replication,
     init_device_mesh,
 )
 from hp_layout import Mesh, Partial, Placement, Replicate, Shard
@@ -228,3 +229,27 @@ def test_grad_layout_is_the_dual() -> None:
         Partial(),
         Shard(0),
     )
+
+
+def _same_device_moves_and_implicit_replication() -> dict[str, object]:
+    mesh = DeviceMesh("cpu", Mesh((2,), ("tp",)))
+    whole = torch.arange(16.0).reshape(4, 4)
+    x = distribute_tensor(whole, mesh, [Shard(0)])
+    cast = x.to(device=x.device, dtype=torch.float64)  # as model code writes it
+    with implicit_replication():
+        mixed = x + torch.ones(4, 4)
+    assert isinstance(cast, DTensor)
+    assert isinstance(mixed, DTensor)
+    return {
+        "same": x.to("cpu") is x and x.to(torch.device("cpu"), non_blocking=True) is x,
+        "cast": (cast.dtype, cast.placements, torch.equal(cast.full_tensor(), whole.double())),
+        "mixed": (mixed.placements, torch.equal(mixed.full_tensor(), whole + 1)),
+    }
+
+
+@pytest.mark.multiprocess
+def test_to_the_same_device_is_no_move_and_implicit_replication_wraps_plain_tensors() -> None:
+    out = run_on_ranks(2, _same_device_moves_and_implicit_replication)[0]
+    assert out["same"]
+    assert out["cast"] == (torch.float64, (Shard(0),), True)
+    assert out["mixed"] == ((Shard(0),), True)

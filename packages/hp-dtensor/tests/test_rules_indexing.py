@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from _harness import CheckReport, check_op, placement_options
 from hp_dtensor.rules.indexing import plan_index
@@ -71,6 +72,11 @@ def _cases() -> dict[str, Case]:
         "fliplr": torch.fliplr,
         "flipud": lambda a: a.flipud(),
         "tril_batched": lambda a: a.tril(1),
+        # Hugging Face's causal-LM loss pads its shifted labels this way.
+        "pad_last": lambda a: F.pad(a, (0, 1), value=-100.0),
+        "pad_two_dims_zero": lambda a: F.pad(a, (1, 0, 2, 1)),
+        "pad_reflect": lambda a: F.pad(a, (1, 1), mode="reflect"),
+        "constant_pad_nd": lambda a: torch.constant_pad_nd(a, (0, 2), 0.5),
         "index_select_0d": lambda a: torch.index_select(a, 1, torch.tensor(2)),
     }
     cases: dict[str, Case] = {name: (op, [x], None) for name, op in unary.items()}
@@ -122,6 +128,7 @@ ON_2D = [
     "index_select",
     "tril_batched",
     "roll_dims",
+    "pad_two_dims_zero",
 ]
 
 

@@ -1,6 +1,7 @@
 """hp_dtensor: runtime device mesh, autograd-aware collectives and a layout-driven DTensor."""
 
 from hp_dtensor import rules
+from hp_dtensor._dispatch import implicit_replication
 from hp_dtensor.device_mesh import DeviceMesh, init_device_mesh
 from hp_dtensor.dtensor import DTensor, distribute_tensor
 from hp_dtensor.gradients import grad_layout
@@ -44,6 +45,7 @@ __all__ = [
     "from_torch_dtensor",
     "from_torch_state_dict",
     "grad_layout",
+    "implicit_replication",
     "init_device_mesh",
     "layout_of",
     "redistribute_local",

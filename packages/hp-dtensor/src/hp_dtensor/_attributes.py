@@ -207,6 +207,29 @@ def _refuse_if_not_replicated(
         return func(self._local, *args[1:], **kwargs)
 
 
+def _same_device(value: Any, device: torch.device) -> bool:
+    if not isinstance(value, torch.device | str):
+        return False
+    wanted = torch.device(value)
+    return wanted.type == device.type and wanted.index in (None, device.index)
+
+
+def _to(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``to(...)`` naming the device the DTensor is already on is no move (model code writes
+    ``t.to(device=x.device, dtype=...)``); drop it and let the rule see the rest."""
+    from hp_dtensor import _dispatch
+
+    self = args[0]
+    assert isinstance(self, DTensor)
+    rest = tuple(a for a in args[1:] if not _same_device(a, self.device))
+    kwargs = dict(kwargs)
+    if _same_device(kwargs.get("device"), self.device):
+        del kwargs["device"]
+    if not rest and not {k for k in kwargs if k not in ("non_blocking", "copy")}:
+        return self
+    return _dispatch.dispatch(func, (self, *rest), kwargs)
+
+
 def _metadata_functions() -> list[Any]:
     names_get = [
         "shape",
@@ -259,5 +282,6 @@ SPECIAL[_descriptor("data").__set__] = _set_data
 SPECIAL[torch.Tensor.backward] = _backward
 SPECIAL[torch.autograd.grad] = _autograd_grad
 SPECIAL[torch.Tensor.__deepcopy__] = _deepcopy
+SPECIAL[torch.Tensor.to] = _to
 for _f in (torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.__bool__):
     SPECIAL[_f] = _refuse_if_not_replicated

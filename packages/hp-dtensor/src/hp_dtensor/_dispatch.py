@@ -9,8 +9,9 @@ planned redistributions, the local op, and the output wrapping.
 
 from __future__ import annotations
 
+import contextlib
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,9 +29,9 @@ from hp_dtensor.rules.registry import (
     canonical_name,
     rule_for,
 )
-from hp_layout import Layout, RedistributePlan
+from hp_layout import Layout, RedistributePlan, Replicate
 
-__all__ = ["dispatch"]
+__all__ = ["dispatch", "implicit_replication"]
 
 _CACHE_SIZE = 8192
 
@@ -119,6 +120,26 @@ class _Prepared:
 
 
 _PREPARED: OrderedDict[Any, _Prepared] = OrderedDict()
+
+# Depth of active implicit_replication() contexts.
+_IMPLICIT_REPLICATION = [0]
+
+
+@contextlib.contextmanager
+def implicit_replication() -> Iterator[None]:
+    """Inside this context, a plain tensor that meets DTensors in an op is taken as replicated
+    on their mesh (as in ``torch.distributed.tensor.experimental.implicit_replication``).
+
+    Model code creates tensors of its own (position ids from ``arange``, causal masks, rotary
+    tables) and mixes them with its activations; outside this context that is an error, so a
+    tensor whose layout matters is never guessed.
+    """
+    _IMPLICIT_REPLICATION[0] += 1
+    try:
+        yield
+    finally:
+        _IMPLICIT_REPLICATION[0] -= 1
+
 
 OpObserver = Callable[
     [Callable[..., Any], tuple[Any, ...], dict[str, Any], Sequence[DTensor], "_Prepared", Any],
@@ -314,12 +335,28 @@ def dispatch(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, 
     return result
 
 
+def _replicate_plain(flat: list[Any]) -> list[Any]:
+    """Plain tensors (not 0-d scalars) among DTensors, wrapped as replicated on their mesh."""
+    mesh = next((v._device_mesh for v in flat if isinstance(v, DTensor)), None)
+    if mesh is None:
+        return flat
+    replicated = [Replicate()] * mesh.ndim
+    return [
+        DTensor(v, Layout(tuple(v.shape), mesh.mesh, replicated), mesh)
+        if isinstance(v, torch.Tensor) and not isinstance(v, DTensor) and v.dim() > 0
+        else v
+        for v in flat
+    ]
+
+
 def _dispatch_uncached(
     func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:
     """The general path: any pytree of arguments, 0-d plain tensors as scalars."""
     flat, spec = tree_flatten((args, kwargs))
     name, inplace = canonical_name(func)
+    if _IMPLICIT_REPLICATION[0]:
+        flat = _replicate_plain(flat)
     dtensors: list[DTensor] = []
     placeholders: list[Any] = []
     plain: list[torch.Tensor] = []

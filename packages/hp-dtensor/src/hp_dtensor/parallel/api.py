@@ -8,7 +8,12 @@ from typing import Literal
 from torch import nn
 
 from hp_dtensor.device_mesh import DeviceMesh
-from hp_dtensor.parallel.plan import PlanError, ShardingPlan, resolve_plan
+from hp_dtensor.parallel.plan import (
+    PlanError,
+    ShardingPlan,
+    check_sibling_projections,
+    resolve_plan,
+)
 from hp_dtensor.parallel.production import apply_production
 from hp_dtensor.parallel.styles import ParallelStyle
 from hp_dtensor.parallel.validation import apply_validation
@@ -57,8 +62,9 @@ def parallelize_module(
             gradients of parameters replicated there are reduced in backward.
 
     Raises:
-        PlanError: an entry names no module, a style cannot shard the module it names, or a
-            module is named twice.
+        PlanError: an entry names no module, a style cannot shard the module it names, a
+            module is named twice, or (production mode) a Linear is left out of the plan while
+            its look-alike sibling is column-parallel (see ``check_sibling_projections``).
     """
     if mode not in ("production", "validation"):
         raise ValueError(f"mode must be 'production' or 'validation', got {mode!r}")
@@ -72,6 +78,9 @@ def parallelize_module(
     for axis in data_axes:
         device_mesh.mesh.axis_index(axis)
     lowered = resolve_plan(module, plan)
+    if mode == "production":
+        # Validation mode finds these at run time, naming the op; production mode would not.
+        check_sibling_projections(module, lowered)
     placements: dict[int, tuple[Placement, ...]] = {}
     for name, sharding in lowered:
         submodule = module.get_submodule(name)

@@ -32,8 +32,9 @@ from hp_dtensor.interop import annotate_layout
 from hp_dtensor.parallel import context_attention
 from hp_dtensor.parallel._boundary import BoundaryConverter
 from hp_dtensor.parallel._grad_reduction import install_grad_reductions, set_grad_reduction
+from hp_dtensor.parallel._structure import map_tensors, rebuild_sequence
 from hp_dtensor.parallel.context_plan import ContextParallelPlan
-from hp_dtensor.parallel.plan import Boundary, ShardingPlan
+from hp_dtensor.parallel.plan import Boundary, PlanError, ShardingPlan
 from hp_dtensor.redistribute import execute_plan
 from hp_layout import Layout, Placement, ReduceOp, Replicate, Shard, StepKind
 
@@ -123,9 +124,12 @@ def _convert_all(
             f"the plan gives {len(boundary)} output boundaries but the module returned "
             f"{type(value).__name__}"
         )
-    return type(value)(
-        convert(v, b) if b is not None and isinstance(v, torch.Tensor) else v
-        for v, b in zip(value, boundary, strict=True)
+    return rebuild_sequence(
+        value,
+        [
+            convert(v, b) if b is not None and isinstance(v, torch.Tensor) else v
+            for v, b in zip(value, boundary, strict=True)
+        ],
     )
 
 
@@ -209,8 +213,30 @@ def apply_production(
             module.register_forward_pre_hook(_pre_hook(plan, convert), with_kwargs=True)
         if plan.outputs is not None:
             module.register_forward_hook(_post_hook(plan, convert))
+        if isinstance(module, nn.Linear):
+            _check_first_input(module, name, plan)
     root.register_forward_hook(_root_output_hook(coordinate, axis_mesh.get_rank()))
     install_grad_reductions(root)
+
+
+def _check_first_input(module: nn.Linear, name: str, plan: ShardingPlan) -> None:
+    """On the first call, check that what arrives fits the local weight, so that a style that
+    does not fit its neighbours fails as a plan error naming the module instead of a shape
+    error deep inside a matmul; the hook then removes itself (no cost in the steady state)."""
+
+    def hook(module: nn.Linear, args: tuple[Any, ...]) -> None:
+        x = args[0] if args else None
+        if isinstance(x, torch.Tensor) and x.dim() and x.shape[-1] != module.weight.shape[-1]:
+            raise PlanError(
+                f"module {name!r} ({plan.style}): its input arrives with {x.shape[-1]} features "
+                f"on this rank but its local weight {tuple(module.weight.shape)} takes "
+                f"{module.weight.shape[-1]}; the layout the plan gives this input does not "
+                "match what the module before it hands on (e.g. a ColwiseParallel output "
+                "feeding a module that is not RowwiseParallel)"
+            )
+        handle.remove()
+
+    handle = module.register_forward_pre_hook(hook)
 
 
 def _pre_hook(
@@ -258,11 +284,10 @@ def _root_output_hook(coordinate: int, rank: int) -> Callable[..., Any]:
         return out
 
     def hook(module: nn.Module, args: Any, output: Any) -> Any:
-        if isinstance(output, torch.Tensor):
-            return adjoint(output)
-        if isinstance(output, tuple | list):
-            return type(output)(adjoint(v) if isinstance(v, torch.Tensor) else v for v in output)
-        return output
+        # Every tensor the model hands out, wherever it sits (a loss inside a ModelOutput, a
+        # dict of heads): one skipped would keep every rank's gradient and scale the
+        # parameters' gradients by the axis size.
+        return map_tensors(adjoint, output, where=f"the output of {type(module).__name__}")
 
     return hook
 

@@ -19,6 +19,7 @@ the DTensor loss is global) so that, after backward, every gradient has its para
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, cast
@@ -29,9 +30,11 @@ from torch._C import DisableTorchFunctionSubclass
 from torch.utils._pytree import tree_flatten
 
 from hp_dtensor import _dispatch
+from hp_dtensor._dispatch import implicit_replication
 from hp_dtensor.device_mesh import DeviceMesh
 from hp_dtensor.dtensor import DTensor, distribute_tensor
 from hp_dtensor.parallel._grad_reduction import install_grad_reductions, set_grad_reduction
+from hp_dtensor.parallel._structure import map_tensors, rebuild_sequence
 from hp_dtensor.parallel.context_attention import install_validation_forward
 from hp_dtensor.parallel.context_plan import ContextParallelPlan
 from hp_dtensor.parallel.plan import Boundary, ShardingPlan
@@ -82,13 +85,26 @@ class PlanMismatchError(RuntimeError):
 class _Tracker:
     """Where the forward is: the module path, and whether ops are being checked."""
 
-    def __init__(self) -> None:
+    def __init__(self, axis_index: int) -> None:
+        self.axis_index = axis_index  # the parallel axis, in the mesh's axes
         self.path: list[str] = []
         self.skip_depth = 0
         self.active = 0  # 1 while the parallelized model's forward runs
+        self._context: contextlib.AbstractContextManager[None] | None = None
 
     def where(self) -> str:
         return self.path[-1] if self.path else "<root>"
+
+    def enter_implicit_replication(self) -> None:
+        # Tensors the model creates itself (positions, masks) are replicated data.
+        self.exit_implicit_replication()
+        self._context = implicit_replication()
+        self._context.__enter__()
+
+    def exit_implicit_replication(self) -> None:
+        context, self._context = self._context, None
+        if context is not None:
+            context.__exit__(None, None, None)
 
 
 def _placement(x: DTensor, index: int) -> Placement:
@@ -133,9 +149,21 @@ def _observer(tracker: _Tracker) -> _dispatch.OpObserver:
             if reasons:
                 raise PlanMismatchError(f"{where}: {'; '.join(reasons)}")
             return
+        if _split_on_data_axes_only(dtensors, tracker.axis_index):
+            # Production mode runs such an op as one data-parallel replica does (a loss inside
+            # the model is its local batch's mean; gradients are averaged over the data axes as
+            # in DDP): the plan, which is about the parallel axis, leaves it alone.
+            return
         _compare_with_production(func, args, kwargs, result, where, reasons)
 
     return observe
+
+
+def _split_on_data_axes_only(dtensors: Sequence[DTensor], axis_index: int) -> bool:
+    """Every input replicated on the parallel axis, and some input split on another axis."""
+    return all(isinstance(t.placements[axis_index], Replicate) for t in dtensors) and any(
+        not isinstance(p, Replicate) for t in dtensors for p in t.placements
+    )
 
 
 def _as_local(value: Any) -> Any:
@@ -209,7 +237,7 @@ def apply_validation(
 ) -> None:
     """Convert ``root`` in place for validation mode (see the module docstring)."""
     index = mesh.mesh.axis_index(axis)
-    tracker = _Tracker()
+    tracker = _Tracker(index)
     done: dict[int, nn.Parameter] = {}
     for module in root.modules():
         for name, param in list(module.named_parameters(recurse=False)):
@@ -254,6 +282,13 @@ def apply_validation(
             return value
         return value.redistribute(placements=_with_axis(value, index, target))
 
+    def lift(value: torch.Tensor) -> torch.Tensor:
+        # The model's own inputs (token ids, masks, positions) enter as plain tensors: they are
+        # replicated on the parallel axis and split by batch over the data axes.
+        if isinstance(value, DTensor):
+            return value
+        return _to_dtensor(value, mesh, index, dp_axes, Replicate())
+
     styled = dict(lowered)
     for core_name, core_plan in lowered:
         if isinstance(core_plan, ContextParallelPlan):  # runs on local shards, as in production
@@ -266,7 +301,8 @@ def apply_validation(
         plan = styled.get(name)
         is_root = module is root
         module.register_forward_pre_hook(
-            _validation_pre_hook(tracker, name, plan, convert, is_root), with_kwargs=True
+            _validation_pre_hook(tracker, name, plan, convert, lift if is_root else None),
+            with_kwargs=True,
         )
         # always_call: a forward that raises still leaves the tracker inactive.
         module.register_forward_hook(
@@ -298,13 +334,20 @@ def _at_boundary(
 
 
 def _validation_pre_hook(
-    tracker: _Tracker, name: str, plan: ShardingPlan | None, convert: _Convert, is_root: bool
+    tracker: _Tracker,
+    name: str,
+    plan: ShardingPlan | None,
+    convert: _Convert,
+    lift: Callable[[torch.Tensor], torch.Tensor] | None,
 ) -> Callable[..., Any]:
+    """``lift`` (the root only) turns the plain tensors the caller passes into DTensors."""
+
     def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        if is_root:
+        if lift is not None:
             tracker.path.clear()
             tracker.skip_depth = 0
             tracker.active = 1
+            tracker.enter_implicit_replication()
         if plan is not None:
             args = tuple(
                 _at_boundary(convert, a, plan.input_boundary(i), f"input {i}", name, plan.style)
@@ -318,6 +361,9 @@ def _validation_pre_hook(
             }
             if plan.replaces_forward:
                 tracker.skip_depth += 1
+        if lift is not None:
+            where = f"the input of {type(module).__name__}"
+            args, kwargs = map_tensors(lift, (args, kwargs), where=where)
         tracker.path.append(name or "<root>")
         return args, kwargs
 
@@ -332,6 +378,7 @@ def _validation_post_hook(
             tracker.path.pop()
         if output is None and is_root:
             tracker.active = 0
+            tracker.exit_implicit_replication()
             return output
         if plan is not None:
             if plan.replaces_forward:
@@ -340,12 +387,16 @@ def _validation_post_hook(
             if isinstance(outputs, Boundary):
                 output = convert(output, outputs, "its output", name, plan.style)
             elif outputs is not None:
-                output = type(output)(
-                    convert(v, b, f"output {i}", name, plan.style) if b is not None else v
-                    for i, (v, b) in enumerate(zip(output, outputs, strict=True))
+                output = rebuild_sequence(
+                    output,
+                    [
+                        convert(v, b, f"output {i}", name, plan.style) if b is not None else v
+                        for i, (v, b) in enumerate(zip(output, outputs, strict=True))
+                    ],
                 )
         if is_root:
             tracker.active = 0
+            tracker.exit_implicit_replication()
         return output
 
     return hook

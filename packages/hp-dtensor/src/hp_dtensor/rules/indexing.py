@@ -41,8 +41,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
-from hp_dtensor.rules._common import normalize_dim, unshard_dims, with_placements
+from hp_dtensor.rules._common import (
+    normalize_dim,
+    replicate_axes_where,
+    unshard_dims,
+    with_placements,
+)
 from hp_dtensor.rules.registry import (
     OpCall,
     ShardingDecision,
@@ -559,3 +565,27 @@ def _flipud(call: OpCall) -> ShardingDecision:
     if layout.ndim < 1:
         raise RuntimeError("flipud: input tensor must be >= 1-d")
     return _flip_decision(layout, [0])
+
+
+@register_sharding_rule(F.pad, torch.constant_pad_nd)
+def _pad(call: OpCall) -> ShardingDecision:
+    """``pad(input, pad, mode, value)``: padded dims (the last ``len(pad) // 2``) are made
+    Replicate; a Partial input stays Partial only under zero constant padding (linear)."""
+    layout = call.layouts[0]
+    pad = call.arg(1, "pad")
+    if isinstance(pad, Layout) or len(pad) % 2:
+        raise ShardingRuleError(f"{call.name}: pad must be a sequence of ints of even length")
+    count = len(pad) // 2
+    if count > layout.ndim:
+        raise RuntimeError(f"{call.name}: {len(pad)} pad entries for a {layout.ndim}-d tensor")
+    dims = [layout.ndim - 1 - i for i in range(count)]
+    mode = call.arg(2, "mode", "constant") if call.name == "pad" else "constant"
+    value = call.arg(3, "value", None) if call.name == "pad" else call.arg(2, "value", 0)
+    target = unshard_dims(layout, dims)
+    if mode != "constant" or value not in (None, 0, 0.0):
+        target = replicate_axes_where(target)
+    shape = list(layout.global_shape)
+    for i in range(count):
+        d = layout.ndim - 1 - i
+        shape[d] += int(pad[2 * i]) + int(pad[2 * i + 1])
+    return ShardingDecision((target,), with_placements(target, target.placements, shape))
