@@ -61,12 +61,16 @@ class EquivalenceReport:
 
 def full_value(t: torch.Tensor, mesh: DeviceMesh, like: torch.Tensor | None = None) -> torch.Tensor:
     """The whole value of a parameter (or of a gradient laid out ``like`` its parameter) in
-    either mode (collective)."""
+    either mode (collective over the ranks of its layout's mesh, which may be a sub-mesh of
+    ``mesh``)."""
     if isinstance(t, DTensor):
         return t.full_tensor().detach()
     layout = layout_of(like if like is not None else t)
-    if layout.mesh != mesh.mesh:
+    if layout.is_replicated:
         return t.detach()
+    if layout.mesh != mesh.mesh:
+        # Laid out on another mesh of the job (FSDP's data-parallel sub-mesh, say).
+        mesh = DeviceMesh(mesh.device_type, layout.mesh)
     whole = Layout(layout.global_shape, mesh.mesh, [Replicate()] * mesh.ndim)
     return redistribute_local(t.detach(), layout, whole, mesh)
 
