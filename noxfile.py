@@ -516,6 +516,44 @@ def bench(session: nox.Session) -> None:
         session.run("python", str(script), env=TEST_ENV)
 
 
+@nox.session(default=False)
+def mutants(session: nox.Session) -> None:
+    """Planted faults (tools/mutants/mutants.toml): each applied in a scratch copy of the working
+    tree and its tests run there; fails if one survives. Slow, so not tagged ci.
+
+    The copy is made first and every package is installed editable from it (test extras,
+    constraints as everywhere), so the tests import the copy's code. Extra arguments go to
+    tools/mutants/run.py (e.g. ``nox -s mutants -- --only muon-weight-decay-dropped``).
+    """
+    runner = ROOT / "tools" / "mutants" / "run.py"
+    tree = Path(session.create_tmp()) / "tree"
+    shutil.rmtree(tree, ignore_errors=True)  # a copy left by an earlier run is stale
+    session.run("python", str(runner), "--copy-to", str(tree), *session.posargs)
+    # Every package after the packages its tests need as well (hp-testing first): pip (23.2)
+    # does not match a requirement to an editable named later in the same call.
+    names: list[str] = []
+
+    def visit(name: str, chain: tuple[str, ...] = ()) -> None:
+        if name in names or name in chain or name not in PACKAGES:
+            return  # done, a cycle, or unknown: reported by `dag` and the package sessions
+        for dep in (*PACKAGES[name].deps, *PACKAGES[name].test_deps):
+            visit(dep, (*chain, name))
+        names.append(name)
+
+    for name in _dag_order():
+        visit(name)
+    specs: list[str] = []
+    for name in names:
+        extra = f"[{TEST_EXTRA}]" if TEST_EXTRA in PACKAGES[name].extras else ""
+        specs += ["-e", f"{tree / 'packages' / name}{extra}"]
+    # hatchling builds editable wheels with `editables`, which pip installs only into isolated
+    # build environments; these builds are not isolated (hp-kernels), so it comes first (pinned
+    # in constraints/ci.txt).
+    session.install(*PIP_ARGS, "editables", env=PIP_ENV)
+    install_local(session, names, specs)
+    session.run("python", str(runner), "--tree", str(tree), *session.posargs, env=TEST_ENV)
+
+
 def _dag_order() -> list[str]:
     """Package names, dependencies before dependents (ties by name); unknown deps ignored."""
     order: list[str] = []
