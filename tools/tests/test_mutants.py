@@ -26,7 +26,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 def test_every_snippet_of_the_list_occurs_exactly_once_in_the_current_tree() -> None:
     mutants = run.load_mutants()
-    assert 8 <= len(mutants) <= 14
+    assert len(mutants) >= 8  # the core paths listed in tools/mutants/README.md
     assert run.list_problems(mutants, REPO) == []
 
 
