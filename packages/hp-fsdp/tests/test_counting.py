@@ -10,7 +10,11 @@ the same local batch, is the baseline: the model's own math runs copy kernels (r
   module computes with, gradients accumulate into views of the reduce-scatter's input, and the
   reduce-scatter writes into the gradient arena whose views are the sharded gradients. What it
   adds instead: one zero fill of each group's gradient buffer, one in-place addition per
-  parameter (gradient accumulation into that buffer) and one scaling per group.
+  parameter (gradient accumulation into that buffer) and one scaling per group. The step runs
+  no unclassified operator (a custom operator the counter cannot judge), and the same step with
+  a copy planted through this project's own ``hp_kernels.pack`` (each all-gather's input packed
+  into a staging buffer first, as torch FSDP2's copy-in does) counts exactly one extra copy per
+  all-gather: the claim fails when a copy is added.
 * torch FSDP2 copies parameters into its all-gather input (``fsdp.all_gather_copy_in``), out
   of the all-gather output (``fsdp.split_with_sizes_copy``), and gradients into its
   reduce-scatter input (``fsdp.chunk_cat``): one copy kernel per collective.
@@ -35,9 +39,12 @@ from torch import nn
 
 from hp_fsdp.counting import (
     COPY_KERNELS,
+    NON_COPY_CUSTOM_OPS,
     CountingMode,
+    PeakMemoryMode,
     collective_kind,
     extra_counts,
+    is_classified,
     is_copy_kernel,
     op_name,
 )
@@ -66,6 +73,32 @@ def _counted_step(model: nn.Module, ids: torch.Tensor, targets: torch.Tensor) ->
     model.zero_grad(set_to_none=True)
     with CountingMode() as counts:
         _step(model, ids, targets)
+    return counts
+
+
+def _planted_copy_step(model: nn.Module, ids: torch.Tensor, targets: torch.Tensor) -> CountingMode:
+    """One counted step with a copy planted where hp-fsdp promises none: before each all-gather,
+    the shard is packed into a staging buffer with ``hp_kernels.pack`` (the project's own
+    custom copy operator; the all-gather itself is unchanged, so the step computes the same)."""
+    import hp_kernels
+    from hp_fsdp._group import FSDPParamGroup, ShardedState
+
+    original = FSDPParamGroup.unshard
+
+    def unshard(group: FSDPParamGroup, async_op: bool = False) -> None:
+        if group.state is ShardedState.SHARDED:
+            staging = torch.empty_like(group.sharded_flat)
+            hp_kernels.pack([group.sharded_flat], staging, [0])
+        original(group, async_op)
+
+    # The workers persist across tests: restore the method whatever happens.
+    FSDPParamGroup.unshard = unshard  # type: ignore[method-assign,assignment]
+    try:
+        model.zero_grad(set_to_none=True)
+        with CountingMode() as counts:
+            _step(model, ids, targets)
+    finally:
+        FSDPParamGroup.unshard = original  # type: ignore[method-assign]
     return counts
 
 
@@ -129,6 +162,7 @@ def _count(mesh_shape: tuple[int, ...]) -> dict[str, Any]:
     with CountingMode() as hp_counts:
         _step(hp, ids, targets)
     slow = _slow_collectives(hp) - slow_before
+    planted = _planted_copy_step(hp, ids, targets)
     theirs = _counted_step(_torch_model(mesh_shape), ids, targets)
     over = {
         axis: dict(Counter(c.kind for c in hp_counts.collectives_over(ranks)))
@@ -137,6 +171,7 @@ def _count(mesh_shape: tuple[int, ...]) -> dict[str, Any]:
     return {
         "single": single.summary(),
         "hp": hp_counts.summary(),
+        "planted": planted.summary(),
         "torch": theirs.summary(),
         "hp_slow_collectives": slow,
         "hp_collectives_by_axis": over,
@@ -174,15 +209,26 @@ def _extra_copies(result: dict[str, Any], variant: str) -> dict[str, int]:
     return extra_counts(result[variant]["copies"], result["single"]["copies"])
 
 
+def _added_copies(result: dict[str, Any], variant: str) -> dict[str, int]:
+    """Copy kernels ``variant`` ran beyond the single-device step (the claim: none)."""
+    return {k: v for k, v in _extra_copies(result, variant).items() if v > 0}
+
+
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("mesh_shape", [(2,), (2, 2)])
 def test_fsdp_step_adds_no_copy_kernels(mesh_shape: tuple[int, ...]) -> None:
+    """hp-fsdp's step runs no copy kernel beyond the single-device step, and no operator the
+    counter cannot classify; the check catches a copy planted through ``hp_kernels.pack``."""
     results = _results(mesh_shape)
     result = results[0]
     print(_report(mesh_shape, result))
     for r in results:
-        hp_extra = _extra_copies(r, "hp")
-        assert not {k: v for k, v in hp_extra.items() if v > 0}, _report(mesh_shape, r)
+        assert not _added_copies(r, "hp"), _report(mesh_shape, r)
+        for variant in ("single", "hp", "planted", "torch"):
+            assert r[variant]["unclassified"] == {}, (variant, r[variant]["unclassified"])
+        # The planted copy is seen, once per all-gather, by the same check.
+        gathers = r["hp"]["collectives"]["all_gather/2"]
+        assert _added_copies(r, "planted") == {"hp_kernels.pack": gathers}, r["planted"]
         # The zero fill of each group's gradient buffer; one in-place add per parameter.
         assert r["hp"]["fills"] == {"aten.zeros": GROUPS}, r["hp"]["fills"]
         assert r["hp"]["inplace_adds"] == {"aten.add_": PARAMS}, r["hp"]["inplace_adds"]
@@ -223,12 +269,28 @@ def test_hsdp_slow_tier_collectives_fewer_than_groups() -> None:
 
 
 def test_classification() -> None:
+    """Copies by name and by rule, the project's own copy operators, non-copies, and what is
+    left unclassified."""
     assert is_copy_kernel(op_name(torch.ops.aten.copy_.default))
     assert is_copy_kernel("aten.cat")
     assert is_copy_kernel("fsdp.all_gather_copy_in")
+    assert is_copy_kernel("fsdp.copy_")
+    # The project's own custom copy operators (and the CPU extension's kernels behind them).
+    for name in ("hp_kernels.pack", "hp_kernels.unpack", "hp_kernels_cpu.pack"):
+        assert is_copy_kernel(name), name
+        assert is_classified(name), name
+    # aten's materialized views and scatters by their names.
+    assert is_copy_kernel("aten.diagonal_copy")
+    assert is_copy_kernel("aten.select_scatter")
+    assert is_copy_kernel("aten.index_select")
     assert not is_copy_kernel("aten.view")
     assert not is_copy_kernel("aten.zeros")
+    assert not is_copy_kernel("aten.scatter_add")
+    assert not is_copy_kernel("hp_kernels.newton_schulz")
     assert "aten.add_" not in COPY_KERNELS
+    assert is_classified("aten.mm")
+    assert is_classified("c10d._allgather_base_")
+    assert not is_classified("somelib.fused_copy")
     assert collective_kind("c10d._allgather_base_") == "all_gather"
     assert collective_kind("c10d._reduce_scatter_base_") == "reduce_scatter"
     assert collective_kind("c10d.allreduce_") == "all_reduce"
@@ -236,15 +298,86 @@ def test_classification() -> None:
     assert extra_counts({"a": 2, "b": 1}, {"a": 2, "c": 1}) == {"b": 1, "c": -1}
 
 
+def test_every_custom_copy_namespace_op_is_classified() -> None:
+    """Every operator registered by this project (``hp_kernels``, its CPU extension
+    ``hp_kernels_cpu``) and by torch FSDP2 (``fsdp``) is classified: a new custom operator that
+    copies cannot be counted as no copy without someone deciding so here."""
+    import importlib
+    import pkgutil
+
+    import torch.distributed.fsdp  # registers the fsdp:: operators
+
+    import hp_kernels
+    from hp_kernels._extension import load_cpu_extension
+
+    # Every module of hp_kernels, so that an operator registered anywhere in it is seen (those
+    # needing an absent accelerator library cannot register anything here).
+    for module in pkgutil.walk_packages(hp_kernels.__path__, "hp_kernels."):
+        try:
+            importlib.import_module(module.name)
+        except ImportError:
+            continue
+    load_cpu_extension()
+    registered = {
+        name.split(".")[0].replace("::", ".")
+        for name in torch._C._dispatch_get_all_op_names()
+        if name.split("::")[0] in ("hp_kernels", "hp_kernels_cpu", "fsdp")
+    }
+    assert {"hp_kernels.pack", "hp_kernels.unpack", "fsdp.copy_"} <= registered, registered
+    unknown = sorted(n for n in registered if not is_classified(n))
+    assert not unknown, f"classify these in hp_fsdp.counting: {unknown}"
+    assert NON_COPY_CUSTOM_OPS.isdisjoint(COPY_KERNELS)
+
+
+@torch.library.custom_op("hp_fsdp_tests::mirror", mutates_args=("out",))
+def _mirror(x: torch.Tensor, out: torch.Tensor) -> None:
+    """A custom operator that copies (as a third-party one might)."""
+    out.copy_(x)
+
+
 def test_counting_mode_counts_local_ops() -> None:
+    """A mode sees each custom operator as one call: the project's pack and unpack count as
+    copies; an unknown custom copy is reported as unclassified, not as no copy."""
+    import hp_kernels
+
     x = torch.randn(4, 3)
+    flat = torch.empty(12)
     with CountingMode() as counts:
         y = x.t().contiguous()  # a clone
         z = torch.cat([y, y])
         z.add_(1.0)
         torch.zeros(3)
-    assert counts.copies() == Counter({"aten.clone": 1, "aten.cat": 1})
-    assert counts.copy_count == 2
+        hp_kernels.pack([x], flat, [0])
+        hp_kernels.unpack(flat, [0], [y])
+        _mirror(y, z[:3])
+    assert counts.copies() == Counter(
+        {"aten.clone": 1, "aten.cat": 1, "hp_kernels.pack": 1, "hp_kernels.unpack": 1}
+    )
+    assert counts.copy_count == 4
+    assert counts.unclassified() == Counter({"hp_fsdp_tests.mirror": 1})
     assert counts.inplace_adds() == Counter({"aten.add_": 1})
     assert counts.fills() == Counter({"aten.zeros": 1})
     assert counts.collectives == []
+
+
+def test_peak_memory_mode_counts_live_storage() -> None:
+    """Live bytes, sampled after every operator: a tensor counts while something holds it, a
+    view of it adds nothing, a freed one stops counting, and a storage resized outside the
+    dispatcher (as FSDP frees and re-allocates unsharded parameters) counts at its new size
+    from the next operator on."""
+    buffer = torch.empty(0)  # live on entry, 0 bytes
+    with PeakMemoryMode() as memory:
+        a = torch.zeros(1000)
+        view = a[10:]
+        c = torch.zeros(500)
+        after_three = memory.peak_increase
+        del a, view, c
+        d = torch.zeros(10)
+        buffer.untyped_storage().resize_(8000)
+        torch.zeros(1)
+    assert after_three == 4 * 1000 + 4 * 500  # the view shares a's storage
+    # The peak: d, the resized buffer, and the zeros(1) result while its operator ran.
+    assert memory.peak_increase == 40 + 8000 + 4
+    assert memory.peak_op == "aten.zeros"
+    assert memory.end_bytes - memory.start_bytes == 40 + 8000
+    assert d.numel() == 10

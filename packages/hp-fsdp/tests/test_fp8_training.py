@@ -18,13 +18,15 @@ and batches; blocks sharded, then the root; world 2 and 4 (CPU, gloo).
 Tolerance, and why. The loss is the mean over the global batch (fp32 cross-entropy). e4m3 keeps
 3 mantissa bits (a relative rounding error up to 2**-4 = 6% per element) against bf16's 8:
 per-step losses of the two runs differ by the quantization noise of every matmul (averaged
-over thousands of products, so far below 6%), and the trajectories may drift apart. We require
-the final loss (mean of the last 10 steps, averaging out batch-to-batch noise) within 1% of the
-bf16 run's, and every step's loss within 0.1 of it (2% of the initial loss). Measured
-(this machine, CPU emulation): final 0.10% (world 2) and 0.04% (world 4), maximum 0.012 at
-both (step 10, while the loss falls fastest): the bounds leave 8-25x headroom for other
-FP8 kernels and seeds while failing on a real regression (FP8 without scaling, a wrong scale,
-a stale quantized shard); the differences are printed (pytest ``-s``).
+over thousands of products, so far below 6%), and the trajectories may drift apart. Measured
+(torch 2.13, CPU emulation): the final loss (mean of the last 10 steps, averaging out
+batch-to-batch noise) differs from the bf16 run's by 0.004% (world 2) and 0.08% (world 4)
+(an earlier revision measured 0.10% and 0.04%: this figure is noise, a difference of two
+drifting trajectories), and the largest per-step difference is 0.0121 and 0.0125 (steps 12 and
+10, while the loss falls fastest). Bounds: final within 0.25% (2.5x the largest of those four
+measurements), every step within 0.03 (2.4x); a real regression (FP8 without scaling, a wrong
+scale, a stale quantized shard) moves the losses by far more. The differences are printed
+(pytest ``-s``).
 """
 
 from __future__ import annotations
@@ -52,8 +54,8 @@ GLOBAL_BATCH, SEQ = 8, 32
 LR = 3e-3
 SUCCESSORS = 4
 FINAL_WINDOW = 10
-FINAL_REL_TOLERANCE = 0.01
-MAX_ABS_TOLERANCE = 0.1
+FINAL_REL_TOLERANCE = 0.0025
+MAX_ABS_TOLERANCE = 0.03
 
 
 def _chain() -> torch.Tensor:
@@ -178,4 +180,5 @@ def test_fp8_training_tracks_bf16(world: int) -> None:
     # Blocks in e4m3 plus a 4-byte scale per 128 elements: 1/2 * (1 + 1/32) of bf16 (and
     # padding of each rank's data to 4 bytes); the root in bf16 in both runs.
     assert out["block_all_gather_ratio"] == pytest.approx(0.5 * (1 + 1 / 32), rel=1e-3), out
-    assert 0.5 < out["all_gather_ratio"] < 0.62, out
+    # With the root's bf16 bytes (measured 0.5597 at world 2, 0.5598 at world 4).
+    assert out["all_gather_ratio"] == pytest.approx(0.56, abs=0.005), out

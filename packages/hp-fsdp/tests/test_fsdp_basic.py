@@ -66,8 +66,10 @@ def test_fsdp_matches_single_device(
 ) -> None:
     for errors in run_on_ranks(world, _train, mesh_shape, accumulate):
         slow = errors.pop("slow_collectives")
-        # fp32, 3 AdamW steps: parameters equal to rounding.
-        assert max(errors.values()) < 1e-6, errors
+        # fp32, 3 AdamW steps: parameters equal to rounding. Measured (torch 2.13 CPU): at most
+        # 5.0e-8 (world 2) and 3.7e-8 (world 4), about one fp32 ulp of the largest weights
+        # (~0.5); bound 4x that.
+        assert max(errors.values()) < 2e-7, errors
         if len(mesh_shape) == 2:
             # Four groups, one fused slow-tier all-reduce per step.
             assert slow == 3
@@ -109,8 +111,10 @@ def test_bf16_mixed_precision_keeps_fp32_main_parameters() -> None:
     assert out["output_dtype"] == torch.bfloat16
     assert out["param_dtypes"] == {torch.float32}
     assert out["grad_dtypes"] == {torch.float32}
-    # bf16 compute (8 mantissa bits) against the fp32 single-device run.
-    assert out["grad_error"] < 3e-2, out
+    # bf16 compute (8 significant bits: one rounding is up to 2**-8 = 3.9e-3 relative) against
+    # the fp32 single-device run, relative to each parameter's largest gradient. Measured
+    # (torch 2.13 CPU): 3.2e-3; bound 2**-7 (two bf16 roundings, 2.4x the measurement).
+    assert out["grad_error"] < 2.0**-7, out
 
 
 def _freed() -> bool:

@@ -215,9 +215,8 @@ def _all_reduce(wire: torch.dtype, block: int) -> dict[str, Any]:
     torch.set_num_threads(1)
     world, rank = dist.get_world_size(), dist.get_rank()
     sizes = [(7, 5), (130,), (3, 3, 3)]
-    contributions = [
-        _contribution(r, sum(torch.Size(s).numel() for s in sizes)) for r in range(world)
-    ]
+    total = sum(torch.Size(s).numel() for s in sizes)
+    contributions = [_contribution(r, total) for r in range(world)]
 
     def split(flat: torch.Tensor) -> list[torch.Tensor]:
         out, start = [], 0
@@ -233,9 +232,32 @@ def _all_reduce(wire: torch.dtype, block: int) -> dict[str, Any]:
     gathered = torch.empty(world * result.numel())
     dist.all_gather_single(gathered, result)
     true = torch.stack(contributions).sum(0)
+    # Single process: per chunk, the reduce-scatter's rank-ordered fp32 sum of decoded
+    # contributions, then decode(encode(.)) of that sum for the all-gather. The error bound
+    # adds the bounds of both roundings (module docstring).
+    chunk = -(-total // world)
+    codec = WireCodec(wire, chunk, block)
+    record = torch.empty(codec.nbytes, dtype=torch.uint8)
+    expected, bound = torch.zeros(world * chunk), torch.zeros(world * chunk)
+    for j in range(world):
+        piece = slice(j * chunk, (j + 1) * chunk)
+        padded = [torch.cat([c, c.new_zeros(world * chunk - total)])[piece] for c in contributions]
+        reduced = torch.zeros(chunk)
+        for c in padded:
+            codec.encode(c, record)
+            reduced += codec.decode(record, torch.float32)
+            bound[piece] += _element_bound(c, wire, block)
+        codec.encode(reduced, record)
+        expected[piece] = codec.decode(record, torch.float32)
+        bound[piece] += _element_bound(reduced, wire, block)
+    expected, bound = expected[:total], bound[:total]
+    slack = 2.0**-20 * torch.stack([c.abs() for c in contributions]).sum(0) + 2.0**-126
+    error = (result - true).abs()
     return {
         "replicas_equal": all(torch.equal(c, result) for c in gathered.chunk(world)),
-        "rel_error": ((result - true).abs().max() / true.abs().max()).item(),
+        "exact": torch.equal(result, expected),
+        "within": bool((error <= bound + slack).all()),
+        "worst": (error / (bound + slack)).max().item(),
     }
 
 
@@ -243,23 +265,29 @@ def _all_reduce(wire: torch.dtype, block: int) -> dict[str, Any]:
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("wire", [torch.bfloat16, E4M3])
 def test_lowp_all_reduce_keeps_replicas_identical(world: int, wire: torch.dtype) -> None:
+    """Every replica decodes the same bytes; the result is bit-exactly the single-process
+    emulation (reduce-scatter sum, re-encoded), and each element is within the sum of its two
+    roundings' bounds (measured: at most 0.65 to 0.75 of it)."""
     for out in run_on_ranks(world, _all_reduce, wire, 32):
+        print(out)
         assert out["replicas_equal"], out
-        # Two roundings (contributions, then the reduced chunk), relative to the largest sum.
-        rel, _ = BOUNDS[wire]
-        assert out["rel_error"] < 2 * world * rel, out
+        assert out["exact"], out
+        assert out["within"], out
 
 
-def _fsdp_grads(wire: torch.dtype | None) -> torch.Tensor:
+def _fsdp_grads(wire: torch.dtype | None, bf16_compute: bool = False) -> torch.Tensor:
     torch.set_num_threads(1)
     world, rank = dist.get_world_size(), dist.get_rank()
     mesh = DeviceMesh("cpu", Mesh((world,), ("shard",)))
     comm = LowPrecisionCommPolicy(shard_reduce_dtype=wire, block_size=32)
+    mp = MixedPrecisionPolicy(
+        param_dtype=torch.bfloat16 if bf16_compute else None, reduce_dtype=torch.float32
+    )
     model = _model()
-    fully_shard(model[0], mesh=mesh, comm_policy=comm)
-    fully_shard(model, mesh=mesh, comm_policy=comm)
+    fully_shard(model[0], mesh=mesh, comm_policy=comm, mp_policy=mp)
+    fully_shard(model, mesh=mesh, comm_policy=comm, mp_policy=mp)
     x = torch.randn(4 * world, 40, generator=torch.Generator().manual_seed(0))
-    model(x.chunk(world)[rank]).pow(2).mean().backward()
+    model(x.chunk(world)[rank]).float().pow(2).mean().backward()
     return torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.grad is not None])
 
 
@@ -267,13 +295,29 @@ def _fsdp_grads(wire: torch.dtype | None) -> torch.Tensor:
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("wire", [torch.bfloat16, E4M3, E5M2])
 def test_fully_shard_low_precision_reduce_scatter(world: int, wire: torch.dtype) -> None:
+    """fully_shard's gradients with a low-precision reduce-scatter against the fp32 one: the
+    largest difference, relative to the largest gradient, is within two roundings of the wire
+    format. Measured (torch 2.13 CPU): 0.27 to 0.33 of that bound at world 2, 0.23 to 0.26 at
+    world 4 (bf16 2.6e-3 and 1.9e-3, e4m3 3.7e-2 and 2.9e-2, e5m2 6.7e-2 and 6.4e-2); the
+    per-element bound is asserted in test_lowp_reduce_scatter_is_rank_ordered_fp32_sum."""
     exact = run_on_ranks(world, _fsdp_grads, None)
     for rank, grads in enumerate(run_on_ranks(world, _fsdp_grads, wire)):
         reference = exact[rank]
         rel, _ = BOUNDS[wire]
-        # Each of ``world`` contributions rounded once, relative to the largest gradient.
         error = (grads - reference).abs().max() / reference.abs().max()
-        assert 0 < error < world * rel, (rank, error.item())
+        assert 0 < error < 2 * rel, (rank, error.item())
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("world", [2, 4])
+def test_bf16_wire_changes_nothing_for_bf16_gradients(world: int) -> None:
+    """With bf16 compute (gradients computed in bf16), a bf16 reduce-scatter on the wire gives
+    the fp32 reduce-scatter's gradients bit for bit: the bf16 gradients travel unrounded and
+    both sum them in fp32 (at world 2 the two-term sum is the same either way; at world 4 every
+    partial sum of these bf16 gradients is exact in fp32, so the order does not matter)."""
+    fp32_wire = run_on_ranks(world, _fsdp_grads, None, True)
+    for rank, grads in enumerate(run_on_ranks(world, _fsdp_grads, torch.bfloat16, True)):
+        assert torch.equal(grads, fp32_wire[rank]), rank
 
 
 # Per-tier selection on HSDP 2x2 ---------------------------------------------------------------
@@ -336,8 +380,10 @@ def test_hsdp_selects_wire_dtype_per_tier() -> None:
             assert out["replicas_equal"], rank
             reference = runs[None][rank]["grads"]
             rel, _ = BOUNDS[wire]
+            # Two roundings of the wire format (relative to the largest gradient); measured
+            # (torch 2.13 CPU): bf16 4.1e-3, e4m3 5.2e-2, i.e. 0.52 and 0.41 of the bound.
             error = (out["grads"] - reference).abs().max() / reference.abs().max()
-            assert error < 4 * rel, (wire, error.item())
+            assert error < 2 * rel, (wire, error.item())
         if wire is not None:
             fp32 = runs[None][0]["replicate"]["grad_all_reduce"]
             ratio = outs[0]["replicate"]["grad_all_reduce"] / fp32

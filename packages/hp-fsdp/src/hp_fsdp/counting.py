@@ -11,15 +11,26 @@ issued (its kind, the global ranks of its process group, the bytes of its larges
     counts.copy_count            # copy kernels the step ran
     counts.collective_counts()   # {("all_gather", 2): 5, ("reduce_scatter", 2): 3}
 
-Copy kernels (:data:`COPY_KERNELS`) are the operators that move elements from one tensor into
+Copy kernels (:func:`is_copy_kernel`) are the operators that move elements from one tensor into
 another without arithmetic: ``copy_``, ``_to_copy`` (``.to``/casts), ``clone`` (also what
-``.contiguous()`` runs), ``cat``/``stack``, the ``*_scatter`` and ``index_put_``/``index_copy``
-families, ``split_with_sizes_copy`` and the other ``*_copy`` variants of view operators,
-``_foreach_copy_``, and torch FSDP2's custom copy operators (``fsdp.all_gather_copy_in``,
-``fsdp.split_with_sizes_copy``, ``fsdp.chunk_cat``; a mode sees a custom operator as one call,
-not the aten kernels inside it). Fills (``zeros``, ``zero_``, ``fill_``, ...) and in-place
-additions (``add_``, ...) are counted by their own helpers: an accumulating gradient buffer
-costs a fill and one in-place addition per parameter, not a copy.
+``.contiguous()`` runs), ``cat``/``stack``/``repeat``, flips, rolls and padding, gathers by index
+(``index``, ``index_select``, ``gather``, ``embedding``, ...), the ``*_scatter`` and
+``index_put_``/``index_copy`` families, every ``*_copy`` aten operator (the materialized views
+such as ``split_with_sizes_copy``, ``_foreach_copy_``), and the custom copy operators of torch
+FSDP2 (``fsdp.all_gather_copy_in``, ``fsdp.split_with_sizes_copy``, ``fsdp.chunk_cat``,
+``fsdp.copy_``) and of this project (``hp_kernels.pack``/``unpack`` and the CPU extension's
+``hp_kernels_cpu.pack``/``unpack`` they call). A mode sees a custom operator as one call, not the
+kernels inside it, so a custom operator that copies is only counted if it is named here: an
+operator outside the namespaces classified by rule (``aten``, the collectives and the
+profiler's markers) and not named in :data:`COPY_KERNELS` or :data:`NON_COPY_CUSTOM_OPS` is
+*unclassified* (:meth:`CountingMode.unclassified`), and a claim "adds no copy" must also check
+that the step ran none. Fills (``zeros``, ``zero_``, ``fill_``, ...) and in-place additions
+(``add_``, ...) are counted by their own helpers: an accumulating gradient buffer costs a fill
+and one in-place addition per parameter, not a copy.
+
+Memory. :class:`PeakMemoryMode` measures the peak bytes of live tensor storage over the operators
+run under it (every tensor reachable from Python when it starts, and every tensor an operator
+reads or writes after that), on any device, CPU included; see its docstring for the method.
 
 Purposes and bytes. hp-fsdp tags each collective it issues with what it is for
 (:func:`collective_purpose`: ``"param_all_gather"``, ``"grad_reduce_scatter"``,
@@ -46,6 +57,7 @@ the communication library, not to the code under test.
 from __future__ import annotations
 
 import contextlib
+import gc
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -62,11 +74,14 @@ __all__ = [
     "COPY_KERNELS",
     "FILL_KERNELS",
     "INPLACE_ADD_KERNELS",
+    "NON_COPY_CUSTOM_OPS",
     "CollectiveCall",
     "CountingMode",
+    "PeakMemoryMode",
     "collective_kind",
     "collective_purpose",
     "extra_counts",
+    "is_classified",
     "is_copy_kernel",
     "op_name",
 ]
@@ -114,13 +129,60 @@ COPY_KERNELS: Final[frozenset[str]] = frozenset(
         "aten.unbind_copy",
         "aten.alias_copy",
         "aten._reshape_copy",
+        # Rearranging or padding one tensor into a new one.
+        "aten.flip",
+        "aten.roll",
+        "aten.constant_pad_nd",
+        "aten.unfold_copy",
+        # Gathers by index (elements moved, positions read from an index tensor).
+        "aten.index",
+        "aten.index_select",
+        "aten.gather",
+        "aten.take",
+        "aten.take_along_dim",
+        "aten.masked_select",
+        "aten.embedding",
+        # Scatters of a source tensor (not scatter_add / scatter_reduce: those add).
+        "aten.scatter",
+        "aten.scatter_",
+        "aten.put",
+        "aten.put_",
         # torch FSDP2's custom copy-in / copy-out operators.
         "fsdp.all_gather_copy_in",
         "fsdp.split_with_sizes_copy",
         "fsdp.chunk_cat",
+        "fsdp.copy_",
+        # This project's own: many tensors into one flat buffer and back (with casts), and the
+        # CPU extension's kernels behind them (seen when called directly).
+        "hp_kernels.pack",
+        "hp_kernels.unpack",
+        "hp_kernels_cpu.pack",
+        "hp_kernels_cpu.unpack",
     }
 )
-"""Operators (``namespace.name`` of the overload packet) that are copy kernels."""
+"""Operators (``namespace.name`` of the overload packet) that are copy kernels, besides the
+aten ones :func:`is_copy_kernel` recognizes by name (``*_copy``, ``*_scatter``)."""
+
+NON_COPY_CUSTOM_OPS: Final[frozenset[str]] = frozenset(
+    {
+        # Arithmetic (bf16 matmuls) into a fresh result.
+        "hp_kernels.newton_schulz",
+        "hp_kernels_cpu.newton_schulz",
+        # Communication fused with a matmul (what they move is a collective, not a copy
+        # kernel; CountingMode does not record them as collectives).
+        "hp_kernels.all_gather_matmul",
+        "hp_kernels.matmul_reduce_scatter",
+    }
+)
+"""Custom operators (outside the rule-classified namespaces) known not to be copy kernels."""
+
+# Namespaces whose operators are classified by rule: a name in COPY_KERNELS or with a copy
+# suffix is a copy, anything else is not. Every other namespace's operators must be named.
+_RULE_NAMESPACES: Final[frozenset[str]] = frozenset(
+    # profiler: record_function markers (torch FSDP2 runs them), no tensor data.
+    {"aten", "c10d", "_c10d_functional", "c10d_functional", "profiler"}
+)
+_COPY_SUFFIXES: Final[tuple[str, ...]] = ("_copy", "_copy_", "_scatter", "_scatter_")
 
 FILL_KERNELS: Final[frozenset[str]] = frozenset(
     {
@@ -179,8 +241,20 @@ def op_name(func: Any) -> str:
 
 
 def is_copy_kernel(name: str) -> bool:
-    """Whether ``name`` (as :func:`op_name` gives it) is in :data:`COPY_KERNELS`."""
-    return name in COPY_KERNELS
+    """Whether ``name`` (as :func:`op_name` gives it) is a copy kernel: in :data:`COPY_KERNELS`,
+    or an aten operator named ``*_copy`` or ``*_scatter`` (or their in-place ``*_``)."""
+    if name in COPY_KERNELS:
+        return True
+    namespace, _, base = name.partition(".")
+    return namespace == "aten" and base.endswith(_COPY_SUFFIXES)
+
+
+def is_classified(name: str) -> bool:
+    """Whether :func:`is_copy_kernel` knows ``name``: an operator of a namespace classified by
+    rule (aten, the collectives, profiler markers), or a custom operator named in
+    :data:`COPY_KERNELS` or :data:`NON_COPY_CUSTOM_OPS`. One that is not could copy unseen."""
+    namespace = name.partition(".")[0]
+    return namespace in _RULE_NAMESPACES or name in COPY_KERNELS or name in NON_COPY_CUSTOM_OPS
 
 
 def collective_kind(name: str) -> str | None:
@@ -386,8 +460,14 @@ class CountingMode(TorchDispatchMode):
         return Counter({n: c for n, c in self.ops.items() if n in wanted})
 
     def copies(self) -> Counter[str]:
-        """Copy kernels run by the code under the mode, by operator."""
-        return self.select(COPY_KERNELS)
+        """Copy kernels (:func:`is_copy_kernel`) run by the code under the mode, by operator."""
+        return Counter({n: c for n, c in self.ops.items() if is_copy_kernel(n)})
+
+    def unclassified(self) -> Counter[str]:
+        """Operators run by the code under the mode that :func:`is_copy_kernel` cannot judge
+        (custom operators not named in :data:`COPY_KERNELS` or :data:`NON_COPY_CUSTOM_OPS`):
+        empty, or a copy count means nothing."""
+        return Counter({n: c for n, c in self.ops.items() if not is_classified(n)})
 
     @property
     def copy_count(self) -> int:
@@ -396,7 +476,7 @@ class CountingMode(TorchDispatchMode):
 
     def backend_copies(self) -> Counter[str]:
         """Copy kernels run inside collectives' waits (the communication backend's own)."""
-        return Counter({n: c for n, c in self.backend_ops.items() if n in COPY_KERNELS})
+        return Counter({n: c for n, c in self.backend_ops.items() if is_copy_kernel(n)})
 
     def fills(self) -> Counter[str]:
         """Constant fills (zeros) by operator."""
@@ -435,17 +515,133 @@ class CountingMode(TorchDispatchMode):
         return out
 
     def summary(self) -> dict[str, Any]:
-        """Picklable digest: ``ops``, ``backend_ops``, ``copies``, ``copy_count``, ``fills``,
-        ``inplace_adds`` (name -> calls) and ``collectives`` (``"kind/group size"`` -> calls)."""
+        """Picklable digest: ``ops``, ``backend_ops``, ``copies``, ``copy_count``,
+        ``unclassified``, ``fills``, ``inplace_adds`` (name -> calls) and ``collectives``
+        (``"kind/group size"`` -> calls)."""
         return {
             "ops": dict(self.ops),
             "backend_ops": dict(self.backend_ops),
             "copies": dict(self.copies()),
             "copy_count": self.copy_count,
+            "unclassified": dict(self.unclassified()),
             "fills": dict(self.fills()),
             "inplace_adds": dict(self.inplace_adds()),
             "collectives": {f"{k}/{n}": c for (k, n), c in self.collective_counts().items()},
         }
+
+
+class PeakMemoryMode(TorchDispatchMode):
+    """Peak bytes of live tensor storage while the code under it runs (a context manager)::
+
+        with PeakMemoryMode() as memory:
+            model(batch).sum().backward()
+        memory.peak_increase  # bytes above what was live on entry, at the worst moment
+
+    Method. On entry, the storages of every tensor reachable from Python (``gc.get_objects``)
+    are recorded; after every operator, the storages of its tensor arguments and results too.
+    A recorded storage is live while anything besides this mode holds it: torch's reference
+    count of the storage (``torch._C._storage_Use_Count``) is above the one reference the mode
+    keeps. After every operator the current sizes (``nbytes``) of the live storages are summed,
+    each storage once however many views share it; sizes are read at every sample, so a
+    ``storage.resize_`` (how FSDP frees and re-allocates unsharded parameters, outside the
+    dispatcher) shows at the next operator. This is the memory the tensors hold, on any device
+    (CPU included: it needs no allocator statistics), not what the allocator reserved.
+
+    Tensor subclasses that wrap others (``DTensor``) have no storage of their own and count
+    through the tensors they wrap. Not seen: memory an operator allocates and frees inside
+    itself (a kernel's scratch, the kernels inside a custom operator), buffers of other threads
+    that never reach the dispatcher in this thread (a communication backend's own), and
+    storages held only by C++ from before entry. The mode holds each storage it saw until the
+    next operator finds it otherwise unused, so memory returns to the allocator up to one
+    operator later than it would; the sums are unaffected.
+
+    Attributes:
+        start_bytes: live bytes on entry.
+        peak_bytes: the largest sum, over the entry and every operator.
+        end_bytes: live bytes on exit.
+        peak_op: the operator after which the peak was reached ("" for the entry).
+        samples: operators sampled.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]  # torch leaves it untyped
+        self._storages: dict[int, torch.UntypedStorage] = {}
+        self.start_bytes = 0
+        self.peak_bytes = 0
+        self.end_bytes = 0
+        self.peak_op = ""
+        self.samples = 0
+
+    @property
+    def peak_increase(self) -> int:
+        """``peak_bytes - start_bytes``."""
+        return self.peak_bytes - self.start_bytes
+
+    def _track(self, tensor: torch.Tensor) -> None:
+        if tensor.device.type == "meta":
+            return
+        try:
+            storage = tensor.untyped_storage()
+            # A wrapper subclass (DTensor) has a placeholder storage sized like its global
+            # shape and no data; its inner tensors are what holds memory.
+            storage.data_ptr()
+        except (RuntimeError, NotImplementedError, TypeError):
+            return
+        self._storages.setdefault(storage._cdata, storage)
+
+    def live_bytes(self) -> int:
+        """Bytes of the recorded storages still in use elsewhere (forgetting the others)."""
+        use_count = torch._C._storage_Use_Count  # private: torch exposes no public use count
+        total = 0
+        dead = []
+        for key, storage in self._storages.items():
+            if use_count(key) <= 1:
+                dead.append(key)
+            else:
+                total += storage.nbytes()
+        for key in dead:
+            del self._storages[key]
+        return total
+
+    def __enter__(self) -> PeakMemoryMode:
+        # Unreachable cycles would be collected at an arbitrary point of the measured code.
+        gc.collect()
+        for obj in gc.get_objects():
+            # type(), not isinstance: isinstance reads __class__, which some module proxies warn on.
+            if issubclass(type(obj), torch.Tensor):
+                self._track(obj)
+        self.start_bytes = self.peak_bytes = self.live_bytes()
+        self.peak_op, self.samples = "", 0
+        super().__enter__()  # type: ignore[no-untyped-call]
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc_val: BaseException | None,
+        exc_tb: TracebackType | None,
+    ) -> None:
+        super().__exit__(exc_type, exc_val, exc_tb)  # type: ignore[no-untyped-call]
+        self.end_bytes = self.live_bytes()
+        self._storages.clear()
+
+    def __torch_dispatch__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        for leaf in tree_flatten((args, kwargs, out))[0]:
+            if isinstance(leaf, torch.Tensor):
+                self._track(leaf)
+        self.samples += 1
+        live = self.live_bytes()
+        if live > self.peak_bytes:
+            self.peak_bytes, self.peak_op = live, op_name(func)
+        return out
 
 
 def extra_counts(step: Mapping[str, int], baseline: Mapping[str, int]) -> dict[str, int]:
