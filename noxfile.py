@@ -7,17 +7,19 @@ Every package under ``packages/<dist>/`` gets four sessions, generated from its
   non-editable from local paths in one pip call (plus the package's ``test`` extra), then
   pytest on ``packages/<dist>/tests`` from a directory where ``src/`` is not importable;
 * ``mypy-<dist>``: ``mypy --strict`` (root config) over the package's ``src/`` and ``tests/``;
-* ``build-<dist>``: wheel + sdist into ``dist/<dist>/``, wheel contents checked, wheel
-  installed and imported;
-* ``check-<dist>``: the three above in one environment (one venv and one install instead of
-  three: what CI runs).
+* ``build-<dist>``: wheel + sdist into ``dist/<dist>/``, wheel contents checked, the wheel
+  installed with only its DAG closure (no test extras) and imported from site-packages: the
+  package's isolated install (tagged ``ci``);
+* ``check-<dist>``: the three above in one environment (a package's tests against only its DAG
+  closure, for working on one package).
 
-Plus ``lint`` (ruff), ``dag`` (tools/check_dag.py, its tests and its types),
-``integration`` (``tests/integration``: sibling packages installed together), ``demo``,
-``bench`` and ``ci``. ``lint``, ``dag``, ``integration`` and every ``check-<dist>`` carry the
-tag ``ci``: ``nox -t ci`` runs them all (that is what CI runs); ``nox -s ci`` queues the same
-sessions. Every pip call is constrained by
-``constraints/ci.txt`` (torch must never be resolved unpinned).
+Plus ``lint`` (ruff), ``dag`` (tools/check_dag.py, its tests and its types), ``tests-all``
+(every package's tests, ``tests/integration`` and mypy over every package in one environment
+holding all packages: one torch install and one mypy cache), ``integration``
+(``tests/integration`` alone), ``demo``, ``bench``, ``mutants`` and ``ci``. ``lint``, ``dag``,
+``tests-all`` and every ``build-<dist>`` carry the tag ``ci``: ``nox -t ci`` runs them all
+(that is what CI runs); ``nox -s ci`` queues the same sessions. Every pip call is constrained
+by ``constraints/ci.txt`` (torch must never be resolved unpinned).
 """
 
 from __future__ import annotations
@@ -259,11 +261,12 @@ def run_mypy(session: nox.Session, pkg: Package) -> None:
     _mypy(session, pkg)
 
 
-def _mypy(session: nox.Session, pkg: Package) -> None:
+def _mypy(session: nox.Session, pkg: Package, cache: Path | None = None) -> None:
     targets = [
         str(d.relative_to(ROOT)) for d in (pkg.path / "src", pkg.path / "tests") if _has_python(d)
     ]
-    cache = Path(session.create_tmp()) / "mypy_cache"
+    if cache is None:
+        cache = Path(session.create_tmp()) / "mypy_cache"
     session.run(
         "mypy",
         "--config-file",
@@ -342,8 +345,8 @@ def run_check(session: nox.Session, pkg: Package) -> None:
 
 
 def _register(pkg: Package) -> list[str]:
-    """Define tests-/mypy-/build-<dist> (for working on one package) and check-<dist> (all
-    three in one environment, tagged ci) for one package; return the CI session's name."""
+    """Define tests-/mypy-/build-<dist> and check-<dist> (all three in one environment) for one
+    package; build-<dist> (its isolated install) is tagged ci. Return the CI session's name."""
 
     def tests(session: nox.Session) -> None:
         run_tests(session, pkg)
@@ -359,12 +362,16 @@ def _register(pkg: Package) -> list[str]:
 
     tests.__doc__ = f"pytest {pkg.dist} against a non-editable install of its DAG closure."
     mypy.__doc__ = f"mypy --strict over {pkg.dist}'s src/ and tests/."
-    build.__doc__ = f"Build {pkg.dist}'s wheel + sdist into dist/{pkg.dist}/, install, import."
-    check.__doc__ = f"tests, mypy and build of {pkg.dist} in one environment (CI)."
-    for kind, func in (("tests", tests), ("mypy", mypy), ("build", build)):
-        nox.session(name=f"{kind}-{pkg.dist}")(func)
-    name = f"check-{pkg.dist}"
-    nox.session(name=name, tags=[CI_TAG])(check)
+    build.__doc__ = (
+        f"Build {pkg.dist}'s wheel + sdist into dist/{pkg.dist}/, install it with only its DAG "
+        "closure, import (CI)."
+    )
+    check.__doc__ = f"tests, mypy and build of {pkg.dist} in one environment (its closure only)."
+    nox.session(name=f"tests-{pkg.dist}")(tests)
+    nox.session(name=f"mypy-{pkg.dist}")(mypy)
+    name = f"build-{pkg.dist}"
+    nox.session(name=name, tags=[CI_TAG])(build)
+    nox.session(name=f"check-{pkg.dist}")(check)
     return [name]
 
 
@@ -441,7 +448,7 @@ def dag(session: nox.Session) -> None:
 INTEGRATION_PACKAGES: tuple[str, ...] = ("hp-fsdp", "hp-muon")
 
 
-@nox.session(tags=[CI_TAG])
+@nox.session
 def integration(session: nox.Session) -> None:
     """tests/integration: sibling packages together (installed copies), then mypy over them."""
     names: list[str] = []
@@ -474,6 +481,61 @@ def integration(session: nox.Session) -> None:
         str(cache),
         str(tests.relative_to(ROOT)),
     )
+
+
+@nox.session(name="tests-all", tags=[CI_TAG])
+def tests_all(session: nox.Session) -> None:
+    """Every package's tests, tests/integration and mypy --strict over every package, in one
+    environment holding all packages (non-editable, with their test extras): one install of
+    torch and the test tools, and one mypy cache, instead of one per package. Each package's
+    isolated install (only its DAG closure) is checked by build-<dist>; check-<dist> runs a
+    package's tests in such an environment. Every step runs even when one fails."""
+    names = _dag_order()
+    specs = [
+        str(PACKAGES[n].path) + (f"[{TEST_EXTRA}]" if TEST_EXTRA in PACKAGES[n].extras else "")
+        for n in names
+    ]
+    install_local(session, names, specs, ["mypy"])
+    failed: list[str] = []
+    for name in names:
+        try:
+            _pytest(session, PACKAGES[name])
+        except CommandFailed:
+            failed.append(f"tests {name}")
+    integration_tests = ROOT / "tests" / "integration"
+    try:
+        session.run(
+            "pytest",
+            "-c",
+            str(PYPROJECT),
+            "--rootdir",
+            str(ROOT),
+            str(integration_tests),
+            *session.posargs,
+            env=TEST_ENV,
+        )
+    except CommandFailed:
+        failed.append("tests integration")
+    # One cache for every package: torch's stubs are analysed once, not once per package.
+    cache = Path(session.create_tmp()) / "mypy_cache"
+    for name in names:
+        try:
+            _mypy(session, PACKAGES[name], cache)
+        except CommandFailed:
+            failed.append(f"mypy {name}")
+    try:
+        session.run(
+            "mypy",
+            "--config-file",
+            str(PYPROJECT),
+            "--cache-dir",
+            str(cache),
+            str(integration_tests.relative_to(ROOT)),
+        )
+    except CommandFailed:
+        failed.append("mypy integration")
+    if failed:
+        session.error(f"failed: {', '.join(failed)}")
 
 
 #: The main job: 4 local CPU ranks, FSDP (dp_shard 2) x TP (2), Muon + AdamW, 60 steps.
@@ -529,6 +591,13 @@ def mutants(session: nox.Session) -> None:
     tree = Path(session.create_tmp()) / "tree"
     shutil.rmtree(tree, ignore_errors=True)  # a copy left by an earlier run is stale
     session.run("python", str(runner), "--copy-to", str(tree), *session.posargs)
+    install_editable(session, tree)
+    session.run("python", str(runner), "--tree", str(tree), *session.posargs, env=TEST_ENV)
+
+
+def install_editable(session: nox.Session, tree: Path) -> None:
+    """Every package of ``tree`` (a copy of this repository, or the repository itself) installed
+    editable with its test extra, in one pip call, constrained as everywhere."""
     # Every package after the packages its tests need as well (hp-testing first): pip (23.2)
     # does not match a requirement to an editable named later in the same call.
     names: list[str] = []
@@ -550,8 +619,17 @@ def mutants(session: nox.Session) -> None:
     # build environments; these builds are not isolated (hp-kernels), so it comes first (pinned
     # in constraints/ci.txt).
     session.install(*PIP_ARGS, "editables", env=PIP_ENV)
-    install_local(session, names, specs)
-    session.run("python", str(runner), "--tree", str(tree), *session.posargs, env=TEST_ENV)
+    install_local(session, names, specs, ["mypy", "ruff"])
+
+
+@nox.session(default=False)
+def dev(session: nox.Session) -> None:
+    """The fast loop: every package installed editable (test extras, mypy, ruff) into
+    ``.nox/dev``; activate it and run one package's tests or mypy directly, e.g.
+    ``pytest -c pyproject.toml packages/hp-fsdp/tests/test_fsdp_basic.py``. Edits to ``src/``
+    take effect without reinstalling (but hp-kernels' C++ extension: rerun the session)."""
+    install_editable(session, ROOT)
+    session.log(f"activate with: . {Path(session.virtualenv.location) / 'bin' / 'activate'}")
 
 
 def _dag_order() -> list[str]:
@@ -569,7 +647,7 @@ def _dag_order() -> list[str]:
 CI_SESSIONS: list[str] = ["lint", "dag"]
 for _dist in _dag_order():
     CI_SESSIONS += _register(PACKAGES[_dist])
-CI_SESSIONS.append("integration")
+CI_SESSIONS.append("tests-all")
 
 
 @nox.session(venv_backend="none", default=False)
