@@ -490,7 +490,7 @@ def tests_all(session: nox.Session) -> None:
     torch and the test tools, and one mypy cache, instead of one per package. Each package's
     isolated install (only its DAG closure) is checked by build-<dist>; check-<dist> runs a
     package's tests in such an environment. Every step runs even when one fails."""
-    names = _dag_order()
+    names = _install_order()
     specs = [
         str(PACKAGES[n].path) + (f"[{TEST_EXTRA}]" if TEST_EXTRA in PACKAGES[n].extras else "")
         for n in names
@@ -595,11 +595,9 @@ def mutants(session: nox.Session) -> None:
     session.run("python", str(runner), "--tree", str(tree), *session.posargs, env=TEST_ENV)
 
 
-def install_editable(session: nox.Session, tree: Path) -> None:
-    """Every package of ``tree`` (a copy of this repository, or the repository itself) installed
-    editable with its test extra, in one pip call, constrained as everywhere."""
-    # Every package after the packages its tests need as well (hp-testing first): pip (23.2)
-    # does not match a requirement to an editable named later in the same call.
+def _install_order() -> list[str]:
+    """Every package after the packages its tests need as well (hp-testing first): pip (23.2)
+    does not match a requirement to a local package named later in the same call."""
     names: list[str] = []
 
     def visit(name: str, chain: tuple[str, ...] = ()) -> None:
@@ -611,6 +609,13 @@ def install_editable(session: nox.Session, tree: Path) -> None:
 
     for name in _dag_order():
         visit(name)
+    return names
+
+
+def install_editable(session: nox.Session, tree: Path) -> None:
+    """Every package of ``tree`` (a copy of this repository, or the repository itself) installed
+    editable with its test extra, in one pip call, constrained as everywhere."""
+    names = _install_order()
     specs: list[str] = []
     for name in names:
         extra = f"[{TEST_EXTRA}]" if TEST_EXTRA in PACKAGES[name].extras else ""
