@@ -204,18 +204,29 @@ def _all_cases(world: int) -> dict[str, dict[str, float]]:
     return out
 
 
+# fp32: outputs and gradients relative to each tensor's largest entry, the loss (about 3.2)
+# absolutely. Largest measured over CP=2 and 4, both variants, both modes and every rank
+# (torch 2.13, x86 CPU, one thread; the same on every run): outputs 2.8e-7, gradients 8.1e-7,
+# losses 7.2e-7 (three fp32 ulps of the loss; its bound was already 2.8x that). Asserted with
+# 3-4x headroom for another CPU's summation order; the README quotes both.
+BOUNDS = {"out": 1e-6, "grad": 3e-6, "loss": 2e-6}
+
+
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("world", [2, 4])
 def test_context_parallel_equals_single_device(world: int) -> None:
     results = run_on_ranks(world, _all_cases, world, timeout=300)
-    for case, errors in results[0].items():
-        print(world, case, {k: f"{v:.2e}" for k, v in errors.items()})
+    for case in results[0]:
+        worst = {k: max(r[case][k] for r in results) for k in results[0][case]}
+        print(world, case, {k: f"{v:.2e}" for k, v in worst.items()})
     for rank_results in results:
         for case, errors in rank_results.items():
-            # fp32: relative to each tensor's largest entry; the loss absolutely.
-            assert errors["out"] < 2e-6, (world, case, errors)
-            assert errors["grad"] < 2e-5, (world, case, errors)
-            assert errors.get("loss", 0.0) < 2e-6, (world, case, errors)
+            for key, value in errors.items():
+                assert value < BOUNDS[key], (world, case, key, errors)
+            if case.startswith("attention ulysses"):
+                # Ulysses moves whole heads; each head's attention is the same SDPA call on
+                # the same full sequence as on one device, so nothing may differ at all.
+                assert errors == {"out": 0.0, "grad": 0.0}, (world, case, errors)
 
 
 def _errors(world: int) -> list[str]:

@@ -240,17 +240,24 @@ CASES = [
 ]
 
 
+# fp32, relative to each tensor's largest entry (the losses to their own value). Largest
+# measured over CASES (torch 2.13, x86 CPU, one thread; the same on every run): out 9.6e-8,
+# loss 6.2e-7, aux 9.1e-8, x_grad 1.2e-7, grad 3.1e-7. Asserted with 3-5x headroom for another
+# CPU's summation order; the README quotes both.
+BLOCK_BOUNDS = {"out": 4e-7, "loss": 2e-6, "aux": 4e-7, "x_grad": 5e-7, "grad": 1e-6}
+
+
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(("kind", "mode", "world", "score_func"), CASES)
 def test_moe_block_equals_single_device(kind: str, mode: str, world: int, score_func: str) -> None:
-    for rank, r in enumerate(
-        run_on_ranks(world, _equivalence, kind, mode, score_func, timeout=120)
-    ):
-        print(kind, mode, world, rank, r)
+    results = run_on_ranks(world, _equivalence, kind, mode, score_func, timeout=120)
+    worst = {key: max(r[key][1] for r in results) for key in BLOCK_BOUNDS}
+    print(kind, mode, world, {k: f"{v:.2e}" for k, v in worst.items()})
+    for r in results:
         assert r["empty_expert_tokens"] == 0, r
         assert r["counts_equal"], r
-        for key in ("out", "loss", "aux", "x_grad", "grad"):
-            assert r[key][1] < 1e-5, (key, r)
+        for key, bound in BLOCK_BOUNDS.items():
+            assert r[key][1] < bound, (key, r)
         ep = world if kind == "ep" else 2
         shape, placements = r["w1_layout"]
         assert shape == (EXPERTS, HIDDEN, DIM)
@@ -281,7 +288,15 @@ class _TinyMoEModel(nn.Module):
         return self.head(h)  # type: ignore[no-any-return]
 
 
-def _training(kind: str, mode: str) -> tuple[float, float]:
+# Three AdamW steps (lr 1e-2): losses relative to max(|loss|, 1) (the losses are about 3),
+# gradients at every step and parameters after the last relative to each tensor's largest
+# entry. Largest measured (torch 2.13, x86 CPU, the same on every run, both modes): EP=2 loss
+# 0, grad 2.0e-7, param 9.4e-8; EP x TP 2 x 2 loss 8.0e-8, grad 4.9e-7, param 1.6e-7.
+# Asserted with 4-5x headroom for another CPU's summation order.
+TRAINING_BOUNDS = {"loss": 4e-7, "grad": 2e-6, "param": 6e-7}
+
+
+def _training(kind: str, mode: str) -> tuple[float, float, float]:
     torch.set_num_threads(1)
     mesh, _, _ = _mesh(kind)
     style: Any = (
@@ -308,20 +323,25 @@ def _training(kind: str, mode: str) -> tuple[float, float]:
         mode=mode,  # type: ignore[arg-type]
         tp_axis="ep",
         dp_axes=(),
-        loss_tolerance=1e-6,
-        grad_tolerance=1e-5,
+        # assert_equivalent checks parameters against grad_tolerance too; the test asserts
+        # each figure at its own bound.
+        loss_tolerance=TRAINING_BOUNDS["loss"],
+        grad_tolerance=TRAINING_BOUNDS["grad"],
     )
-    return report.loss_error, report.grad_error
+    return report.loss_error, report.grad_error, report.param_error
 
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(("kind", "world"), [("ep", 2), ("etp", 4)])
 @pytest.mark.parametrize("mode", ["production", "validation"])
 def test_training_steps_equal_single_device(kind: str, world: int, mode: str) -> None:
-    for loss_error, grad_error in run_on_ranks(world, _training, kind, mode, timeout=120):
-        print(kind, mode, loss_error, grad_error)
-        assert loss_error < 1e-6
-        assert grad_error < 1e-5
+    for loss_error, grad_error, param_error in run_on_ranks(
+        world, _training, kind, mode, timeout=120
+    ):
+        print(kind, mode, f"loss {loss_error:.2e} grad {grad_error:.2e} param {param_error:.2e}")
+        assert loss_error < TRAINING_BOUNDS["loss"]
+        assert grad_error < TRAINING_BOUNDS["grad"]
+        assert param_error < TRAINING_BOUNDS["param"]
 
 
 def _indivisible() -> str:

@@ -123,25 +123,34 @@ def _train(model: nn.Module, steps: int, seed: int) -> list[float]:
     return losses
 
 
+# (config, bound on every 10-step window, bound on the last window). Measured (torch 2.13, x86
+# CPU, the same on every run), worst window / last window: tensorwise 3.9% / 1.4%, blockwise
+# 3.2% / 3.2%, delayed 8.8% / 3.3%. Asserted: 15% for every window (1.7-4.7x), and the last
+# window at 5% (3.6x) tensorwise, 10% (3x) otherwise.
 @pytest.mark.parametrize(
-    "config",
+    ("config", "window_bound", "last_bound"),
     [
-        Float8LinearConfig(),
-        Float8LinearConfig(granularity=ScalingGranularity.BLOCKWISE, block_size=16),
-        Float8LinearConfig(
-            input_scaling=ScalingType.DELAYED,
-            weight_scaling=ScalingType.DELAYED,
-            grad_output_scaling=ScalingType.DELAYED,
+        (Float8LinearConfig(), 0.15, 0.05),
+        (Float8LinearConfig(granularity=ScalingGranularity.BLOCKWISE, block_size=16), 0.15, 0.10),
+        (
+            Float8LinearConfig(
+                input_scaling=ScalingType.DELAYED,
+                weight_scaling=ScalingType.DELAYED,
+                grad_output_scaling=ScalingType.DELAYED,
+            ),
+            0.15,
+            0.10,
         ),
     ],
     ids=["tensorwise", "blockwise", "delayed"],
 )
-def test_fp8_training_tracks_fp32(config: Float8LinearConfig) -> None:
-    # Stated tolerance (60 AdamW steps, same data and init): the mean loss over each window
-    # of 10 steps stays within 15% (relative) of fp32's, the last window within 10%, and
-    # both runs make the same progress (last loss < 40% of the first). Single-step losses
-    # are noisier (up to ~20% apart on this easy target), so they are not compared.
-    # Measured: window deviations up to 3.3% (tensorwise), 4.1% (blockwise), 8.8% (delayed).
+def test_fp8_training_tracks_fp32(
+    config: Float8LinearConfig, window_bound: float, last_bound: float
+) -> None:
+    # 60 AdamW steps, same data and init: the mean loss over each window of 10 steps stays
+    # within window_bound (relative) of fp32's, the last window within last_bound, and both
+    # runs make the same progress (last loss < 40% of the first). Single-step losses are
+    # noisier (up to ~20% apart on this easy target), so they are not compared.
     torch.manual_seed(0)
     ref = _Model()
     fp8 = _Model()
@@ -153,7 +162,8 @@ def test_fp8_training_tracks_fp32(config: Float8LinearConfig) -> None:
         abs(sum(fp8_losses[i : i + 10]) - sum(ref_losses[i : i + 10])) / sum(ref_losses[i : i + 10])
         for i in range(0, 60, 10)
     ]
-    assert max(rel) < 0.15, rel
-    assert rel[-1] < 0.10, rel
+    print([f"{r:.4f}" for r in rel])
+    assert max(rel) < window_bound, rel
+    assert rel[-1] < last_bound, rel
     assert fp8_losses[-1] < 0.4 * fp8_losses[0]
     assert ref_losses[-1] < 0.4 * ref_losses[0]

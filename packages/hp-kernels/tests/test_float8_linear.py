@@ -93,7 +93,9 @@ def _dequantized(t: torch.Tensor, fmt: Float8Format, block: tuple[int, int] | No
 def test_matches_explicit_quantize_dequantize_reference(config: Float8LinearConfig) -> None:
     # The worst-case bounds above are loose by design (they allow every rounding error to
     # line up); this pins the computation itself: the same quantized operands multiplied in
-    # fp64 agree with Float8Linear to fp32 accumulation error.
+    # fp64 agree with Float8Linear to fp32 accumulation error. Measured (torch 2.13, x86 CPU,
+    # the same on every run): at most 2.2 units of 2**-24 (|operands| + |result|) over the three
+    # configs and outputs; asserted at 8 (3.6x, for another CPU's summation order).
     torch.manual_seed(1)
     ref = nn.Linear(40, 24)
     lin = Float8Linear.from_float(ref, config)
@@ -107,7 +109,7 @@ def test_matches_explicit_quantize_dequantize_reference(config: Float8LinearConf
     xq = _dequantized(x.detach(), config.forward_format, act)
     wq = _dequantized(ref.weight.detach(), config.forward_format, wb)
     gq = _dequantized(g, config.grad_format, act)
-    tol = 64 * 2**-24
+    tol = 8 * 2**-24
     expected = {
         "y": (y.detach(), xq @ wq.t() + ref.bias.double(), xq.abs() @ wq.abs().t()),
         "grad_input": (x.grad, gq @ wq, gq.abs() @ wq.abs()),

@@ -150,14 +150,22 @@ def test_measured_error_figures(fmt: Float8Format) -> None:
     # Normal-range relative error of N(0,1) data. The attainable worst case is r / (1 + r)
     # (a midpoint just above a power of two), i.e. 0.0588 for e4m3 and 0.111 for e5m2; the
     # mean sits far below it.
-    x = torch.randn(1 << 16, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(1 << 20, generator=torch.Generator().manual_seed(0))
     data, scales = quantize_blockwise(x, fmt, 128)
     y = dequantize_blockwise(data, scales, 128, torch.float32)
-    normal = x.abs() >= fmt.min_normal * scales.repeat_interleave(128)
+    full = scales.repeat_interleave(128)
+    normal = x.abs() >= fmt.min_normal * full
     rel = ((y - x).abs() / x.abs())[normal]
     assert float(rel.max()) <= fmt.relative_error * (1 + 2**-20)
     assert float(rel.max()) > 0.85 * fmt.relative_error
     assert float(rel.mean()) < 0.5 * fmt.relative_error
+    # The figure the README quotes: the worst error as a fraction of the derived bound (over
+    # all values, subnormal range included). Measured (torch 2.13, x86 CPU; deterministic
+    # rounding of fixed data): 0.993 (e4m3), 0.889 (e5m2). The bound must hold and be nearly
+    # attained; a bound loose by 10% (or a quantizer that stopped rounding to nearest) fails.
+    used = float(((y - x).abs() / roundtrip_error_bound(x, full, fmt)).max())
+    assert used <= 1.0, used
+    assert used > {Float8Format.E4M3: 0.95, Float8Format.E5M2: 0.85}[fmt], used
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

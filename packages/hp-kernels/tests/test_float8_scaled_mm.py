@@ -103,8 +103,10 @@ def test_measured_error_vs_bound_on_a_typical_shape() -> None:
         err = (out.double() - ref).abs()
         assert (err <= bound).all()
         # Rounding errors are unbiased and partly cancel: the measured error is a small
-        # fraction of the worst case (sqrt(K)-like, not K-like).
-        assert float((err / bound).max()) < 0.5
+        # fraction of the worst case (sqrt(K)-like, not K-like). Measured (torch 2.13, x86
+        # CPU, the same on every run): 0.084 (tensorwise), 0.097 (e4m3 blocks), 0.088 (e5m2 x
+        # e4m3 blocks); asserted at 0.3 (3x the worst).
+        assert float((err / bound).max()) < 0.3, float((err / bound).max())
         rel = float(err.norm() / ref.norm())
         assert rel < max(fa.relative_error, fb.relative_error)
 

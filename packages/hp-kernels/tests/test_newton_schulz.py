@@ -41,12 +41,16 @@ def test_two_d_bit_equal_to_torch_muon(shape: tuple[int, int]) -> None:
 
 
 def test_batch_close_to_per_matrix() -> None:
-    # Batched bf16 products run other kernels than per-matrix ones: close, not always bitwise.
+    # Batched bf16 products may run other kernels than per-matrix ones, so the batch is not
+    # promised bitwise. Measured bit-equal on the development CPU (torch 2.13, x86; this shape
+    # and seven others up to [4, 256, 704]), so no tolerance can be sized from a measurement
+    # here; asserted within 2**-7, one bf16 rounding of an entry below 2 (the outputs are below
+    # 0.7), the bound hp-muon's fused steps use for the same kernels.
     x = torch.randn(4, 32, 48, generator=torch.Generator().manual_seed(2))
     got = hp_kernels.newton_schulz(x).float()
     for i in range(4):
         one = _zeropower_via_newtonschulz(x[i], KELLER, 5, 1e-7).float()
-        torch.testing.assert_close(got[i], one, atol=2e-2, rtol=0)
+        torch.testing.assert_close(got[i], one, atol=2**-7, rtol=0)
 
 
 def test_schedule_repeats_its_last_triple() -> None:

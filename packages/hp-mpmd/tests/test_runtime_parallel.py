@@ -37,6 +37,14 @@ from hp_testing import run_on_ranks
 
 DIM, HID, BLOCKS, BATCH, STEPS, LR, MB = 6, 8, 3, 8, 2, 0.1, 4
 VOCAB = 10
+# fp32 against single device: losses absolutely (about 2.5 for the MLP, where an fp32 ulp is
+# 2.4e-7, and 5.7 for the tied model, ulp 4.8e-7), gradients relative to each tensor's largest
+# entry. Largest measured (torch 2.13, x86 CPU, the same on every run): PP x TP 2.4e-7 /
+# 2.6e-7, DP x PP 2.4e-7 / 2.3e-7, heterogeneous 2.1e-7 / 1.9e-7, tied 6.0e-7 / 3.7e-7
+# (loss / grad). Gradients asserted with 3-5x headroom for another CPU's summation order; the
+# loss bound (four ulps of the MLP's loss, two of the tied model's) was already that tight and
+# stays. The README quotes both.
+LOSS_TOL, GRAD_TOL = 1e-6, 1e-6
 
 
 class Block(nn.Module):
@@ -195,8 +203,8 @@ def test_tensor_parallel_stages(schedule_name: str) -> None:
     results = run_on_ranks(4, _pp_tp, schedule_name, timeout=120)
     print(max(r["grad"] for r in results), max(r["loss"] for r in results))
     for r in results:
-        assert r["loss"] < 1e-6, r
-        assert r["grad"] < 1e-5, r
+        assert r["loss"] < LOSS_TOL, r
+        assert r["grad"] < GRAD_TOL, r
 
 
 @pytest.mark.multiprocess
@@ -204,8 +212,8 @@ def test_data_parallel_pipeline_replicas() -> None:
     results = run_on_ranks(4, _dp_pp, timeout=120)
     print(max(r["grad"] for r in results), max(r["loss"] for r in results))
     for r in results:
-        assert r["loss"] < 1e-6, r
-        assert r["grad"] < 1e-5, r
+        assert r["loss"] < LOSS_TOL, r
+        assert r["grad"] < GRAD_TOL, r
 
 
 @pytest.mark.multiprocess
@@ -213,8 +221,8 @@ def test_heterogeneous_stage_meshes() -> None:
     results = run_on_ranks(3, _heterogeneous, timeout=120)
     print(max(r["grad"] for r in results), max(r["loss"] for r in results))
     for r in results:
-        assert r["loss"] < 1e-6, r
-        assert r["grad"] < 1e-5, r
+        assert r["loss"] < LOSS_TOL, r
+        assert r["grad"] < GRAD_TOL, r
 
 
 # ------------------------------------------------------------------------- tied parameters
@@ -279,6 +287,6 @@ def test_tied_embedding_and_head() -> None:
     results = run_on_ranks(2, _tied, timeout=120)
     print(max(r["grad"] for r in results), max(r["loss"] for r in results))
     for r in results:
-        assert r["loss"] < 1e-6, r
-        assert r["grad"] < 1e-5, r
+        assert r["loss"] < LOSS_TOL, r
+        assert r["grad"] < GRAD_TOL, r
         assert r["drift"] == 0.0, r

@@ -115,14 +115,15 @@ def test_equal_to_single_device_torch_muon(name: str, world: int) -> None:
     fused = run_on_ranks(world, _case, name, True, "match_rms_adamw", timeout=120)
     adjusted = LR * 0.2 * math.sqrt(20)  # the largest adjusted lr among SHAPES
     worst = max(r["worst"] for r in fused)
-    print(
-        f"{name} world {world}: fused max |hp - torch| = {worst:.3g} (bound {BOUND * adjusted:.3g})"
-    )
-    assert worst <= BOUND * adjusted
     matrices = matrices_in(SHAPES)
     done = sum(int(r["orthogonalized"]) for r in results)
-    assert done == (matrices * world if name == "plain" else matrices), (name, done)
     sent = sum(int(r["sent"]) for r in results)
+    print(
+        f"{name} world {world}: fused max |hp - torch| = {worst:.3g} (bound {BOUND * adjusted:.3g})"
+        f" = {worst / adjusted:.3g} * lr_adj; sent {sent / _held_elements(name, world):.3f} x held"
+    )
+    assert worst <= BOUND * adjusted
+    assert done == (matrices * world if name == "plain" else matrices), (name, done)
     assert sent <= 2 * _held_elements(name, world), (name, sent)
     if name == "plain":
         assert sent == 0

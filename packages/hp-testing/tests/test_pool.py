@@ -119,6 +119,14 @@ def rank_one_differs() -> None:
     assert_all_ranks_equal(torch.tensor([0.0, float(rank() == 1)]), msg="weights after step")
 
 
+def rank_one_differs_by_one_ulp() -> None:
+    # The defaults (rtol=0, atol=0) are exact: the nearest float above 1.0 is not 1.0.
+    x = torch.tensor([1.0])
+    if rank() == 1:
+        x = torch.nextafter(x, torch.tensor([2.0]))
+    assert_all_ranks_equal(x)
+
+
 def shapes_differ() -> None:
     assert_all_ranks_equal(torch.zeros([1] * (rank() % 2 + 1)))
 
@@ -262,6 +270,11 @@ def test_assert_all_ranks_equal(rank_pool: GetPool) -> None:
     assert (
         "weights after step: tensor differs across ranks: rank(s) [1] differ from rank(s) [0, 2, 3]"
     ) in str(info.value)
+    with pytest.raises(RankFailure) as info:
+        pool.run(rank_one_differs_by_one_ulp)
+    assert "tensor differs across ranks: rank(s) [1] differ from rank(s) [0, 2, 3]" in str(
+        info.value
+    )
     with pytest.raises(RankFailure) as info:
         pool.run(shapes_differ)
     assert (
