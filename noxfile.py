@@ -8,22 +8,26 @@ Every package under ``packages/<dist>/`` gets four sessions, generated from its
   pytest on ``packages/<dist>/tests`` from a directory where ``src/`` is not importable;
 * ``mypy-<dist>``: ``mypy --strict`` (root config) over the package's ``src/`` and ``tests/``;
 * ``build-<dist>``: wheel + sdist into ``dist/<dist>/``, wheel contents checked, the wheel
-  installed with only its DAG closure (no test extras) and imported from site-packages: the
-  package's isolated install (tagged ``ci``);
+  installed with only its DAG closure (no test extras) in a venv of its own and imported from
+  site-packages;
 * ``check-<dist>``: the three above in one environment (a package's tests against only its DAG
   closure, for working on one package).
 
 Plus ``lint`` (ruff), ``dag`` (tools/check_dag.py, its tests and its types), ``tests-all``
 (every package's tests, ``tests/integration`` and mypy over every package in one environment
-holding all packages: one torch install and one mypy cache), ``integration``
-(``tests/integration`` alone), ``demo``, ``bench``, ``mutants`` and ``ci``. ``lint``, ``dag``,
-``tests-all`` and every ``build-<dist>`` carry the tag ``ci``: ``nox -t ci`` runs them all
-(that is what CI runs); ``nox -s ci`` queues the same sessions. Every pip call is constrained
-by ``constraints/ci.txt`` (torch must never be resolved unpinned).
+holding all packages: one torch install and one mypy cache), ``build-all`` (every wheel and
+sdist built and checked, then each package's isolated install: its requirements resolved
+against the built wheels only, and an import with only its closure's wheels on the path),
+``integration`` (``tests/integration`` alone), ``demo``, ``bench``, ``dev``, ``mutants`` and
+``ci``. ``lint``, ``dag``, ``tests-all`` and ``build-all`` carry the tag ``ci``: ``nox -t ci``
+runs them (that is what CI runs); ``nox -s ci`` queues the same sessions. Every pip call is
+constrained by ``constraints/ci.txt`` (torch must never be resolved unpinned).
 """
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
 import tarfile
 import tomllib
@@ -83,6 +87,7 @@ class Package:
     dist: str
     path: Path
     deps: tuple[str, ...]  # hp-* dists in [project].dependencies
+    requires: tuple[str, ...]  # the other (third-party) entries of [project].dependencies
     test_deps: tuple[str, ...]  # hp-* dists in the `test` extra
     extras: frozenset[str]
     build_requires: tuple[str, ...]
@@ -109,6 +114,11 @@ def discover_packages() -> dict[str, Package]:
             dist=dist,
             path=pyproject.parent,
             deps=_hp_names(project.get("dependencies", [])),
+            requires=tuple(
+                r
+                for r in project.get("dependencies", [])
+                if not _requirement_name(r).startswith("hp-")
+            ),
             test_deps=_hp_names(extras.get(TEST_EXTRA, [])),
             extras=frozenset(extras),
             build_requires=tuple(data.get("build-system", {}).get("requires", [])),
@@ -288,6 +298,73 @@ def run_build(session: nox.Session, pkg: Package) -> None:
     _check_installed_copy(session, pkg.import_name)
 
 
+@nox.session(name="build-all", tags=[CI_TAG])
+def build_all(session: nox.Session) -> None:
+    """Every package's wheel and sdist built and checked into ``dist/<dist>/`` (one environment,
+    one compile of hp-kernels), then each package's isolated install: pip resolves its wheel's
+    requirements with no index but the built wheels and the third-party packages present (a dry
+    run whose hp-* choices must be exactly its DAG closure), and it imports from a folder holding
+    only its closure's wheels, no other hp-* package importable. build-<dist> does the same for
+    one package in a venv of its own."""
+    requires = sorted({r for pkg in PACKAGES.values() for r in pkg.build_requires})
+    # The packages' third-party requirements too, so that the resolution below needs no index.
+    runtime = sorted({r for pkg in PACKAGES.values() for r in pkg.requires})
+    session.install(*PIP_ARGS, "build", *requires, *runtime, env=PIP_ENV)
+    order = _dag_order()
+    wheels = {name: _build_checked(session, PACKAGES[name]) for name in order}
+    targets = Path(session.create_tmp()).resolve() / "isolated"
+    shutil.rmtree(targets, ignore_errors=True)
+    for name, wheel in wheels.items():
+        session.run(
+            "python", "-m", "pip", "install", "--quiet", "--no-deps", "--no-compile",
+            "--target", str(targets / name), str(wheel),
+        )  # fmt: skip
+    links = [arg for wheel in wheels.values() for arg in ("--find-links", str(wheel.parent))]
+    session.chdir(session.create_tmp())  # where no src/ is importable
+    failed: list[str] = []
+    for name in order:
+        closure_names = closure(name, with_test=False)
+        report = targets / f"{name}.resolution.json"
+        try:
+            session.run(
+                "python", "-m", "pip", "install", "--quiet", "--dry-run", "--no-index",
+                *links, "--report", str(report), f"{name}=={_version(wheels[name])}",
+                env=PIP_ENV,
+            )  # fmt: skip
+            chosen = sorted(
+                _normalize(item["metadata"]["name"])
+                for item in json.loads(report.read_text())["install"]
+                if _normalize(item["metadata"]["name"]).startswith("hp-")
+            )
+            if chosen != sorted(closure_names):
+                session.error(
+                    f"{name}: pip would install {chosen}, its DAG closure is {closure_names}"
+                )
+            path = os.pathsep.join(str(targets / n) for n in closure_names)
+            session.run(
+                "python", "-c", _import_check(PACKAGES[name].import_name, targets / name),
+                env={"PYTHONPATH": path},
+            )  # fmt: skip
+        except CommandFailed:
+            failed.append(name)
+    if failed:
+        session.error(f"isolated install failed: {', '.join(failed)}")
+
+
+def _version(wheel: Path) -> str:
+    """The version in a wheel's file name (``<name>-<version>-<tags>.whl``)."""
+    return wheel.name.split("-")[1]
+
+
+def _import_check(import_name: str, folder: Path) -> str:
+    """A script importing ``import_name`` that fails unless it comes from ``folder``."""
+    return (
+        f"import pathlib, sys, {import_name} as m; f = pathlib.Path(m.__file__).resolve(); "
+        f"print('{import_name} is imported from', f); "
+        f"sys.exit(None if f.is_relative_to({str(folder)!r}) else 'error: not from its wheel')"
+    )
+
+
 def _build_checked(session: nox.Session, pkg: Package) -> Path:
     """Build the wheel and sdist into ``dist/<dist>/`` and check their contents."""
     outdir = DIST_DIR / pkg.dist
@@ -344,9 +421,9 @@ def run_check(session: nox.Session, pkg: Package) -> None:
         session.error(f"{pkg.dist}: failed: {', '.join(failed)}")
 
 
-def _register(pkg: Package) -> list[str]:
+def _register(pkg: Package) -> None:
     """Define tests-/mypy-/build-<dist> and check-<dist> (all three in one environment) for one
-    package; build-<dist> (its isolated install) is tagged ci. Return the CI session's name."""
+    package (CI runs them for every package at once: tests-all and build-all)."""
 
     def tests(session: nox.Session) -> None:
         run_tests(session, pkg)
@@ -364,15 +441,13 @@ def _register(pkg: Package) -> list[str]:
     mypy.__doc__ = f"mypy --strict over {pkg.dist}'s src/ and tests/."
     build.__doc__ = (
         f"Build {pkg.dist}'s wheel + sdist into dist/{pkg.dist}/, install it with only its DAG "
-        "closure, import (CI)."
+        "closure in a venv of its own, import."
     )
     check.__doc__ = f"tests, mypy and build of {pkg.dist} in one environment (its closure only)."
     nox.session(name=f"tests-{pkg.dist}")(tests)
     nox.session(name=f"mypy-{pkg.dist}")(mypy)
-    name = f"build-{pkg.dist}"
-    nox.session(name=name, tags=[CI_TAG])(build)
+    nox.session(name=f"build-{pkg.dist}")(build)
     nox.session(name=f"check-{pkg.dist}")(check)
-    return [name]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -649,10 +724,9 @@ def _dag_order() -> list[str]:
     return order
 
 
-CI_SESSIONS: list[str] = ["lint", "dag"]
 for _dist in _dag_order():
-    CI_SESSIONS += _register(PACKAGES[_dist])
-CI_SESSIONS.append("tests-all")
+    _register(PACKAGES[_dist])
+CI_SESSIONS: list[str] = ["lint", "dag", "tests-all", "build-all"]
 
 
 @nox.session(venv_backend="none", default=False)

@@ -59,12 +59,13 @@ _MOE: dict[str, Any] = {
 QWEN_MOE = Qwen3MoeConfig(**_COMMON, **_MOE)
 BATCH, SEQ, STEPS = 4, 8, 3
 # fp32 on CPU, 3 steps, tensor-parallel sums in another order than one device: measured loss
-# differences up to 4.8e-7 (one fp32 ulp at a loss of 4.2; the bound is four) and, under SGD,
+# differences up to 9.5e-7 (two fp32 ulps at a loss of 4.2; the bound is four) and, under SGD,
 # gradient and parameter differences up to 2.1e-6 of each tensor's largest entry. AdamW
 # divides by the root mean square of the gradients, which magnifies the rounding of tiny ones:
-# 2.7e-5 (gradients) and 7.1e-5 (parameters) measured.
+# 2.7e-5 (gradients) and 7.1e-5 (parameters) measured. The mean ratio of gradient norms to one
+# device: 1 within 4.9e-8.
 LOSS_TOLERANCE = 2e-6
-GRAD_TOLERANCE = {"sgd": 1e-5, "adamw": 2e-4}
+GRAD_TOLERANCE = {"sgd": 5e-6, "adamw": 2e-4}
 
 
 def tp_plan(layers: str = "model.layers.*", mlp: bool = True) -> dict[str, ParallelStyle]:
@@ -185,7 +186,7 @@ def test_hf_model_under_tp_equals_one_device(
         assert report["grad"] < GRAD_TOLERANCE[optimizer], report
         assert report["param"] < GRAD_TOLERANCE[optimizer], report
         # The scale a constant factor would show (tp = 2 gave exactly 2.0 before the fix).
-        assert abs(report["norm_ratio"] - 1.0) < 1e-5, report
+        assert abs(report["norm_ratio"] - 1.0) < 2e-7, report
 
 
 # Wrong plans ------------------------------------------------------------------------------------
