@@ -382,6 +382,24 @@ def test_testing_package_third_party(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert "hp-testing requires 'numpy>=1.26'; its only third-party dependencies" in out
 
 
+def test_transformers_only_in_tests_and_the_testing_package(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    repo_with_hp_testing(tmp_path)
+    (tmp_path / "packages/hp-testing/src/hp_testing/hf.py").write_text(
+        "def build() -> None:\n    import transformers\n"
+    )
+    (tmp_path / "packages/hp-fsdp/tests/test_hf.py").write_text("import transformers\n")
+    code, out = check(tmp_path, capsys)
+    assert code == 0, out
+    (tmp_path / "packages/hp-fsdp/src/hp_fsdp/hf.py").write_text(
+        "def load() -> None:\n    from transformers import AutoModel\n"
+    )
+    code, out = check(tmp_path, capsys)
+    assert code == 1
+    assert "hp_fsdp.hf imports transformers; hp_fsdp may import transformers nowhere" in out
+
+
 @pytest.mark.parametrize(
     ("requirement", "name"),
     [

@@ -19,7 +19,6 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from hp_dtensor import DeviceMesh, DTensor
 from hp_dtensor.parallel import (
@@ -37,26 +36,8 @@ from hp_dtensor.parallel.equivalence import full_value
 from hp_dtensor.parallel.plan import check_sibling_projections, resolve_plan
 from hp_layout import Mesh
 from hp_testing import run_on_ranks
+from hp_testing.hf import causal_lm, tp_plan_styles
 
-# Through dicts: the configs' typed signatures do not list every attribute they accept.
-_COMMON: dict[str, Any] = {
-    "vocab_size": 64,
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,  # grouped-query attention
-    "max_position_embeddings": 32,
-    "attn_implementation": "sdpa",
-}
-LLAMA = LlamaConfig(**_COMMON)
-_MOE: dict[str, Any] = {
-    "moe_intermediate_size": 16,
-    "head_dim": 8,
-    "num_experts": 4,
-    "num_experts_per_tok": 2,
-}
-QWEN_MOE = Qwen3MoeConfig(**_COMMON, **_MOE)
 BATCH, SEQ, STEPS = 4, 8, 3
 # fp32 on CPU, 3 steps, tensor-parallel sums in another order than one device: measured loss
 # differences up to 9.5e-7 (two fp32 ulps at a loss of 4.2; the bound is four) and, under SGD,
@@ -68,26 +49,14 @@ LOSS_TOLERANCE = 2e-6
 GRAD_TOLERANCE = {"sgd": 5e-6, "adamw": 2e-4}
 
 
-def tp_plan(layers: str = "model.layers.*", mlp: bool = True) -> dict[str, ParallelStyle]:
+def tp_plan(kind: str = "llama") -> dict[str, ParallelStyle]:
     """Megatron-style tensor parallelism with Hugging Face's module names."""
-    plan: dict[str, ParallelStyle] = {
-        f"{layers}.self_attn.q_proj": ColwiseParallel(),
-        f"{layers}.self_attn.k_proj": ColwiseParallel(),
-        f"{layers}.self_attn.v_proj": ColwiseParallel(),
-        f"{layers}.self_attn.o_proj": RowwiseParallel(),
-    }
-    if mlp:
-        plan[f"{layers}.mlp.gate_proj"] = ColwiseParallel()
-        plan[f"{layers}.mlp.up_proj"] = ColwiseParallel()
-        plan[f"{layers}.mlp.down_proj"] = RowwiseParallel()
-    return plan
+    styles = {"colwise": ColwiseParallel(), "rowwise": RowwiseParallel()}
+    return {name: styles[style] for name, style in tp_plan_styles(kind).items()}
 
 
 def _build(kind: str) -> nn.Module:
-    torch.manual_seed(0)
-    if kind == "llama":
-        return LlamaForCausalLM(LLAMA)
-    return Qwen3MoeForCausalLM(QWEN_MOE)
+    return causal_lm(kind)
 
 
 def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -114,7 +83,7 @@ def _train_tp(
     dp = mesh.get_local_rank("dp") if "dp" in names else 0
     reference, model = _build(kind), _build(kind)
     # Qwen3-MoE's MLPs are expert blocks (stacked 3-D expert weights): replicated here.
-    plan = tp_plan(mlp=kind == "llama")
+    plan = tp_plan(kind)
     parallelize_module(model, mesh, plan, mode=mode, tp_axis="tp")  # type: ignore[arg-type]
     ref_opt, opt = (
         _optimizer(optimizer, reference.parameters()),

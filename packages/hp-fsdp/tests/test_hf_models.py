@@ -19,7 +19,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from hp_dtensor import DeviceMesh
 from hp_dtensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
@@ -28,24 +27,8 @@ from hp_fsdp import fully_shard
 from hp_fsdp.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 from hp_layout import Mesh
 from hp_testing import run_on_ranks
+from hp_testing.hf import causal_lm, tp_plan_styles
 
-# Through dicts: the configs' typed signatures do not list every attribute they accept.
-_COMMON: dict[str, Any] = {
-    "vocab_size": 64,
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,  # grouped-query attention
-    "max_position_embeddings": 32,
-    "attn_implementation": "sdpa",
-}
-_MOE: dict[str, Any] = {
-    "moe_intermediate_size": 16,
-    "head_dim": 8,
-    "num_experts": 4,
-    "num_experts_per_tok": 2,
-}
 BATCH, SEQ, STEPS = 4, 8, 3
 # fp32 on CPU; the losses and sums of the sharded runs go in another order than one device.
 # Measured over 3 steps: losses within 9.5e-7 (two fp32 ulps at a loss of 4.2; the bound is
@@ -56,27 +39,14 @@ TOLERANCE = {"sgd": 1e-5, "adamw": 2e-4}
 
 
 def build(kind: str, seed: int = 0) -> nn.Module:
-    torch.manual_seed(seed)
-    if kind == "llama":
-        return LlamaForCausalLM(LlamaConfig(**_COMMON))
-    return Qwen3MoeForCausalLM(Qwen3MoeConfig(**_COMMON, **_MOE))
+    return causal_lm(kind, seed)
 
 
 def tp_plan(kind: str) -> dict[str, ParallelStyle]:
     """Attention (and the dense MLP) tensor-parallel, with Hugging Face's module names; the
     Qwen3-MoE expert blocks stay replicated on the tp axis."""
-    layers = "model.layers.*"
-    plan: dict[str, ParallelStyle] = {
-        f"{layers}.self_attn.q_proj": ColwiseParallel(),
-        f"{layers}.self_attn.k_proj": ColwiseParallel(),
-        f"{layers}.self_attn.v_proj": ColwiseParallel(),
-        f"{layers}.self_attn.o_proj": RowwiseParallel(),
-    }
-    if kind == "llama":
-        plan[f"{layers}.mlp.gate_proj"] = ColwiseParallel()
-        plan[f"{layers}.mlp.up_proj"] = ColwiseParallel()
-        plan[f"{layers}.mlp.down_proj"] = RowwiseParallel()
-    return plan
+    styles = {"colwise": ColwiseParallel(), "rowwise": RowwiseParallel()}
+    return {name: styles[style] for name, style in tp_plan_styles(kind).items()}
 
 
 def shard(model: nn.Module, kind: str, layout: str) -> tuple[DeviceMesh, int, int]:

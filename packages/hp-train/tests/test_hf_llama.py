@@ -8,45 +8,26 @@ hp-train checkpoint saved under FSDP x TP at world 4 resumed under FSDP at world
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from hp_dtensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 from hp_dtensor.parallel.equivalence import full_value
 from hp_fsdp import fully_shard
 from hp_testing import run_on_ranks
+from hp_testing.hf import causal_lm, tp_plan_styles
 from hp_train.checkpoint import load_checkpoint, save_checkpoint
 from hp_train.config import ParallelConfig, TrainConfig
 from hp_train.optim import build_optimizer
 from hp_train.parallelize import Layout3D, build_layout
 
-# Through a dict: the config's typed signature does not list every attribute it accepts.
-_CONFIG: dict[str, Any] = {
-    "vocab_size": 64,
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 32,
-    "attn_implementation": "sdpa",
-}
 BATCH, SEQ, STEPS = 4, 8, 4
 TRAIN = TrainConfig(steps=STEPS, optimizer="muon", muon_lr=0.02, lr=3e-3)
-PLAN: dict[str, ParallelStyle] = {
-    "model.layers.*.self_attn.q_proj": ColwiseParallel(),
-    "model.layers.*.self_attn.k_proj": ColwiseParallel(),
-    "model.layers.*.self_attn.v_proj": ColwiseParallel(),
-    "model.layers.*.self_attn.o_proj": RowwiseParallel(),
-    "model.layers.*.mlp.gate_proj": ColwiseParallel(),
-    "model.layers.*.mlp.up_proj": ColwiseParallel(),
-    "model.layers.*.mlp.down_proj": RowwiseParallel(),
-}
+_STYLES = {"colwise": ColwiseParallel(), "rowwise": RowwiseParallel()}
+PLAN: dict[str, ParallelStyle] = {k: _STYLES[v] for k, v in tp_plan_styles("llama").items()}
 # Muon orthogonalizes in bf16, and Newton-Schulz sends every singular value towards 1, so
 # gradients that differ in their last fp32 bits (sums in another order) can round to other bf16
 # inputs and give updates that differ in places by a few percent: two runs drift apart by that
@@ -62,8 +43,7 @@ LOSS_TOLERANCE = 3e-4
 
 
 def _build(seed: int = 0) -> nn.Module:
-    torch.manual_seed(seed)
-    return LlamaForCausalLM(LlamaConfig(**_CONFIG))
+    return causal_lm("llama", seed)
 
 
 def _lay_out(model: nn.Module, parallel: ParallelConfig) -> Layout3D:
