@@ -254,38 +254,36 @@ def _pytest(session: nox.Session, pkg: Package) -> None:
     # `python -m pytest`, does not put the cwd on sys.path anyway): the tests import the
     # installed, non-editable copy. _check_installed_copy proves it before pytest starts.
     _check_installed_copy(session, pkg.import_name)
+    _run_pytest(session, pkg.path / "tests")
+
+
+def _run_pytest(session: nox.Session, tests: Path) -> None:
+    """pytest on one tests folder with the root configuration (extra arguments passed on)."""
     session.run(
-        "pytest",
-        "-c",
-        str(PYPROJECT),
-        "--rootdir",
-        str(ROOT),
-        str(pkg.path / "tests"),
-        *session.posargs,
+        "pytest", "-c", str(PYPROJECT), "--rootdir", str(ROOT), str(tests), *session.posargs,
         env=TEST_ENV,
-    )
+    )  # fmt: skip
+
+
+def _run_mypy(session: nox.Session, targets: list[str], cache: Path | None = None) -> None:
+    """mypy --strict (root configuration) over ``targets``, with ``cache`` (a new one: None)."""
+    if cache is None:
+        cache = Path(session.create_tmp()) / "mypy_cache"
+    session.run("mypy", "--config-file", str(PYPROJECT), "--cache-dir", str(cache), *targets)
 
 
 def run_mypy(session: nox.Session, pkg: Package) -> None:
     install_closure(session, pkg.dist, test_extra=True, extra_requirements=["mypy"])
-    _mypy(session, pkg)
+    _mypy(session, pkg, extra=session.posargs)
 
 
-def _mypy(session: nox.Session, pkg: Package, cache: Path | None = None) -> None:
+def _mypy(
+    session: nox.Session, pkg: Package, cache: Path | None = None, extra: Iterable[str] = ()
+) -> None:
     targets = [
         str(d.relative_to(ROOT)) for d in (pkg.path / "src", pkg.path / "tests") if _has_python(d)
     ]
-    if cache is None:
-        cache = Path(session.create_tmp()) / "mypy_cache"
-    session.run(
-        "mypy",
-        "--config-file",
-        str(PYPROJECT),
-        "--cache-dir",
-        str(cache),
-        *targets,
-        *session.posargs,
-    )
+    _run_mypy(session, [*targets, *extra], cache)
 
 
 def run_build(session: nox.Session, pkg: Package) -> None:
@@ -521,6 +519,7 @@ def dag(session: nox.Session) -> None:
 #: Packages whose combination tests/integration exercises (siblings in the DAG never import each
 #: other, so their tests cannot).
 INTEGRATION_PACKAGES: tuple[str, ...] = ("hp-fsdp", "hp-muon")
+INTEGRATION_TESTS = ROOT / "tests" / "integration"
 
 
 @nox.session
@@ -536,26 +535,8 @@ def integration(session: nox.Session) -> None:
     install_local(session, names, specs, ["mypy"])
     for dist in INTEGRATION_PACKAGES:
         _check_installed_copy(session, PACKAGES[dist].import_name)
-    tests = ROOT / "tests" / "integration"
-    session.run(
-        "pytest",
-        "-c",
-        str(PYPROJECT),
-        "--rootdir",
-        str(ROOT),
-        str(tests),
-        *session.posargs,
-        env=TEST_ENV,
-    )
-    cache = Path(session.create_tmp()) / "mypy_cache"
-    session.run(
-        "mypy",
-        "--config-file",
-        str(PYPROJECT),
-        "--cache-dir",
-        str(cache),
-        str(tests.relative_to(ROOT)),
-    )
+    _run_pytest(session, INTEGRATION_TESTS)
+    _run_mypy(session, [str(INTEGRATION_TESTS.relative_to(ROOT))])
 
 
 @nox.session(name="tests-all", tags=[CI_TAG])
@@ -577,18 +558,8 @@ def tests_all(session: nox.Session) -> None:
             _pytest(session, PACKAGES[name])
         except CommandFailed:
             failed.append(f"tests {name}")
-    integration_tests = ROOT / "tests" / "integration"
     try:
-        session.run(
-            "pytest",
-            "-c",
-            str(PYPROJECT),
-            "--rootdir",
-            str(ROOT),
-            str(integration_tests),
-            *session.posargs,
-            env=TEST_ENV,
-        )
+        _run_pytest(session, INTEGRATION_TESTS)
     except CommandFailed:
         failed.append("tests integration")
     # One cache for every package: torch's stubs are analysed once, not once per package.
@@ -599,14 +570,7 @@ def tests_all(session: nox.Session) -> None:
         except CommandFailed:
             failed.append(f"mypy {name}")
     try:
-        session.run(
-            "mypy",
-            "--config-file",
-            str(PYPROJECT),
-            "--cache-dir",
-            str(cache),
-            str(integration_tests.relative_to(ROOT)),
-        )
+        _run_mypy(session, [str(INTEGRATION_TESTS.relative_to(ROOT))], cache)
     except CommandFailed:
         failed.append("mypy integration")
     if failed:
