@@ -15,7 +15,7 @@ import torch
 from torch._C import DisableTorchFunctionSubclass
 
 from hp_dtensor.dtensor import DTensor
-from hp_dtensor.gradients import grad_layout
+from hp_dtensor.gradients import grad_layout, recorded_grad_layout
 from hp_dtensor.redistribute import redistribute_local
 from hp_layout import Partial, ReduceOp, Replicate
 
@@ -59,7 +59,7 @@ def _get_grad(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str,
     if grad is None:
         return None
     # A parallelized parameter whose gradient was reduced in backward carries its layout.
-    layout = getattr(self, "_grad_layout", None) or grad_layout(self._dist_layout)
+    layout = recorded_grad_layout(self) or grad_layout(self._dist_layout)
     return DTensor(grad, layout, self._device_mesh)
 
 

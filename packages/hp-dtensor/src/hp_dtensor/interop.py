@@ -94,7 +94,7 @@ __all__ = [
     "torch_placements",
 ]
 
-LAYOUT_ATTRIBUTE = "_hp_layout"
+LAYOUT_ATTRIBUTE = "_hp_dtensor_layout"
 """The attribute :func:`annotate_layout` sets on a plain tensor (its ``hp_layout.Layout``)."""
 
 PLAIN_TENSOR_AXIS = "replica"

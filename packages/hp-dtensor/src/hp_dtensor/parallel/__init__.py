@@ -4,7 +4,9 @@
 (:class:`ColwiseParallel`, :class:`RowwiseParallel`, :class:`SequenceParallel`,
 :class:`PrepareModuleInput`, :class:`PrepareModuleOutput`, or the general
 :class:`ShardingPlan`). Production mode runs plain tensors with collectives planned once;
-validation mode runs DTensors and checks every op against the plan.
+validation mode runs DTensors and checks every op against the plan. Both execute the same
+:class:`ParallelPlan`, which :func:`resolve` computes without processes (``print(plan.table())``
+shows what will run).
 """
 
 from hp_dtensor.parallel.api import Mode, parallelize_module
@@ -34,6 +36,16 @@ from hp_dtensor.parallel.random import (
     random_region,
     take_region,
 )
+from hp_dtensor.parallel.resolved import (
+    BoundaryPlan,
+    FlatSlot,
+    GradReductionPlan,
+    ModulePlan,
+    ParallelPlan,
+    ParamPlan,
+    ReductionTime,
+    resolve,
+)
 from hp_dtensor.parallel.styles import (
     ColwiseParallel,
     ContextParallel,
@@ -49,6 +61,7 @@ from hp_dtensor.parallel.validation import PlanMismatchError, check_gradients
 
 __all__ = [
     "Boundary",
+    "BoundaryPlan",
     "CausalAttention",
     "ColwiseParallel",
     "ContextParallel",
@@ -57,16 +70,22 @@ __all__ = [
     "DropoutVariant",
     "ExpertParallel",
     "ExpertTensorParallel",
+    "FlatSlot",
     "GradConvention",
+    "GradReductionPlan",
     "GroupedExperts",
     "MaterializeError",
     "MoE",
     "Mode",
+    "ModulePlan",
+    "ParallelPlan",
     "ParallelStyle",
+    "ParamPlan",
     "PlanError",
     "PlanMismatchError",
     "PrepareModuleInput",
     "PrepareModuleOutput",
+    "ReductionTime",
     "Routing",
     "RowwiseParallel",
     "SequenceParallel",
@@ -86,6 +105,7 @@ __all__ = [
     "parallel_dropout_forward",
     "parallelize_module",
     "random_region",
+    "resolve",
     "resolve_plan",
     "sequence_sharding",
     "shard_sequence",

@@ -10,13 +10,16 @@ same bucket. Before that, a sum all-reduce over the same group in backward (a ro
 output's) takes pending contributions along in its own collective, so in a tensor-parallel
 model the reduction usually costs no collective of its own.
 
-The reduction is recorded on the parameter (``_hp_grad_reduction``) and installed by
-:func:`install_grad_reductions`, so a parameter replaced later with the same attributes (as
-deferred initialization does) gets its hook again.
+The reduction is recorded on the parameter (:func:`grad_reduction_of` reads it; other packages
+through :mod:`hp_dtensor.contract`) and installed by :func:`install_grad_reductions`, so a
+parameter replaced later with the same attributes (as deferred initialization does) gets its
+hook again. Each model has its own bucket (kept on the root module), so two models' backward
+passes never share pending contributions.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -28,10 +31,16 @@ from hp_dtensor.device_mesh import DeviceMesh
 from hp_dtensor.dtensor import DTensor
 from hp_layout import ReduceOp
 
-__all__ = ["GradReduction", "install_grad_reductions", "set_grad_reduction"]
+__all__ = [
+    "GradReduction",
+    "grad_reduction_of",
+    "install_grad_reductions",
+    "set_grad_reduction",
+]
 
-_SPEC = "_hp_grad_reduction"
-_OWNER = "_hp_grad_hook_owner"
+_SPEC = "_hp_dtensor_grad_reduction"
+_OWNER = "_hp_dtensor_grad_hook_owner"
+_BUCKET_ATTR = "_hp_dtensor_grad_bucket"
 
 
 @dataclass(frozen=True)
@@ -105,13 +114,23 @@ def _delivery(leaf: torch.Tensor, had_grad: bool) -> Callable[[torch.Tensor], No
     return deliver
 
 
-_BUCKET = _Bucket()
-_comm.RIDER_SOURCES.append(_BUCKET.riders)
+def _bucket_of(root: nn.Module) -> _Bucket:
+    """``root``'s bucket, made on first use; its riders join collectives while ``root`` lives."""
+    bucket = getattr(root, _BUCKET_ATTR, None)
+    if bucket is None:
+        bucket = _Bucket()
+        object.__setattr__(root, _BUCKET_ATTR, bucket)
+        _comm.RIDER_SOURCES.append(bucket.riders)
+        weakref.finalize(root, _comm.RIDER_SOURCES.remove, bucket.riders)
+    assert isinstance(bucket, _Bucket)
+    return bucket
 
 
-def _hook(spec: GradReduction, leaf: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+def _hook(
+    bucket: _Bucket, spec: GradReduction, leaf: torch.Tensor
+) -> Callable[[torch.Tensor], torch.Tensor]:
     def stash(grad: torch.Tensor) -> torch.Tensor:
-        _BUCKET.add(spec, leaf, grad)
+        bucket.add(spec, leaf, grad)
         return grad.new_zeros(()).expand_as(grad)
 
     return stash
@@ -124,8 +143,16 @@ def set_grad_reduction(
     setattr(param, _SPEC, GradReduction(mesh, tuple(axes)))
 
 
+def grad_reduction_of(param: torch.Tensor) -> GradReduction | None:
+    """The reduction recorded for ``param``'s gradient, None if there is none."""
+    spec = getattr(param, _SPEC, None)
+    return spec if isinstance(spec, GradReduction) else None
+
+
 def install_grad_reductions(module: nn.Module) -> None:
-    """Install the recorded reductions on every parameter of ``module`` that lacks its hook."""
+    """Install the recorded reductions on every parameter of ``module`` that lacks its hook
+    (``module``'s bucket collects their contributions)."""
+    bucket = _bucket_of(module)
     for param in module.parameters():
         spec = getattr(param, _SPEC, None)
         if spec is None or getattr(param, _OWNER, None) == id(param):
@@ -133,5 +160,5 @@ def install_grad_reductions(module: nn.Module) -> None:
         if not param.requires_grad:
             continue
         leaf = param.to_local() if isinstance(param, DTensor) else param
-        leaf.register_hook(_hook(spec, leaf))
+        leaf.register_hook(_hook(bucket, spec, leaf))
         setattr(param, _OWNER, id(param))

@@ -8,35 +8,16 @@ from typing import Literal
 from torch import nn
 
 from hp_dtensor.device_mesh import DeviceMesh
-from hp_dtensor.parallel.plan import (
-    PlanError,
-    ShardingPlan,
-    check_sibling_projections,
-    resolve_plan,
-)
+from hp_dtensor.parallel._plan_record import record_parallel_plan
+from hp_dtensor.parallel.plan import ShardingPlan, check_sibling_projections
 from hp_dtensor.parallel.production import apply_production
+from hp_dtensor.parallel.resolved import resolve
 from hp_dtensor.parallel.styles import ParallelStyle
 from hp_dtensor.parallel.validation import apply_validation
-from hp_layout import Placement, Replicate
 
 __all__ = ["Mode", "parallelize_module"]
 
 Mode = Literal["production", "validation"]
-
-
-def _full_placements(
-    placement: Placement | tuple[Placement, ...], mesh: DeviceMesh, axis_index: int, where: str
-) -> tuple[Placement, ...]:
-    if isinstance(placement, tuple):
-        if len(placement) != mesh.ndim:
-            raise PlanError(
-                f"{where}: {len(placement)} placements for a {mesh.ndim}-axis mesh; give one per "
-                "axis, or a single placement for the parallel axis"
-            )
-        return placement
-    out: list[Placement] = [Replicate()] * mesh.ndim
-    out[axis_index] = placement
-    return tuple(out)
 
 
 def parallelize_module(
@@ -61,40 +42,20 @@ def parallelize_module(
         dp_axes: axes over which inputs are split by batch (default: every other axis);
             gradients of parameters replicated there are reduced in backward.
 
+    The resolved plan (:func:`hp_dtensor.parallel.resolve`, what the executor applied) is then
+    :func:`hp_dtensor.contract.parallel_plan_of` the module.
+
     Raises:
         PlanError: an entry names no module, a style cannot shard the module it names, a
             module is named twice, or (production mode) a Linear is left out of the plan while
             its look-alike sibling is column-parallel (see ``check_sibling_projections``).
     """
-    if mode not in ("production", "validation"):
-        raise ValueError(f"mode must be 'production' or 'validation', got {mode!r}")
-    names = device_mesh.mesh_dim_names
-    if tp_axis is None:
-        if device_mesh.ndim != 1:
-            raise PlanError(f"{device_mesh!r} has several axes; say which is tp_axis")
-        tp_axis = names[0]
-    axis_index = device_mesh.mesh.axis_index(tp_axis)
-    data_axes = tuple(n for n in names if n != tp_axis) if dp_axes is None else tuple(dp_axes)
-    for axis in data_axes:
-        device_mesh.mesh.axis_index(axis)
-    lowered = resolve_plan(module, plan)
+    resolved = resolve(module, device_mesh, plan, mode=mode, tp_axis=tp_axis, dp_axes=dp_axes)
     if mode == "production":
         # Validation mode finds these at run time, naming the op; production mode would not.
-        check_sibling_projections(module, lowered)
-    placements: dict[int, tuple[Placement, ...]] = {}
-    for name, sharding in lowered:
-        submodule = module.get_submodule(name)
-        for param_name, placement in sharding.params.items():
-            param = submodule.get_parameter(param_name)  # dotted: a submodule's parameter
-            where = f"parameter {name + '.' if name else ''}{param_name}"
-            full = _full_placements(placement, device_mesh, axis_index, where)
-            previous = placements.get(id(param))
-            if previous is not None and previous != full:
-                raise PlanError(
-                    f"{where} is shared with another module that places it as {previous}; a "
-                    f"shared parameter needs one placement, got {full} too"
-                )
-            placements[id(param)] = full
-    apply = apply_production if mode == "production" else apply_validation
-    apply(module, device_mesh, tp_axis, data_axes, lowered, placements)
+        check_sibling_projections(module, [(m.name, m.sharding) for m in resolved.modules])
+        apply_production(module, device_mesh, resolved)
+    else:
+        apply_validation(module, device_mesh, resolved)
+    record_parallel_plan(module, resolved)
     return module

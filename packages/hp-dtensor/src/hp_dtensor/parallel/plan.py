@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from hp_layout import Placement
@@ -72,6 +72,9 @@ class ShardingPlan:
         replaces_forward: the style computes the module's forward itself in production mode
             (its ops are then not checked op by op in validation mode).
         style: the name of the style, for messages.
+        behaviour: the style object the plan was lowered from (set by :func:`resolve_plan`);
+            it supplies the module's own forward where ``replaces_forward`` says so, in
+            production and in validation mode. None for a plan given directly.
     """
 
     params: Mapping[str, Placement | tuple[Placement, ...]] = field(default_factory=dict)
@@ -81,6 +84,7 @@ class ShardingPlan:
     use_local_output: bool = True
     replaces_forward: bool = False
     style: str = "ShardingPlan"
+    behaviour: ParallelStyle | None = field(default=None, compare=False, repr=False)
 
     def input_boundary(self, index: int) -> Boundary | None:
         """The boundary of positional input ``index`` (None: leave it alone)."""
@@ -130,7 +134,10 @@ def resolve_plan(
                     f"module {name!r} is matched by plan entries {lowered[name][0]!r} and "
                     f"{entry!r}; give each module one style"
                 )
-            lowered[name] = (entry, style.lower(module.get_submodule(name), name))
+            sharding = style.lower(module.get_submodule(name), name)
+            if sharding.behaviour is None and not isinstance(style, ShardingPlan):
+                sharding = replace(sharding, behaviour=style)
+            lowered[name] = (entry, sharding)
     return [(name, lowered[name][1]) for name in names if name in lowered]
 
 
@@ -151,6 +158,8 @@ def check_sibling_projections(
     """
     from torch import nn
 
+    from hp_dtensor.parallel.styles import ColwiseParallel
+
     styles = dict(lowered)
     for parent_name, parent in module.named_modules():
         linears = {
@@ -158,7 +167,11 @@ def check_sibling_projections(
             for n, child in parent.named_children()
             if isinstance(child, nn.Linear)
         }
-        column = [n for n in linears if styles.get(n, ShardingPlan()).style == "ColwiseParallel"]
+        column = [
+            n
+            for n in linears
+            if isinstance(styles.get(n, ShardingPlan()).behaviour, ColwiseParallel)
+        ]
         for name, linear in linears.items():
             if name in styles:
                 continue

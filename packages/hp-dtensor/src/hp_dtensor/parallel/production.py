@@ -19,30 +19,28 @@ DDP).
 from __future__ import annotations
 
 import types
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from hp_dtensor.collectives import _apply
 from hp_dtensor.device_mesh import DeviceMesh
 from hp_dtensor.interop import annotate_layout
-from hp_dtensor.parallel import context_attention
 from hp_dtensor.parallel._boundary import BoundaryConverter
 from hp_dtensor.parallel._grad_reduction import install_grad_reductions, set_grad_reduction
 from hp_dtensor.parallel._structure import map_tensors, rebuild_sequence
-from hp_dtensor.parallel.context_plan import ContextParallelPlan
 from hp_dtensor.parallel.plan import Boundary, PlanError, ShardingPlan
+from hp_dtensor.parallel.resolved import ParallelPlan
 from hp_dtensor.redistribute import execute_plan
-from hp_layout import Layout, Placement, ReduceOp, Replicate, Shard, StepKind
+from hp_layout import Layout, Placement, Replicate, StepKind
 
 __all__ = ["apply_production"]
 
 # Tensors handed on by a boundary carry their placement on the parallel axis in this attribute
 # (the root output hook reads it).
-_PLACEMENT_ATTR = "_hp_boundary_placement"
+_PLACEMENT_ATTR = "_hp_dtensor_boundary_placement"
 
 
 def _placement_of(value: torch.Tensor) -> Placement:
@@ -64,7 +62,7 @@ class _ExactToAdjoint(torch.autograd.Function):
         return (grad if ctx.keep else torch.zeros_like(grad)), None
 
 
-_GATHERED_FROM_ATTR = "_hp_gathered_from"
+_GATHERED_FROM_ATTR = "_hp_dtensor_gathered_from"
 
 
 class _GatheredOutput(torch.autograd.Function):
@@ -133,65 +131,24 @@ def _convert_all(
     )
 
 
-def _rowwise_linear_forward(coordinate: int) -> Callable[..., torch.Tensor]:
-    # Every rank's local product is a partial sum; the bias must be counted once. The other
-    # ranks still add it times zero: their (zero) bias gradient then arrives too, so every rank
-    # reduces the same gradient bucket in backward (a rank without it would leave the others'
-    # reduction without a partner).
-    def forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-        bias: torch.Tensor | None = self.bias
-        if bias is not None and coordinate != 0:
-            bias = bias * 0.0
-        return F.linear(x, self.weight, bias)
-
-    return forward
-
-
-def _vocab_parallel_embedding_forward(start: int, stop: int) -> Callable[..., torch.Tensor]:
-    def forward(self: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
-        outside = (ids < start) | (ids >= stop)
-        local_ids = torch.where(outside, torch.zeros_like(ids), ids - start)
-        padding = self.padding_idx
-        local_padding = padding - start if padding is not None and start <= padding < stop else None
-        if stop == start:
-            # An empty vocabulary shard contributes zeros (still connected to the weight).
-            shape = (*ids.shape, self.weight.shape[1])
-            return self.weight.sum() * 0 + torch.zeros(shape, dtype=self.weight.dtype)
-        out = F.embedding(local_ids, self.weight, local_padding, None, 2.0, False, False)
-        return out.masked_fill(outside.unsqueeze(-1), 0.0)
-
-    return forward
-
-
-def apply_production(
-    root: nn.Module,
-    mesh: DeviceMesh,
-    axis: str,
-    dp_axes: Sequence[str],
-    lowered: Sequence[tuple[str, ShardingPlan]],
-    placements: dict[int, tuple[Placement, ...]],
-) -> None:
-    """Convert ``root`` in place for production mode (see the module docstring)."""
+def apply_production(root: nn.Module, mesh: DeviceMesh, resolved: ParallelPlan) -> None:
+    """Convert ``root`` in place for production mode (see the module docstring), as the
+    resolved plan says."""
     rank = mesh.get_rank()
+    axis = resolved.tp_axis
     axis_mesh = mesh[axis]
     converter = BoundaryConverter(axis_mesh)
     coordinate = mesh.get_local_rank(axis)
     done: dict[int, nn.Parameter] = {}
-    for module in root.modules():
+    for prefix, module in root.named_modules():
         for name, param in list(module.named_parameters(recurse=False)):
             if id(param) in done:
                 setattr(module, name, done[id(param)])
                 continue
-            full = placements.get(id(param), (Replicate(),) * mesh.ndim)
-            layout = Layout(tuple(param.shape), mesh.mesh, full)
-            local = _local_param(param, layout, rank)
-            reductions = [
-                (ax, ReduceOp.SUM if ax == axis else ReduceOp.AVG)
-                for ax, p in zip(mesh.mesh_dim_names, full, strict=True)
-                if isinstance(p, Replicate) and mesh.size(ax) > 1 and (ax == axis or ax in dp_axes)
-            ]
-            if reductions:
-                set_grad_reduction(local, mesh, reductions)
+            planned = resolved.param(f"{prefix}.{name}" if prefix else name)
+            local = _local_param(param, planned.layout, rank)
+            if planned.reduction is not None:
+                set_grad_reduction(local, mesh, planned.reduction.axes)
             done[id(param)] = local
             setattr(module, name, local)
 
@@ -206,7 +163,8 @@ def apply_production(
             setattr(out, _GATHERED_FROM_ATTR, (value, plan))
         return out
 
-    for name, plan in lowered:
+    for planned_module in resolved.modules:
+        name, plan = planned_module.name, planned_module.sharding
         module = root.get_submodule(name)
         _install_production_forward(module, plan, axis_mesh, coordinate)
         if any(_moves(b) for b in (*plan.inputs, *plan.kwarg_inputs.values())):
@@ -297,44 +255,13 @@ def _install_production_forward(
 ) -> None:
     if not plan.replaces_forward:
         return
-    forward: Callable[..., Any] | None = None
-    if plan.style == "RowwiseParallel" and isinstance(module, nn.Linear):
-        forward = _rowwise_linear_forward(coordinate)
-    elif plan.style == "RowwiseParallel" and isinstance(module, nn.Embedding):
-        layout = Layout((module.num_embeddings, module.embedding_dim), axis_mesh.mesh, [Shard(0)])
-        (start, stop), _ = layout.local_region(axis_mesh.get_rank()).box
-        forward = _vocab_parallel_embedding_forward(start, stop)
-    elif plan.style == "SequenceParallel" and isinstance(module, nn.modules.dropout._DropoutNd):
-        forward = _sequence_parallel_dropout_forward(axis_mesh, plan)
-    elif isinstance(plan, ContextParallelPlan):
-        forward = context_attention.production_forward(module, plan, axis_mesh)
-    elif plan.style in ("ExpertParallel", "ExpertTensorParallel"):
-        from hp_dtensor.parallel.expert import expert_parallel_forward
-
-        forward = expert_parallel_forward(module, axis_mesh)
+    style = plan.behaviour
+    forward = (
+        None if style is None else style.production_forward(module, plan, axis_mesh, coordinate)
+    )
     if forward is None:
         raise NotImplementedError(
             f"{plan.style} replaces the forward of {type(module).__name__} in production mode, "
-            "but no production forward exists for it"
+            "but gives no production forward for it"
         )
     object.__setattr__(module, "forward", types.MethodType(forward, module))
-
-
-def _sequence_parallel_dropout_forward(
-    axis_mesh: DeviceMesh, plan: ShardingPlan
-) -> Callable[..., torch.Tensor]:
-    from hp_dtensor.parallel import random as parallel_random
-
-    boundary = plan.inputs[0]
-    assert boundary is not None
-    placement = boundary.target
-    converter = BoundaryConverter(axis_mesh)
-
-    def forward(self: nn.Dropout, x: torch.Tensor) -> torch.Tensor:
-        if not self.training or self.p == 0.0:
-            return x
-        shape = converter.global_shape(x, placement or Replicate())
-        layout = Layout(shape, axis_mesh.mesh, [placement or Replicate()])
-        return parallel_random.parallel_dropout_forward(self, x, layout, axis_mesh.get_rank())
-
-    return forward

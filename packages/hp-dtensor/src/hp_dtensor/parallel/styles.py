@@ -19,15 +19,20 @@ are placements on the parallel (tensor-parallel) mesh axis.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, cast
 
 from torch import nn
 
+from hp_dtensor.parallel import local_forwards
 from hp_dtensor.parallel.context_plan import ContextParallelPlan
 from hp_dtensor.parallel.moe import MoE
 from hp_dtensor.parallel.plan import Boundary, PlanError, ShardingPlan
-from hp_layout import Partial, Placement, Replicate, Shard
+from hp_layout import Layout, Partial, Placement, Replicate, Shard
+
+if TYPE_CHECKING:
+    from hp_dtensor.device_mesh import DeviceMesh
 
 __all__ = [
     "ColwiseParallel",
@@ -43,11 +48,29 @@ __all__ = [
 
 
 class ParallelStyle(ABC):
-    """A way to parallelize one module; :meth:`lower` gives its general plan."""
+    """A way to parallelize one module: :meth:`lower` gives its general plan; a style whose
+    plan says ``replaces_forward`` also supplies the module's forward in each mode (so a new
+    style is one class, and the executors never dispatch on style names)."""
 
     @abstractmethod
     def lower(self, module: nn.Module, name: str) -> ShardingPlan:
         """The plan for ``module`` (called ``name``), or a PlanError if the style cannot apply."""
+
+    def production_forward(
+        self, module: nn.Module, sharding: ShardingPlan, axis_mesh: DeviceMesh, coordinate: int
+    ) -> Callable[..., Any] | None:
+        """The module's forward in production mode (plain local tensors in and out, called as
+        a method of ``module``), or None when the module's own forward is right. ``axis_mesh``
+        is the 1-d mesh of the parallel axis; ``coordinate`` this rank's place on it."""
+        return None
+
+    def install_validation_forward(
+        self, module: nn.Module, sharding: ShardingPlan, mesh: DeviceMesh, axis: str
+    ) -> None:
+        """Replace the module's forward in validation mode where it must run the production
+        computation on local shards (expert and context parallelism); by default the module's
+        own forward runs on DTensors."""
+        del module, sharding, mesh, axis  # the default keeps the module's own forward
 
 
 def _refuse(style: str, module: nn.Module, name: str, supported: str) -> PlanError:
@@ -128,6 +151,17 @@ class RowwiseParallel(ParallelStyle):
             style="RowwiseParallel",
         )
 
+    def production_forward(
+        self, module: nn.Module, sharding: ShardingPlan, axis_mesh: DeviceMesh, coordinate: int
+    ) -> Callable[..., Any] | None:
+        if isinstance(module, nn.Linear):
+            return local_forwards.rowwise_linear_forward(coordinate)
+        embedding = cast(nn.Embedding, module)  # lower() admits nothing else
+        shape = (embedding.num_embeddings, embedding.embedding_dim)
+        layout = Layout(shape, axis_mesh.mesh, [Shard(0)])
+        (start, stop), _ = layout.local_region(axis_mesh.get_rank()).box
+        return local_forwards.vocab_parallel_embedding_forward(start, stop)
+
 
 @dataclass(frozen=True)
 class SequenceParallel(ParallelStyle):
@@ -151,6 +185,11 @@ class SequenceParallel(ParallelStyle):
             replaces_forward=isinstance(module, nn.modules.dropout._DropoutNd),
             style="SequenceParallel",
         )
+
+    def production_forward(
+        self, module: nn.Module, sharding: ShardingPlan, axis_mesh: DeviceMesh, coordinate: int
+    ) -> Callable[..., Any] | None:
+        return local_forwards.sequence_parallel_dropout_forward(axis_mesh, sharding)
 
 
 @dataclass(frozen=True)
@@ -184,8 +223,43 @@ class ContextParallel(ParallelStyle):
             balanced=self.balanced,
         )
 
+    def production_forward(
+        self, module: nn.Module, sharding: ShardingPlan, axis_mesh: DeviceMesh, coordinate: int
+    ) -> Callable[..., Any] | None:
+        from hp_dtensor.parallel import context_attention
+
+        assert isinstance(sharding, ContextParallelPlan)
+        return context_attention.production_forward(module, sharding, axis_mesh)
+
+    def install_validation_forward(
+        self, module: nn.Module, sharding: ShardingPlan, mesh: DeviceMesh, axis: str
+    ) -> None:
+        from hp_dtensor.parallel import context_attention
+
+        assert isinstance(sharding, ContextParallelPlan)
+        context_attention.install_validation_forward(module, sharding, mesh, axis)
+
 
 _EXPERT_STACKS = ("experts.w1", "experts.w2", "experts.w3")
+
+
+class _ExpertForwards(ParallelStyle):
+    """The forwards of both expert-parallel styles: the MoE routes its tokens to the ranks
+    holding their experts (all-to-all), in either mode on local shards."""
+
+    def production_forward(
+        self, module: nn.Module, sharding: ShardingPlan, axis_mesh: DeviceMesh, coordinate: int
+    ) -> Callable[..., Any] | None:
+        from hp_dtensor.parallel.expert import expert_parallel_forward
+
+        return expert_parallel_forward(module, axis_mesh)
+
+    def install_validation_forward(
+        self, module: nn.Module, sharding: ShardingPlan, mesh: DeviceMesh, axis: str
+    ) -> None:
+        from hp_dtensor.parallel import expert
+
+        expert.install_validation_forward(module, mesh, axis)
 
 
 def _expert_boundaries(
@@ -211,7 +285,7 @@ def _expert_boundaries(
 
 
 @dataclass(frozen=True)
-class ExpertParallel(ParallelStyle):
+class ExpertParallel(_ExpertForwards):
     """Expert parallelism on a :class:`~hp_dtensor.parallel.moe.MoE` over the parallel axis
     (the ep axis: ``parallelize_module(..., tp_axis="ep")``). See
     :mod:`hp_dtensor.parallel.expert`.
@@ -248,7 +322,7 @@ class ExpertParallel(ParallelStyle):
 
 
 @dataclass(frozen=True)
-class ExpertTensorParallel(ParallelStyle):
+class ExpertTensorParallel(_ExpertForwards):
     """EP x TP on a :class:`~hp_dtensor.parallel.moe.MoE`: experts sharded over ``ep_axis``
     (``Shard(0)``), each expert's hidden dim over ``tp_axis`` (``w1``/``w3`` ``Shard(1)``,
     ``w2`` ``Shard(2)``). Apply with the ep axis as the parallel axis and no data-parallel

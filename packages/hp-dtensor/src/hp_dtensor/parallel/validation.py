@@ -20,9 +20,8 @@ the DTensor loss is global) so that, after backward, every gradient has its para
 from __future__ import annotations
 
 import contextlib
-import weakref
 from collections.abc import Callable, Sequence
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch import nn
@@ -33,12 +32,12 @@ from hp_dtensor import _dispatch
 from hp_dtensor._dispatch import implicit_replication
 from hp_dtensor.device_mesh import DeviceMesh
 from hp_dtensor.dtensor import DTensor, distribute_tensor
+from hp_dtensor.gradients import set_grad_layout
 from hp_dtensor.parallel._grad_reduction import install_grad_reductions, set_grad_reduction
 from hp_dtensor.parallel._structure import map_tensors, rebuild_sequence
-from hp_dtensor.parallel.context_attention import install_validation_forward
-from hp_dtensor.parallel.context_plan import ContextParallelPlan
 from hp_dtensor.parallel.plan import Boundary, ShardingPlan
-from hp_layout import Layout, Placement, ReduceOp, Replicate, Shard
+from hp_dtensor.parallel.resolved import ParallelPlan
+from hp_layout import Layout, Placement, Replicate, Shard
 
 __all__ = ["PlanMismatchError", "apply_validation", "check_gradients"]
 
@@ -91,17 +90,28 @@ class _Tracker:
         self.skip_depth = 0
         self.active = 0  # 1 while the parallelized model's forward runs
         self._context: contextlib.AbstractContextManager[None] | None = None
+        self.observer = _observer(self)
 
     def where(self) -> str:
         return self.path[-1] if self.path else "<root>"
 
-    def enter_implicit_replication(self) -> None:
-        # Tensors the model creates itself (positions, masks) are replicated data.
-        self.exit_implicit_replication()
+    def begin(self) -> None:
+        """The parallelized model's forward starts: check its ops (the observer is registered
+        only while it runs), and take tensors the model creates itself (positions, masks) as
+        replicated data."""
+        self.end()
+        self.path.clear()
+        self.skip_depth = 0
+        self.active = 1
+        _dispatch.OBSERVERS.append(self.observer)
         self._context = implicit_replication()
         self._context.__enter__()
 
-    def exit_implicit_replication(self) -> None:
+    def end(self) -> None:
+        """The forward is over (or raised): stop checking ops."""
+        self.active = 0
+        if self.observer in _dispatch.OBSERVERS:
+            _dispatch.OBSERVERS.remove(self.observer)
         context, self._context = self._context, None
         if context is not None:
             context.__exit__(None, None, None)
@@ -227,35 +237,25 @@ def _to_dtensor(
     return DTensor.from_local(value, mesh, placements)
 
 
-def apply_validation(
-    root: nn.Module,
-    mesh: DeviceMesh,
-    axis: str,
-    dp_axes: Sequence[str],
-    lowered: Sequence[tuple[str, ShardingPlan]],
-    placements: dict[int, tuple[Placement, ...]],
-) -> None:
-    """Convert ``root`` in place for validation mode (see the module docstring)."""
+def apply_validation(root: nn.Module, mesh: DeviceMesh, resolved: ParallelPlan) -> None:
+    """Convert ``root`` in place for validation mode (see the module docstring), as the
+    resolved plan says."""
+    axis, dp_axes = resolved.tp_axis, resolved.dp_axes
     index = mesh.mesh.axis_index(axis)
     tracker = _Tracker(index)
     done: dict[int, nn.Parameter] = {}
-    for module in root.modules():
+    for prefix, module in root.named_modules():
         for name, param in list(module.named_parameters(recurse=False)):
             if id(param) in done:
                 setattr(module, name, done[id(param)])
                 continue
-            full = placements.get(id(param), (Replicate(),) * mesh.ndim)
-            dtensor = _param_dtensor(param, mesh, full)
+            planned = resolved.param(f"{prefix}.{name}" if prefix else name)
+            dtensor = _param_dtensor(param, mesh, planned.layout.placements)
             new = nn.Parameter(dtensor, requires_grad=param.requires_grad)
-            reduce_axes = [
-                ax
-                for ax, p in zip(mesh.mesh_dim_names, full, strict=True)
-                if isinstance(p, Replicate) and mesh.size(ax) > 1
-            ]
-            if reduce_axes:
-                set_grad_reduction(new, mesh, [(ax, ReduceOp.SUM) for ax in reduce_axes])
+            if planned.reduction is not None:
+                set_grad_reduction(new, mesh, planned.reduction.axes)
                 # After the reduction the gradient has the parameter's layout.
-                cast(DTensor, new)._grad_layout = dtensor.dist_layout  # type: ignore[attr-defined]
+                set_grad_layout(new, dtensor.dist_layout)
             done[id(param)] = new
             setattr(module, name, new)
 
@@ -289,14 +289,13 @@ def apply_validation(
             return value
         return _to_dtensor(value, mesh, index, dp_axes, Replicate())
 
-    styled = dict(lowered)
-    for core_name, core_plan in lowered:
-        if isinstance(core_plan, ContextParallelPlan):  # runs on local shards, as in production
-            install_validation_forward(root.get_submodule(core_name), core_plan, mesh, axis)
-        elif core_plan.style in ("ExpertParallel", "ExpertTensorParallel"):
-            from hp_dtensor.parallel import expert  # runs on local shards, as in production
-
-            expert.install_validation_forward(root.get_submodule(core_name), mesh, axis)
+    styled = {m.name: m.sharding for m in resolved.modules}
+    for name, sharding in styled.items():
+        if sharding.behaviour is not None:
+            # Expert and context parallelism run on local shards, as in production.
+            sharding.behaviour.install_validation_forward(
+                root.get_submodule(name), sharding, mesh, axis
+            )
     for name, module in root.named_modules():
         plan = styled.get(name)
         is_root = module is root
@@ -309,9 +308,6 @@ def apply_validation(
             _validation_post_hook(tracker, name, plan, convert, is_root), always_call=True
         )
     install_grad_reductions(root)
-    observer = _observer(tracker)
-    _dispatch.OBSERVERS.append(observer)
-    weakref.finalize(root, _dispatch.OBSERVERS.remove, observer)
 
 
 def _param_dtensor(
@@ -344,10 +340,7 @@ def _validation_pre_hook(
 
     def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if lift is not None:
-            tracker.path.clear()
-            tracker.skip_depth = 0
-            tracker.active = 1
-            tracker.enter_implicit_replication()
+            tracker.begin()
         if plan is not None:
             args = tuple(
                 _at_boundary(convert, a, plan.input_boundary(i), f"input {i}", name, plan.style)
@@ -377,8 +370,7 @@ def _validation_post_hook(
         if tracker.path:
             tracker.path.pop()
         if output is None and is_root:
-            tracker.active = 0
-            tracker.exit_implicit_replication()
+            tracker.end()
             return output
         if plan is not None:
             if plan.replaces_forward:
@@ -395,8 +387,7 @@ def _validation_post_hook(
                     ],
                 )
         if is_root:
-            tracker.active = 0
-            tracker.exit_implicit_replication()
+            tracker.end()
         return output
 
     return hook
