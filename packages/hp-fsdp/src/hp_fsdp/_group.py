@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hp_dtensor import DTensor, annotate_layout, layout_of
+from hp_dtensor.contract import grad_reduction_of, set_grad_layout
 from hp_fsdp._lowp_comm import Deferred, WireCodec, all_gather_records, reduce_scatter_lowp
 from hp_fsdp._mesh import FSDPMesh
 from hp_fsdp.counting import collective_purpose
@@ -83,7 +84,7 @@ _Param = tuple[nn.Module, str, str, nn.Parameter]
 
 def _extra_axes(param: nn.Parameter, fsdp: FSDPMesh) -> tuple[tuple[str, ReduceOp], ...]:
     """Reductions a tensor-parallel plan recorded on ``param`` over axes FSDP does not own."""
-    spec = getattr(param, "_hp_grad_reduction", None)
+    spec = grad_reduction_of(param)
     if spec is None:
         return ()
     own = set(fsdp.mesh.mesh_dim_names)
@@ -208,7 +209,7 @@ class FSDPParamGroup:
         for p in self.params:
             if isinstance(p.sharded, DTensor):
                 # After the reductions the sharded gradient has the parameter's layout.
-                p.sharded._grad_layout = p.layout  # type: ignore[attr-defined]
+                set_grad_layout(p.sharded, p.layout)
         self.unsharded_flat = torch.empty(
             self.flat.padded_numel, dtype=self.param_dtype, device=self.device
         )
