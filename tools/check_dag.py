@@ -25,7 +25,17 @@ Checks, for every directory ``packages/<dist>/``:
     their ``test`` extra (never in ``[project].dependencies`` or another extra) and import
     them only from ``tests/``, never from ``src/``; and ``hp_testing``'s own ``src/`` imports
     only the standard library and ``ALLOWED_THIRD_PARTY`` (torch, pytest), which are also
-    the only third-party requirements it may declare.
+    the only third-party requirements it may declare;
+(h) the cross-package contract (packages cooperate only through public APIs), in ``src/``
+    and ``tests/``: a package never imports a private module or name of another hp package,
+    i.e. a dotted path with a component starting with ``_`` (dunders such as ``__version__``
+    aside), found as in (b), ``from <pkg> import _submodule`` and ``from <mod> import
+    _NAME`` included; and it never uses another package's private state by name. Such
+    attribute names follow the convention ``_hp_<short>_...`` (``<short>``: the import name
+    without ``hp_``, the longest matching one owning the name), so every string literal that
+    is such a name and every attribute access ``x._hp_...`` must carry the package's own
+    prefix: one of another package's is an error (use its public contract), and so is a
+    ``_hp_`` name with no package's prefix, whose owner cannot be told (rename it).
 """
 
 from __future__ import annotations
@@ -39,6 +49,7 @@ import sys
 import tomllib
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from importlib.machinery import all_suffixes
 from pathlib import Path
 from typing import Any
 
@@ -202,6 +213,7 @@ class ImportSite:
     lineno: int
     importer: str  # dotted module name of the importing file
     imported: str  # dotted module name imported
+    names: tuple[str, ...] = ()  # the names of `from imported import ...`, else empty
 
     @property
     def top(self) -> str:
@@ -391,14 +403,19 @@ def iter_imports(path: Path, base: Path, report: Report, root: Path) -> Iterator
     except SyntaxError as exc:
         report.error(f"{rel(path, root)}:{exc.lineno}: cannot parse: {exc.msg}")
         return
-    importer = module_name(path, base)
+    yield from import_sites(tree, path, module_name(path, base))
+
+
+def import_sites(tree: ast.AST, path: Path, importer: str) -> Iterator[ImportSite]:
+    """Every absolute import in the parsed ``tree`` of ``path`` (at any nesting depth)."""
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             for alias in node.names:
                 yield ImportSite(path, node.lineno, importer, alias.name)
         elif isinstance(node, ast.ImportFrom):
             if node.level == 0 and node.module:
-                yield ImportSite(path, node.lineno, importer, node.module)
+                names = tuple(alias.name for alias in node.names)
+                yield ImportSite(path, node.lineno, importer, node.module, names)
         elif isinstance(node, ast.Call):
             target = _dynamic_import_target(node)
             if target is not None and not target.startswith("."):
@@ -496,6 +513,158 @@ def _check_hp_import(
             f"({pkg.import_name} may import only {fmt_set(allowed)})"
         )
     report.error(f"{where}: {site.importer} imports {site.imported}; {why}")
+
+
+# --- (h) the cross-package contract -------------------------------------------------------
+
+#: Attribute names carrying a package's private state start with this, then the owner's
+#: short name (its import name without ``hp_``) and ``_``: ``_hp_fsdp_state``.
+PRIVATE_STATE_PREFIX = "_hp_"
+
+
+def is_private(component: str) -> bool:
+    """Whether a module-path component or name is private: a leading underscore, except for
+    dunders (``__version__``, ``__main__``), which are public by Python's convention."""
+    dunder = len(component) > 4 and component.startswith("__") and component.endswith("__")
+    return component.startswith("_") and not dunder
+
+
+def short_name(package: str) -> str:
+    """The short name of an import name in ``_hp_<short>_`` names: ``hp_fsdp`` -> ``fsdp``."""
+    return package.removeprefix("hp_")
+
+
+def state_owner(name: str, shorts: Mapping[str, str]) -> str | None:
+    """The package owning the ``_hp_<short>_...`` attribute ``name``, or None if none does.
+
+    ``shorts`` maps short names to import names. The short must be followed by ``_`` and a
+    non-empty rest, so ``_hp_layout`` (no rest) is owned by no package rather than by
+    hp_layout; where shorts overlap (``mp``, ``mp_x``) the longest match owns the name.
+    """
+    rest = name.removeprefix(PRIVATE_STATE_PREFIX)
+    matches = [short for short in shorts if rest.startswith(short + "_") and rest != short + "_"]
+    return shorts[max(matches, key=len)] if matches else None
+
+
+@dataclass
+class ContractStats:
+    """What check (h) looked at, for the summary."""
+
+    hp_imports: int = 0  # imports of other hp packages checked for private parts
+    state_names: int = 0  # `_hp_` string literals and attribute accesses seen
+
+
+def check_contract(
+    packages: Sequence[Package], root: Path, report: Report, stats: ContractStats
+) -> None:
+    """(h) No import of another package's private modules/names, no use of its private state."""
+    by_name = {pkg.import_name: pkg for pkg in packages}
+    shorts = {short_name(name): name for name in by_name if is_hp(name)}
+    for pkg in packages:
+        for base in (pkg.src, pkg.directory / "tests"):
+            for path in python_files(base):
+                try:
+                    tree = ast.parse(path.read_bytes(), filename=str(path))
+                except SyntaxError:
+                    continue  # (b) already reports the file it cannot parse
+                importer = module_name(path, base)
+                for site in import_sites(tree, path, importer):
+                    if is_hp(site.top) and site.top != pkg.import_name:
+                        stats.hp_imports += 1
+                        _check_private_import(site, by_name.get(site.top), root, report)
+                for lineno, what, name in _state_names(tree):
+                    stats.state_names += 1
+                    where = f"{rel(path, root)}:{lineno}"
+                    _check_state_name(pkg, shorts, where, importer, what, name, report)
+
+
+def _check_private_import(
+    site: ImportSite, owner: Package | None, root: Path, report: Report
+) -> None:
+    where = f"{rel(site.path, root)}:{site.lineno}"
+    advice = f"use {site.top}'s public API instead (or have {site.top} make it public)"
+    parts = site.imported.split(".")
+    if any(is_private(part) for part in parts):
+        report.error(
+            f"{where}: {site.importer} imports {site.imported}, a private module of "
+            f"{site.top}; {advice}"
+        )
+        return
+    for name in site.names:
+        if not is_private(name):
+            continue
+        if owner is not None and _is_submodule(owner, parts, name):
+            report.error(
+                f"{where}: {site.importer} imports {site.imported}.{name} (from "
+                f"{site.imported} import {name}), a private module of {site.top}; {advice}"
+            )
+        else:
+            report.error(
+                f"{where}: {site.importer} imports the private name {name} from "
+                f"{site.imported}; {advice}"
+            )
+
+
+def _is_submodule(owner: Package, parts: Sequence[str], name: str) -> bool:
+    """Whether ``from <parts> import <name>`` names a module of ``owner`` (a file on disk)
+    rather than an attribute; only the message depends on it, both are errors."""
+    directory = owner.src.joinpath(*parts)
+    if (directory / name / "__init__.py").is_file():
+        return True
+    return any((directory / (name + suffix)).is_file() for suffix in all_suffixes())
+
+
+def _state_names(tree: ast.AST) -> Iterator[tuple[int, str, str]]:
+    """(line, description, name) of every ``_hp_`` string literal and attribute access."""
+    # Pieces of an f-string are fragments of a name, not names: skip them.
+    fragments = {
+        id(part)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.JoinedStr)
+        for part in node.values
+    }
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr.startswith(PRIVATE_STATE_PREFIX):
+            yield node.lineno, f"the attribute .{node.attr}", node.attr
+        elif (
+            isinstance(node, ast.Constant)
+            and isinstance(node.value, str)
+            and node.value.startswith(PRIVATE_STATE_PREFIX)
+            and node.value.isidentifier()  # a name, not prose mentioning one (docstrings)
+            and id(node) not in fragments
+        ):
+            yield node.lineno, f"the string {node.value!r}", node.value
+
+
+def _check_state_name(
+    pkg: Package,
+    shorts: Mapping[str, str],
+    where: str,
+    importer: str,
+    what: str,
+    name: str,
+    report: Report,
+) -> None:
+    owner = state_owner(name, shorts)
+    if owner == pkg.import_name:
+        return
+    if owner is not None:
+        report.error(
+            f"{where}: {importer} uses {what}, private state of {owner} "
+            f"({PRIVATE_STATE_PREFIX}{short_name(owner)}_ prefix); use {owner}'s public "
+            "contract instead"
+        )
+        return
+    mine = short_name(pkg.import_name)
+    rest = name.removeprefix(PRIVATE_STATE_PREFIX).strip("_")
+    # A bare `_hp_<own short>` has nothing to keep after the new prefix: use a placeholder.
+    renamed = f"{PRIVATE_STATE_PREFIX}{mine}_{rest if rest not in ('', mine) else '<what>'}"
+    report.error(
+        f"{where}: {importer} uses {what}, a {PRIVATE_STATE_PREFIX} name with no package's "
+        f"{PRIVATE_STATE_PREFIX}<short>_ prefix (its owner cannot be told): rename it "
+        f"{renamed} if it is {pkg.import_name}'s own state, "
+        "otherwise use its owner's public contract"
+    )
 
 
 # Runs in a fresh interpreter: argv = [src, package, forbidden (comma list), excluded (comma)].
@@ -611,6 +780,8 @@ def run(root: Path) -> int:
     check_declared(packages, root, report)
     stats = ImportStats()
     check_imports(packages, root, report, stats)
+    contract = ContractStats()
+    check_contract(packages, root, report, contract)
     runtime = check_runtime(packages, root, report)
 
     listing = ", ".join(f"{p.dist} -> {fmt_set(p.hp_deps(include_test=True))}" for p in packages)
@@ -640,6 +811,12 @@ def run(root: Path) -> int:
             f"{name} imports only the standard library and {fmt_set(allowed)}"
             for name, allowed in ALLOWED_THIRD_PARTY.items()
         )
+    )
+    shorts = fmt_set({short_name(p.import_name) for p in packages if is_hp(p.import_name)})
+    print(
+        f"  (h) contract: {contract.hp_imports} import(s) of another hp package name no private "
+        f"module or name; {contract.state_names} {PRIVATE_STATE_PREFIX}... string(s)/attribute(s) "
+        f"carry their own package's {PRIVATE_STATE_PREFIX}<short>_ prefix ({shorts})"
     )
     if report.errors:
         print(f"\ncheck_dag: FAILED, {len(report.errors)} problem(s):", file=sys.stderr)

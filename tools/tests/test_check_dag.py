@@ -431,3 +431,191 @@ def test_cli_exit_code(tmp_path: Path) -> None:
     )
     assert bad.returncode == 1
     assert "check_dag: FAILED" in bad.stderr
+
+
+# --- (h) the cross-package contract -------------------------------------------------------
+
+
+def repo_with_private_parts(root: Path) -> Path:
+    """good_repo where hp-dtensor has private modules, a private name and private state."""
+    good_repo(root)
+    dtensor = root / "packages/hp-dtensor/src/hp_dtensor"
+    (dtensor / "_comm.py").write_text("def axis() -> None: ...\n")
+    (dtensor / "parallel/_structure").mkdir(parents=True)
+    (dtensor / "parallel/__init__.py").write_text("")
+    (dtensor / "parallel/_structure/__init__.py").write_text("def map_tensors() -> None: ...\n")
+    (dtensor / "api.py").write_text(
+        "from hp_layout import mesh\n"
+        "import hp_kernels\n"
+        "__version__ = '0.1'\n"
+        "_STATE = '_hp_dtensor_grad_reduction'\n"
+    )
+    return root
+
+
+def test_contract_clean_repo_passes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    repo_with_private_parts(tmp_path)
+    # Its own private modules, names and state are a package's to use, from src/ and tests/.
+    (tmp_path / "packages/hp-dtensor/src/hp_dtensor/grads.py").write_text(
+        "from hp_dtensor import _comm\n"
+        "from hp_dtensor.api import _STATE\n"
+        "import hp_dtensor.parallel._structure\n"
+        "def f(p: object) -> object:\n"
+        "    p._hp_dtensor_grad_layout = 1\n"
+        "    return getattr(p, '_hp_dtensor_grad_reduction', None)\n"
+    )
+    (tmp_path / "packages/hp-dtensor/tests/test_comm.py").write_text(
+        "import importlib\nimportlib.import_module('hp_dtensor._comm')\n"
+    )
+    # Dunders are public; prose, f-string fragments and function names are not attribute names.
+    (tmp_path / "packages/hp-fsdp/src/hp_fsdp/api.py").write_text(
+        '"""Reads ``_hp_dtensor_grad_reduction`` through hp_dtensor\'s contract."""\n'
+        "from hp_dtensor.api import __version__\n"
+        "def _hp_model(m: object, k: str) -> object:\n"
+        "    m._hp_fsdp_state = 1\n"
+        "    return getattr(m, '_hp_fsdp_state', None), f'_hp_{k}_x'\n"
+    )
+    code, out = check(tmp_path, capsys)
+    assert code == 0, out
+    assert "(h) contract: 4 import(s) of another hp package name no private module" in out
+    assert "5 _hp_... string(s)/attribute(s) carry their own package's _hp_<short>_ prefix" in out
+    assert "({dtensor, fsdp, kernels, layout})" in out
+
+
+@pytest.mark.parametrize(
+    ("where", "text", "message"),
+    [
+        (
+            "src/hp_fsdp/shard.py",
+            "import hp_dtensor._comm as comm\n",
+            "packages/hp-fsdp/src/hp_fsdp/shard.py:1: hp_fsdp.shard imports hp_dtensor._comm, "
+            "a private module of hp_dtensor; use hp_dtensor's public API instead",
+        ),
+        (
+            "src/hp_fsdp/shard.py",
+            "def f() -> None:\n    from hp_dtensor.parallel._structure import map_tensors\n",
+            "packages/hp-fsdp/src/hp_fsdp/shard.py:2: hp_fsdp.shard imports "
+            "hp_dtensor.parallel._structure, a private module of hp_dtensor",
+        ),
+        (
+            "src/hp_fsdp/shard.py",
+            "from hp_dtensor import api, _comm\n",
+            "packages/hp-fsdp/src/hp_fsdp/shard.py:1: hp_fsdp.shard imports hp_dtensor._comm "
+            "(from hp_dtensor import _comm), a private module of hp_dtensor",
+        ),
+        (
+            "src/hp_fsdp/shard.py",
+            "from hp_dtensor.parallel import _structure\n",
+            "hp_fsdp.shard imports hp_dtensor.parallel._structure (from hp_dtensor.parallel "
+            "import _structure), a private module of hp_dtensor",
+        ),
+        (
+            "src/hp_fsdp/shard.py",
+            "import importlib\nC = importlib.import_module('hp_dtensor._comm')\n",
+            "packages/hp-fsdp/src/hp_fsdp/shard.py:2: hp_fsdp.shard imports hp_dtensor._comm, "
+            "a private module of hp_dtensor",
+        ),
+        (
+            "src/hp_fsdp/shard.py",
+            "from hp_dtensor.api import _STATE\n",
+            "packages/hp-fsdp/src/hp_fsdp/shard.py:1: hp_fsdp.shard imports the private name "
+            "_STATE from hp_dtensor.api; use hp_dtensor's public API instead",
+        ),
+        (
+            "tests/test_shard.py",
+            "def test_x() -> None:\n    from hp_dtensor._comm import axis\n",
+            "packages/hp-fsdp/tests/test_shard.py:2: test_shard imports hp_dtensor._comm, "
+            "a private module of hp_dtensor",
+        ),
+    ],
+)
+def test_private_import_of_another_package(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], where: str, text: str, message: str
+) -> None:
+    repo_with_private_parts(tmp_path)
+    (tmp_path / "packages/hp-fsdp" / where).write_text(text)
+    code, out = check(tmp_path, capsys)
+    assert code == 1
+    assert message in out
+    assert "FAILED, 1 problem(s)" in out  # only (h): the imports themselves are declared
+
+
+@pytest.mark.parametrize(
+    ("where", "text", "message"),
+    [
+        (
+            "src/hp_fsdp/_group.py",
+            "def f(p: object) -> object:\n"
+            "    return getattr(p, '_hp_dtensor_grad_reduction', None)\n",
+            "packages/hp-fsdp/src/hp_fsdp/_group.py:2: hp_fsdp._group uses the string "
+            "'_hp_dtensor_grad_reduction', private state of hp_dtensor (_hp_dtensor_ prefix); "
+            "use hp_dtensor's public contract instead",
+        ),
+        (
+            "src/hp_fsdp/_group.py",
+            "def f(x: object, y: object) -> None:\n    x._hp_dtensor_grad_layout = y\n",
+            "packages/hp-fsdp/src/hp_fsdp/_group.py:2: hp_fsdp._group uses the attribute "
+            "._hp_dtensor_grad_layout, private state of hp_dtensor",
+        ),
+        (
+            "tests/test_group.py",
+            "_ATTR = '_hp_layout_cache'\n",
+            "packages/hp-fsdp/tests/test_group.py:1: test_group uses the string "
+            "'_hp_layout_cache', private state of hp_layout",
+        ),
+        (
+            "src/hp_fsdp/_group.py",
+            "KEYS = {'_hp_foo': 1}\n",
+            "packages/hp-fsdp/src/hp_fsdp/_group.py:1: hp_fsdp._group uses the string "
+            "'_hp_foo', a _hp_ name with no package's _hp_<short>_ prefix (its owner cannot be "
+            "told): rename it _hp_fsdp_foo if it is hp_fsdp's own state, otherwise use its "
+            "owner's public contract",
+        ),
+        (
+            # `layout` is a short, but with nothing after it the name follows no convention.
+            "src/hp_fsdp/_group.py",
+            "def f(p: object) -> bool:\n    return hasattr(p, '_hp_layout')\n",
+            "hp_fsdp._group uses the string '_hp_layout', a _hp_ name with no package's "
+            "_hp_<short>_ prefix (its owner cannot be told): rename it _hp_fsdp_layout",
+        ),
+        (
+            "src/hp_fsdp/_group.py",
+            "def f(p: object) -> object:\n    return p._hp_fsdp\n",
+            "hp_fsdp._group uses the attribute ._hp_fsdp, a _hp_ name with no package's "
+            "_hp_<short>_ prefix (its owner cannot be told): rename it _hp_fsdp_<what>",
+        ),
+    ],
+)
+def test_private_state_of_another_package(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], where: str, text: str, message: str
+) -> None:
+    repo_with_private_parts(tmp_path)
+    (tmp_path / "packages/hp-fsdp" / where).write_text(text)
+    code, out = check(tmp_path, capsys)
+    assert code == 1
+    assert message in out
+    assert "FAILED, 1 problem(s)" in out
+
+
+@pytest.mark.parametrize(
+    ("name", "owner"),
+    [
+        ("_hp_fsdp_state", "hp_fsdp"),
+        ("_hp_fsdp_lite_state", "hp_fsdp_lite"),  # the longest matching short owns it
+        ("_hp_fsdp_lite", "hp_fsdp"),  # ... only when a rest follows it
+        ("_hp_fsdp", None),
+        ("_hp_fsdp_", None),
+        ("_hp_grad_reduction", None),
+    ],
+)
+def test_state_owner(name: str, owner: str | None) -> None:
+    shorts = {"fsdp": "hp_fsdp", "fsdp_lite": "hp_fsdp_lite", "dtensor": "hp_dtensor"}
+    assert check_dag.state_owner(name, shorts) == owner
+
+
+@pytest.mark.parametrize(
+    ("component", "private"),
+    [("_comm", True), ("_", True), ("__version__", False), ("__main__", False), ("api", False)],
+)
+def test_is_private(component: str, private: bool) -> None:
+    assert check_dag.is_private(component) is private
