@@ -212,7 +212,7 @@ def install_local(
     If one of them compiles against torch, every build requirement of ``names`` (pinned, torch
     included) is installed first and the packages are built without build isolation: an
     isolated build environment would resolve and unpack a torch of its own for every build
-    (see DESIGN.md), where this compiles once against the venv's pinned torch.
+    (several GB each time), where this compiles once against the venv's pinned torch.
     """
     names = list(names)
     no_isolation: tuple[str, ...] = ()

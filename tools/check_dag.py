@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Enforce the package dependency DAG of DESIGN.md ("Packages and the dependency DAG").
+"""Enforce the package dependency DAG of docs/architecture.md ("Packages and their dependencies").
 
 Run as ``python tools/check_dag.py [--root DIR]``; exits 1 with one message per problem.
 
@@ -280,7 +280,9 @@ def check_layout(pkg: Package, root: Path, report: Report) -> None:
     ]
     for path in required:
         if not path.exists():
-            report.error(f"{rel(path, root)}: missing (every package needs it, see DESIGN.md)")
+            report.error(
+                f"{rel(path, root)}: missing (every package needs it, see docs/architecture.md)"
+            )
     if _TEST_EXTRA not in pkg.project.get("optional-dependencies", {}):
         report.error(
             f"{where}/pyproject.toml: no [project.optional-dependencies] {_TEST_EXTRA} = [...] "
@@ -295,7 +297,7 @@ def check_known(packages: Sequence[Package], root: Path, report: Report) -> None
             report.error(
                 f"{rel(pkg.directory, root)}: unknown package {pkg.dist!r} "
                 f"({pkg.import_name}): add a row for it to {TABLE_NAME} "
-                "(and to DESIGN.md's dependency DAG) before adding the package"
+                "(and to the dependency DAG of docs/architecture.md) before adding the package"
             )
 
 
