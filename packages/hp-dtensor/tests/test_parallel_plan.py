@@ -17,9 +17,16 @@ from torch import nn
 from hp_dtensor import DeviceMesh, layout_of
 from hp_dtensor.contract import parallel_plan_of
 from hp_dtensor.parallel import (
+    CausalAttention,
     ColwiseParallel,
+    ContextParallel,
+    ContextParallelPlan,
+    ExpertParallel,
+    ExpertParallelPlan,
+    ExpertTensorParallel,
     FlatSlot,
     GradReductionPlan,
+    MoE,
     PlanError,
     RowwiseParallel,
     parallelize_module,
@@ -152,17 +159,24 @@ _COLLECTIVES = (
     "reduce_scatter_single",
     "reduce_scatter_tensor",
     "all_to_all_single",
+    "batch_isend_irecv",
 )
 
 
-def _count_step(model: nn.Module, ids: torch.Tensor) -> Counter[str]:
+def _count_step(model: nn.Module, *inputs: torch.Tensor) -> Counter[str]:
     """The collectives one forward and backward of ``model`` runs, by kind."""
     counted: Counter[str] = Counter()
     originals = {n: getattr(dist, n) for n in _COLLECTIVES if hasattr(dist, n)}
 
     def counting(name: str) -> Any:
         def call(*args: Any, **kwargs: Any) -> Any:
-            kind = name.removesuffix("_single").removesuffix("_into_tensor").removesuffix("_tensor")
+            kind = (
+                "ring_shift"  # the only point-to-point use: a send and a receive per rank
+                if name == "batch_isend_irecv"
+                else name.removesuffix("_single")
+                .removesuffix("_into_tensor")
+                .removesuffix("_tensor")
+            )
             counted[kind] += 1
             return originals[name](*args, **kwargs)
 
@@ -171,7 +185,7 @@ def _count_step(model: nn.Module, ids: torch.Tensor) -> Counter[str]:
     for name in originals:
         setattr(dist, name, counting(name))
     try:
-        model(ids).sum().backward()
+        model(*inputs).sum().backward()
     finally:
         for name, fn in originals.items():
             setattr(dist, name, fn)
@@ -214,4 +228,73 @@ def test_the_applied_plan_is_the_resolved_one_and_runs_its_collectives(
         # One sum over tp for every replicated parameter (norms): under plain TP it rides on
         # a boundary all-reduce, under SP it is one all-reduce of its own.
         assert out["reductions"] == 1
+        assert out["counted"] == out["predicted"], out
+
+
+def test_expert_and_context_parallel_modules_carry_their_own_plans() -> None:
+    with torch.device("meta"):
+        moe = MoE(8, 12, num_experts=4, top_k=2)
+    plan = resolve(moe, Mesh((2,), ("ep",)), {"": ExpertParallel()})
+    module = plan.module("")
+    assert module is not None
+    assert isinstance(module.sharding, ExpertParallelPlan)
+    assert (module.sharding.num_experts, module.sharding.top_k) == (4, 2)
+    assert plan.param("experts.w1").layout.placements == (Shard(0),)
+    assert plan.param("experts.w1").local_shape(1) == (2, 12, 8)
+    assert plan.param("router.weight").reduction == GradReductionPlan((("ep", ReduceOp.SUM),))
+    assert "4 experts, 2 per rank; top-2 routing; tokens dispatched and combined by all-to-all" in (
+        plan.table()
+    )
+    attention = nn.Sequential(CausalAttention())
+    for variant, how in (("ring", "key/value blocks"), ("ulysses", "all-to-all between")):
+        cp = resolve(attention, Mesh((2,), ("cp",)), {"0": ContextParallel(variant=variant)})
+        sharding = cp.modules[0].sharding
+        assert isinstance(sharding, ContextParallelPlan)
+        assert sharding.variant == variant
+        assert sharding.balanced
+        assert f"{variant}: {how}" in cp.table()
+        assert "zigzag (load-balanced) sequence sharding of dim 2" in cp.table()
+
+
+class _Attention(nn.Module):
+    """Self-attention of one input through a context-parallel core."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.core = CausalAttention()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.core(x, x, x)
+        return out
+
+
+def _modules_on_ranks(case: str) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model: nn.Module
+    if case == "ep":
+        mesh = DeviceMesh("cpu", Mesh((2,), ("ep",)))
+        model, plan, axes = MoE(8, 12, 4, 2), {"": ExpertParallel()}, {}
+        x = torch.randn(6, 8, requires_grad=True)
+    elif case == "ep_tp":
+        mesh = DeviceMesh("cpu", Mesh((2, 2), ("ep", "tp")))
+        model, plan = MoE(8, 12, 4, 2), {"": ExpertTensorParallel()}
+        axes = {"tp_axis": "ep", "dp_axes": ()}
+        x = torch.randn(6, 8, requires_grad=True)
+    else:
+        mesh = DeviceMesh("cpu", Mesh((2,), ("cp",)))
+        model, plan, axes = _Attention(), {"core": ContextParallel(variant=case)}, {}
+        x = torch.randn(1, 4, 4, 4, requires_grad=True)
+    with torch.device("meta"):
+        meta = MoE(8, 12, 4, 2) if case.startswith("ep") else _Attention()
+    predicted = resolve(meta, mesh, plan, **axes)  # type: ignore[arg-type]
+    parallelize_module(model, mesh, plan, mode="production", **axes)  # type: ignore[arg-type]
+    model(x).sum().backward()
+    return {"counted": dict(_count_step(model, x)), "predicted": predicted.collectives_per_step()}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(("case", "world"), [("ep", 2), ("ep_tp", 4), ("ring", 2), ("ulysses", 2)])
+def test_expert_and_context_parallel_collectives_are_predicted(case: str, world: int) -> None:
+    for out in run_on_ranks(world, _modules_on_ranks, case, timeout=120):
         assert out["counted"] == out["predicted"], out

@@ -27,7 +27,13 @@ from hp_dtensor.parallel.context_plan import (
 from hp_dtensor.parallel.init import MaterializeError, materialize
 from hp_dtensor.parallel.loss import GradConvention, loss_parallel, vocab_parallel_cross_entropy
 from hp_dtensor.parallel.moe import GroupedExperts, MoE, Routing, SharedExperts, TopKRouter
-from hp_dtensor.parallel.plan import Boundary, PlanError, ShardingPlan, resolve_plan
+from hp_dtensor.parallel.plan import (
+    Boundary,
+    ExpertParallelPlan,
+    PlanError,
+    ShardingPlan,
+    resolve_plan,
+)
 from hp_dtensor.parallel.plans import TransformerNames, transformer_tp_plan
 from hp_dtensor.parallel.random import (
     DropoutVariant,
@@ -69,6 +75,7 @@ __all__ = [
     "ContextParallelPlan",
     "DropoutVariant",
     "ExpertParallel",
+    "ExpertParallelPlan",
     "ExpertTensorParallel",
     "FlatSlot",
     "GradConvention",

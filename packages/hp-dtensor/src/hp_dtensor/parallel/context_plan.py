@@ -25,6 +25,7 @@ which pieces of a (query shard, key shard) pair are fully visible, causally mask
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import Enum
 from typing import Literal
@@ -190,6 +191,24 @@ class ContextParallelPlan(ShardingPlan):
     head_dim_index: int = 1
     balanced: bool = True
     scale: float | None = None
+
+    def describe(self, axis_size: int) -> str:
+        sharding = "zigzag (load-balanced)" if self.balanced else "contiguous"
+        how = (
+            "key/value blocks passed around the ring"
+            if self.variant == "ring"
+            else "all-to-all between sequence and heads"
+        )
+        return f"{self.variant}: {how}; {sharding} sequence sharding of dim {self.seq_dim}"
+
+    def collectives(self, axis_size: int) -> Mapping[str, int]:
+        if axis_size == 1:
+            return {}
+        if self.variant == "ring":
+            # cp - 1 rotations of the key/value blocks forward, as many reversed in backward.
+            return {"ring_shift": 2 * (axis_size - 1)}
+        # Query, key and value to heads and the output back, forward; their adjoints backward.
+        return {"all_to_all": 4}
 
     def __post_init__(self) -> None:
         if self.variant not in VARIANTS:

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Boundary",
+    "ExpertParallelPlan",
     "PlanError",
     "ShardingPlan",
     "check_sibling_projections",
@@ -89,6 +90,16 @@ class ShardingPlan:
     def input_boundary(self, index: int) -> Boundary | None:
         """The boundary of positional input ``index`` (None: leave it alone)."""
         return self.inputs[index] if index < len(self.inputs) else None
+
+    def describe(self, axis_size: int) -> str:
+        """What the plan does beyond its placements and boundaries, for tables ("" when
+        nothing: expert and context parallel plans say how they move tokens)."""
+        return ""
+
+    def collectives(self, axis_size: int) -> Mapping[str, int]:
+        """Collectives the module runs inside per forward and backward, by kind, beyond its
+        boundaries' (expert dispatch, context-parallel attention); none for most plans."""
+        return {}
 
     def lower(self, module: nn.Module, name: str) -> ShardingPlan:
         """A ShardingPlan is already lowered; check its parameter names exist."""
@@ -194,3 +205,48 @@ def _closest(entry: str, names: Sequence[str]) -> list[str]:
     tail = entry.split(".")[-1]
     near = [n for n in names if n.split(".")[-1] == tail or tail.strip("*") in n]
     return (near or [n for n in names if n])[:5]
+
+
+@dataclass(frozen=True)
+class ExpertParallelPlan(ShardingPlan):
+    """The lowered expert-parallel styles: the general plan (whole experts per rank of the
+    parallel axis, tokens ``Shard(0)`` there) plus what the dispatch needs.
+
+    Which rows go where is data-dependent: each forward plans it from the router's counts
+    (:func:`hp_dtensor.parallel.expert.plan_dispatch`) and exchanges them by all-to-all,
+    forward (dispatch) and backward (combine's adjoint), twice each.
+
+    Attributes:
+        num_experts: routed experts of the MoE.
+        top_k: experts each token is routed to.
+        expert_tp_axis: the axis each expert's hidden dim is sharded over (expert-tensor
+            parallelism), None when experts are whole.
+    """
+
+    num_experts: int = 0
+    top_k: int = 1
+    expert_tp_axis: str | None = None
+
+    def describe(self, axis_size: int) -> str:
+        per_rank = self.num_experts // axis_size if axis_size else self.num_experts
+        tp = (
+            f", each expert's hidden dim over {self.expert_tp_axis!r}"
+            if self.expert_tp_axis
+            else ""
+        )
+        return (
+            f"{self.num_experts} experts, {per_rank} per rank{tp}; top-{self.top_k} routing; "
+            "tokens dispatched and combined by all-to-all, sizes planned each forward from "
+            "the router's counts"
+        )
+
+    def collectives(self, axis_size: int) -> Mapping[str, int]:
+        if axis_size == 1:
+            return {}
+        # The per-expert counts gathered once; rows dispatched and combined, and both adjoints.
+        counts = {"all_gather": 1, "all_to_all": 4}
+        if self.expert_tp_axis is not None:
+            # The experts' row-parallel second matmul sums over the expert-tensor axis, and the
+            # adjoint of its replicated input does too.
+            counts["all_reduce"] = 2
+        return counts

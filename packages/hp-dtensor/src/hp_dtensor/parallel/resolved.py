@@ -273,13 +273,25 @@ class ParallelPlan:
             count += 0 if rides else len(r.axes)
         return {"all_reduce": count} if count else {}
 
+    def module_collectives(self) -> dict[str, int]:
+        """Collectives the styled modules run inside (expert dispatch, context-parallel
+        attention) per forward and backward, each module counted once per call."""
+        size = self.mesh.axis_size(self.tp_axis)
+        counts: dict[str, int] = {}
+        for m in self.modules:
+            for kind, n in m.sharding.collectives(size).items():
+                counts[kind] = counts.get(kind, 0) + n
+        return counts
+
     def collectives_per_step(self, model_output: str | None = None) -> dict[str, int]:
         """Collectives one production-mode forward and backward runs, by kind: the
-        boundaries' (:meth:`boundary_collectives`) and the gradient reductions' own
+        boundaries' (:meth:`boundary_collectives`), the modules' own
+        (:meth:`module_collectives`) and the gradient reductions'
         (:meth:`reduction_collectives`)."""
         counts = self.boundary_collectives(model_output)
-        for kind, n in self.reduction_collectives().items():
-            counts[kind] = counts.get(kind, 0) + n
+        for part in (self.module_collectives(), self.reduction_collectives()):
+            for kind, n in part.items():
+                counts[kind] = counts.get(kind, 0) + n
         return counts
 
     def reduction_kinds(self) -> tuple[GradReductionPlan, ...]:
@@ -362,6 +374,12 @@ class ParallelPlan:
             lines += _format(
                 ("module", "style", "where", "arrives", "leaves", "forward", "backward"), brows
             )
+        size = self.mesh.axis_size(self.tp_axis)
+        details = [(m.name or "<root>", m.style, m.sharding.describe(size)) for m in self.modules]
+        details = [d for d in details if d[2]]
+        if details:
+            lines += ["", "modules with a plan of their own:"]
+            lines += _format(("module", "style", "plan"), details)
         reductions = self.reduction_kinds()
         output = self.model_output()
         lines += [
@@ -369,6 +387,7 @@ class ParallelPlan:
             f"collectives per step: {_listed(self.collectives_per_step())}",
             f"  at the boundaries: {_listed(self.boundary_collectives())}"
             + (f" (the model returning the output of {output!r})" if output else ""),
+            f"  inside modules: {_listed(self.module_collectives())}",
             f"  gradient reductions of their own: {_listed(self.reduction_collectives())}; "
             f"{len(reductions)} kind(s): {'; '.join(r.describe() for r in reductions) or 'none'}",
         ]
@@ -386,7 +405,13 @@ class ParallelPlan:
             "dp_axes": list(self.dp_axes),
             "mode": self.mode,
             "modules": [
-                {"name": m.name, "type": m.module_type, "style": m.style} for m in self.modules
+                {
+                    "name": m.name,
+                    "type": m.module_type,
+                    "style": m.style,
+                    "plan": m.sharding.describe(self.mesh.axis_size(self.tp_axis)),
+                }
+                for m in self.modules
             ],
             "params": [_param_dict(p) for p in self.params],
             "boundaries": [

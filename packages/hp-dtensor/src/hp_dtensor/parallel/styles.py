@@ -28,7 +28,7 @@ from torch import nn
 from hp_dtensor.parallel import local_forwards
 from hp_dtensor.parallel.context_plan import ContextParallelPlan
 from hp_dtensor.parallel.moe import MoE
-from hp_dtensor.parallel.plan import Boundary, PlanError, ShardingPlan
+from hp_dtensor.parallel.plan import Boundary, ExpertParallelPlan, PlanError, ShardingPlan
 from hp_layout import Layout, Partial, Placement, Replicate, Shard
 
 if TYPE_CHECKING:
@@ -270,17 +270,21 @@ def _expert_boundaries(
     input_layouts: Placement | None,
     output_layouts: Placement | None,
     use_local_output: bool,
+    expert_tp_axis: str | None = None,
 ) -> ShardingPlan:
     if not isinstance(module, MoE):
         raise _refuse(style, module, name, "hp_dtensor.parallel.moe.MoE")
     tokens = Shard(0)
-    return ShardingPlan(
+    return ExpertParallelPlan(
         params=params,
         inputs=(Boundary(input_layouts or tokens, tokens),),
         outputs=Boundary(tokens, output_layouts or tokens),
         use_local_output=use_local_output,
         replaces_forward=True,
         style=style,
+        num_experts=module.num_experts,
+        top_k=module.top_k,
+        expert_tp_axis=expert_tp_axis,
     )
 
 
@@ -378,6 +382,7 @@ class ExpertTensorParallel(_ExpertForwards):
             self.input_layouts,
             self.output_layouts,
             self.use_local_output,
+            self.tp_axis,
         )
 
 
