@@ -2,6 +2,7 @@
 
 from hp_fsdp.api import FSDPModule, fully_shard
 from hp_fsdp.clip import clip_grad_norm_, total_grad_norm
+from hp_fsdp.group_plan import GroupPlan, ParamSpec, plan_group
 from hp_fsdp.policy import (
     CPUOffloadPolicy,
     LowPrecisionCommPolicy,
@@ -20,14 +21,17 @@ __version__ = "0.1.0"
 __all__ = [
     "CPUOffloadPolicy",
     "FSDPModule",
+    "GroupPlan",
     "LowPrecisionCommPolicy",
     "MixedPrecisionPolicy",
     "OffloadPolicy",
+    "ParamSpec",
     "__version__",
     "clip_grad_norm_",
     "fully_shard",
     "get_model_state_dict",
     "get_optimizer_state_dict",
+    "plan_group",
     "set_model_state_dict",
     "set_optimizer_state_dict",
     "total_grad_norm",

@@ -1,13 +1,16 @@
 """One FSDP group: its parameters as views of persistent flat buffers, and their collectives.
 
-The group's parameters are packed end to end (``hp_layout.plan_flat_buffer``) into a buffer cut
-into equal per-rank chunks. This rank keeps its chunk in ``sharded_flat``; each parameter's
-piece of it is a 1-d view registered on the module and handed to optimizers, annotated with
-its layout (a RaggedShard over the shard axis). Unsharding all-gathers the chunks straight into
-``unsharded_flat``, whose views are the module's parameters during compute (no copy-out);
-gradients accumulate into views of ``unsharded_grad`` (no copy-in), which is the input of the
-reduce-scatter; the reduce-scatter writes this rank's reduced chunk into a view of the root's
-gradient arena, whose views are the sharded parameters' gradients.
+The group is planned first, as frozen data (:func:`hp_fsdp.group_plan.plan_group`: the order of
+its parameters, the flat buffer, their layouts, the order of the gradient reductions); the group
+then allocates and copies what its plan says. The parameters are packed end to end
+(``hp_layout.plan_flat_buffer``) into a buffer cut into equal per-rank chunks. This rank keeps
+its chunk in ``sharded_flat``; each parameter's piece of it is a 1-d view registered on the
+module and handed to optimizers, annotated with its layout (a RaggedShard over the shard axis).
+Unsharding all-gathers the chunks straight into ``unsharded_flat``, whose views are the
+module's parameters during compute (no copy-out); gradients accumulate into views of
+``unsharded_grad`` (no copy-in), which is the input of the reduce-scatter; the reduce-scatter
+writes this rank's reduced chunk into a view of the root's gradient arena, whose views are the
+sharded parameters' gradients.
 
 With a :class:`LowPrecisionCommPolicy`, the all-gather may move this rank's shard as
 block-scaled FP8 (quantized once per optimizer step: cached on the shard's version counter,
@@ -26,18 +29,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hp_dtensor import DTensor, annotate_layout, layout_of
-from hp_dtensor.contract import grad_reduction_of, set_grad_layout
+from hp_dtensor import DTensor, annotate_layout
+from hp_dtensor.contract import set_grad_layout
 from hp_fsdp._lowp_comm import Deferred, WireCodec, all_gather_records, reduce_scatter_lowp
 from hp_fsdp._mesh import FSDPMesh
 from hp_fsdp.counting import collective_purpose
+from hp_fsdp.group_plan import GroupPlan, plan_group, spec_of, torch_dtype
 from hp_fsdp.policy import LowPrecisionCommPolicy, MixedPrecisionPolicy
-from hp_layout import FlatBufferLayout, Layout, ReduceOp, Replicate, plan_flat_buffer
+from hp_layout import FlatBufferLayout, Layout, ReduceOp
 
-__all__ = ["FSDPParam", "FSDPParamGroup", "ShardedState"]
-
-# Every parameter's shard starts on a 16-byte boundary.
-_ALIGN_BYTES = 16
+__all__ = ["FSDPParam", "FSDPParamGroup", "ShardedState", "plan_params"]
 
 
 class ShardedState(enum.Enum):
@@ -82,134 +83,86 @@ _TORCH_OPS = {ReduceOp.SUM: dist.ReduceOp.SUM, ReduceOp.MAX: dist.ReduceOp.MAX}
 _Param = tuple[nn.Module, str, str, nn.Parameter]
 
 
-def _extra_axes(param: nn.Parameter, fsdp: FSDPMesh) -> tuple[tuple[str, ReduceOp], ...]:
-    """Reductions a tensor-parallel plan recorded on ``param`` over axes FSDP does not own."""
-    spec = grad_reduction_of(param)
-    if spec is None:
-        return ()
-    own = set(fsdp.mesh.mesh_dim_names)
-    return tuple((axis, op) for axis, op in spec.axes if axis not in own)
+def plan_params(
+    params: Sequence[_Param], fsdp: FSDPMesh, policy: MixedPrecisionPolicy, label: str
+) -> GroupPlan:
+    """The plan of the group of ``params`` (pure: reads shapes, layouts and dtypes only).
+
+    Postcondition: ``plan.fqns`` names each of ``params`` once (see :func:`plan_group`).
+    """
+    return plan_group(
+        [spec_of(fqn, param) for _, _, fqn, param in params],
+        fsdp.mesh.mesh,
+        fsdp.shard_axis,
+        fsdp.replicate_axis,
+        param_dtype=policy.param_dtype,
+        reduce_dtype=policy.reduce_dtype,
+        label=label,
+    )
 
 
-def _order_by_extra_reduction(
-    params: Sequence[_Param], fsdp: FSDPMesh
-) -> tuple[list[_Param], tuple[tuple[str, ReduceOp], ...]]:
-    plain = [p for p in params if not _extra_axes(p[3], fsdp)]
-    extra = [p for p in params if _extra_axes(p[3], fsdp)]
-    kinds = {_extra_axes(p[3], fsdp) for p in extra}
-    if len(kinds) > 1:
-        raise NotImplementedError(
-            f"parameters of one group need different gradient reductions {sorted(kinds)}; "
-            "shard them in separate fully_shard calls"
+def _in_plan_order(params: Sequence[_Param], plan: GroupPlan) -> list[_Param]:
+    """``params`` in the plan's buffer order.
+
+    Raises:
+        ValueError: ``params`` are not the planned parameters.
+    """
+    by_name = {fqn: (module, name, fqn, param) for module, name, fqn, param in params}
+    if sorted(by_name) != sorted(plan.fqns) or len(by_name) != len(params):
+        raise ValueError(f"the parameters {sorted(by_name)} are not the planned {plan.fqns}")
+    return [by_name[fqn] for fqn in plan.fqns]
+
+
+def _local(param: nn.Parameter, fqn: str, owner: str) -> torch.Tensor:
+    """The data FSDP packs for ``param`` (its tensor-parallel shard, detached).
+
+    Raises:
+        ValueError: the parameter is on meta.
+    """
+    if param.is_meta or (isinstance(param, DTensor) and param.to_local().is_meta):
+        raise ValueError(
+            f"fully_shard({owner!r}): parameter {fqn!r} is on meta; materialize the model "
+            "(hp_dtensor.parallel.materialize) before sharding it"
         )
-    for *_, p in extra:
-        for _axis, op in _extra_axes(p, fsdp):
-            if op is not ReduceOp.SUM:
-                raise NotImplementedError(f"gradient reduction {op} over a non-FSDP axis")
-    return plain + extra, next(iter(kinds)) if kinds else ()
-
-
-def _mesh_for(base: Layout | None, fsdp: FSDPMesh) -> Any:
-    """The hp_layout mesh the parameter's FSDP layout lives on."""
-    if base is None:
-        return fsdp.mesh.mesh
-    mesh = base.mesh
-    for axis in fsdp.mesh.mesh_dim_names:
-        if axis not in mesh.axis_names:
-            raise ValueError(
-                f"the FSDP mesh axis {axis!r} is not an axis of the parameter's mesh {mesh!r}; "
-                "pass fully_shard the data-parallel sub-mesh of the mesh used for tensor "
-                "parallelism"
-            )
-        if not isinstance(base.placement(axis), Replicate):
-            raise ValueError(
-                f"a parameter laid out as {base!r} is not replicated along the FSDP axis "
-                f"{axis!r}; FSDP can only shard data-parallel replicas"
-            )
-    return mesh
+    return param.to_local().detach() if isinstance(param, DTensor) else param.detach()
 
 
 class FSDPParamGroup:
-    """The parameters of one fully_shard call (excluding those of nested calls)."""
+    """The parameters of one fully_shard call (excluding those of nested calls), allocated
+    and laid out as their :class:`~hp_fsdp.group_plan.GroupPlan` says."""
 
     def __init__(
         self,
-        params: Sequence[tuple[nn.Module, str, str, nn.Parameter]],
+        plan: GroupPlan,
+        params: Sequence[_Param],
         fsdp: FSDPMesh,
         policy: MixedPrecisionPolicy,
         owner: str,
         comm_policy: LowPrecisionCommPolicy | None = None,
     ) -> None:
+        """Allocate the buffers of ``plan`` and copy ``params``' data into this rank's chunk.
+
+        Postconditions: the modules hold the sharded parameters (views of ``sharded_flat``,
+        laid out as ``plan.layouts``); the unsharded buffer has no storage yet.
+        """
+        self.plan = plan
         self.fsdp = fsdp
         self.owner = owner
         self.policy = policy
         self.comm_policy = comm_policy or LowPrecisionCommPolicy()
-        params, self.extra_reduce = _order_by_extra_reduction(params, fsdp)
-        dtypes = {p.dtype for *_, p in params}
-        if len(dtypes) > 1:
-            example = {str(p.dtype): fqn for _, _, fqn, p in params}
-            if policy.param_dtype is None:
-                raise ValueError(
-                    f"fully_shard({owner!r}): parameters of several dtypes in one group without "
-                    f"a MixedPrecisionPolicy ({example}); give param_dtype, or shard the "
-                    "modules separately"
-                )
-            raise NotImplementedError(
-                f"fully_shard({owner!r}): one group with storage dtypes {example}; one flat "
-                "buffer per dtype is not implemented yet; shard those modules separately"
-            )
-        self.storage_dtype = next(iter(dtypes)) if dtypes else torch.float32
-        self.param_dtype = policy.param_dtype or self.storage_dtype
-        self.reduce_dtype = policy.reduce_dtype or self.param_dtype
-        self.device = params[0][3].device if params else torch.device("cpu")
-        rank = fsdp.mesh.get_rank()
-        locals_: list[torch.Tensor] = []
-        bases: list[Layout | None] = []
-        for _module, _name, fqn, param in params:
-            if param.is_meta or (isinstance(param, DTensor) and param.to_local().is_meta):
-                raise ValueError(
-                    f"fully_shard({owner!r}): parameter {fqn!r} is on meta; materialize the model "
-                    "(hp_dtensor.parallel.materialize) before sharding it"
-                )
-            if isinstance(param, DTensor):
-                locals_.append(param.to_local().detach())
-                bases.append(param.dist_layout)
-            else:
-                annotated = layout_of(param)
-                bases.append(annotated if annotated.mesh.size > 1 else None)
-                locals_.append(param.detach())
-        align = max(1, _ALIGN_BYTES // torch.empty((), dtype=self.storage_dtype).element_size())
-        self.flat: FlatBufferLayout = plan_flat_buffer(
-            [tuple(t.shape) for t in locals_], fsdp.shard_size, align
-        )
-        coordinate = fsdp.mesh.get_local_rank(fsdp.shard_axis)
-        self.sharded_flat = torch.zeros(
-            self.flat.chunk_numel, dtype=self.storage_dtype, device=self.device
-        )
-        for span in self.flat.spans(coordinate):
-            piece = locals_[span.index].reshape(-1)[span.start : span.stop]
-            self.sharded_flat[span.chunk_offset : span.chunk_offset + piece.numel()].copy_(piece)
-        self.params: list[FSDPParam] = []
-        for index, ((module, name, fqn, param), base) in enumerate(zip(params, bases, strict=True)):
-            mesh = _mesh_for(base, fsdp)
-            layout = self.flat.layout(index, mesh, fsdp.shard_axis, base=base)
-            start, length = self.chunk_range(index)
-            view = self.sharded_flat[start : start + length]
-            sharded = self._wrap(view, layout, param.requires_grad, isinstance(param, DTensor))
-            if not isinstance(sharded, DTensor):
-                annotate_layout(sharded, layout, rank=rank)
-            self.params.append(
-                FSDPParam(module, name, fqn, tuple(locals_[index].shape), base, layout, sharded)
-            )
-        # Parameters replicated along a non-FSDP axis (tensor-parallel norms) get partial
-        # gradients there; they are packed last, so one all-reduce of the tail of the flat
-        # gradient reduces them all before the reduce-scatter.
-        extra = [i for i, (*_, p) in enumerate(params) if _extra_axes(p, fsdp)]
-        self.extra_start = self.flat.slots[extra[0]].offset if extra else self.flat.padded_numel
-        for p in self.params:
-            if isinstance(p.sharded, DTensor):
-                # After the reductions the sharded gradient has the parameter's layout.
-                set_grad_layout(p.sharded, p.layout)
+        ordered = _in_plan_order(params, plan)
+        self.flat: FlatBufferLayout = plan.flat
+        self.extra_reduce = plan.extra_reduce
+        self.extra_start = plan.extra_start
+        self.storage_dtype = torch_dtype(plan.storage_dtype)
+        self.param_dtype = torch_dtype(plan.param_dtype)
+        self.reduce_dtype = torch_dtype(plan.reduce_dtype)
+        self.device = ordered[0][3].device if ordered else torch.device("cpu")
+        locals_ = [_local(param, fqn, owner) for _, _, fqn, param in ordered]
+        self.sharded_flat = self._pack(locals_)
+        self.params: list[FSDPParam] = [
+            self._sharded_param(index, entry) for index, entry in enumerate(ordered)
+        ]
         self.unsharded_flat = torch.empty(
             self.flat.padded_numel, dtype=self.param_dtype, device=self.device
         )
@@ -222,6 +175,38 @@ class FSDPParamGroup:
         self._pending: Any = None
         self._version = 0
         self.register_sharded()
+
+    def _pack(self, locals_: Sequence[torch.Tensor]) -> torch.Tensor:
+        """This rank's chunk of the flat buffer, holding its pieces of ``locals_``.
+
+        Raises:
+            ValueError: a tensor's shape is not the planned one.
+        """
+        for fqn, shape, tensor in zip(self.plan.fqns, self.plan.shapes, locals_, strict=True):
+            if tuple(tensor.shape) != shape:
+                raise ValueError(
+                    f"parameter {fqn!r} has shape {tuple(tensor.shape)}, planned {shape}"
+                )
+        coordinate = self.fsdp.mesh.get_local_rank(self.fsdp.shard_axis)
+        chunk = torch.zeros(self.flat.chunk_numel, dtype=self.storage_dtype, device=self.device)
+        for span in self.flat.spans(coordinate):
+            piece = locals_[span.index].reshape(-1)[span.start : span.stop]
+            chunk[span.chunk_offset : span.chunk_offset + piece.numel()].copy_(piece)
+        return chunk
+
+    def _sharded_param(self, index: int, entry: _Param) -> FSDPParam:
+        """Parameter ``index``'s sharded piece: a view of ``sharded_flat`` with its layout."""
+        module, name, fqn, param = entry
+        layout, base = self.plan.layouts[index], self.plan.bases[index]
+        start, length = self.chunk_range(index)
+        view = self.sharded_flat[start : start + length]
+        sharded = self._wrap(view, layout, param.requires_grad, isinstance(param, DTensor))
+        if isinstance(sharded, DTensor):
+            # After the reductions the sharded gradient has the parameter's layout.
+            set_grad_layout(sharded, layout)
+        else:
+            annotate_layout(sharded, layout, rank=self.fsdp.mesh.get_rank())
+        return FSDPParam(module, name, fqn, self.plan.shapes[index], base, layout, sharded)
 
     def _plan_wire(self) -> None:
         """The byte records of the low-precision collectives (fixed for the group's life)."""

@@ -9,8 +9,9 @@ import torch
 from torch import nn
 
 from hp_dtensor import DeviceMesh
-from hp_fsdp._group import FSDPParamGroup
-from hp_fsdp._mesh import resolve_mesh
+from hp_dtensor.contract import record_flat_slots
+from hp_fsdp._group import FSDPParamGroup, plan_params
+from hp_fsdp._mesh import FSDPMesh, resolve_mesh
 from hp_fsdp._state import FSDPState
 from hp_fsdp.policy import LowPrecisionCommPolicy, MixedPrecisionPolicy, OffloadPolicy
 from hp_fsdp.state_dict import register_state_dict_hooks
@@ -179,7 +180,7 @@ def fully_shard(
             f"{comm_policy.replicate_reduce_dtype} needs a 2-d (replicate, shard) mesh, got "
             f"{fsdp.mesh!r}; use shard_reduce_dtype for the gradient reduction of a 1-d mesh"
         )
-    group = FSDPParamGroup(params, fsdp, policy, owner, comm_policy) if params else None
+    group = _plan_and_allocate(params, fsdp, policy, owner, comm_policy)
     for _, _, _, param in params:
         setattr(param, _OWNER, owner)
     input_dtype = policy.param_dtype if policy.cast_forward_inputs else None
@@ -189,4 +190,34 @@ def fully_shard(
     module.register_forward_hook(state.post_forward)
     register_state_dict_hooks(module)
     module.__class__ = _fsdp_class(type(module))
+    _record_slots(module)
     return module
+
+
+def _plan_and_allocate(
+    params: Sequence[tuple[nn.Module, str, str, nn.Parameter]],
+    fsdp: FSDPMesh,
+    policy: MixedPrecisionPolicy,
+    owner: str,
+    comm_policy: LowPrecisionCommPolicy | None,
+) -> FSDPParamGroup | None:
+    """Plan the group of ``params`` (pure), then allocate it; None without parameters."""
+    if not params:
+        return None
+    plan = plan_params(params, fsdp, policy, owner)
+    return FSDPParamGroup(plan, params, fsdp, policy, owner, comm_policy)
+
+
+def _record_slots(module: nn.Module) -> None:
+    """Record the flat slots of ``module``'s group and of every group nested in it, each named
+    by its module's name relative to ``module`` (``hp_dtensor.contract.record_flat_slots``).
+
+    Postcondition: ``parallel_plan_of(module)`` has every sharded parameter's slot, whose
+    ``group`` is the name of the module owning it relative to ``module``.
+    """
+    for prefix, sub in module.named_modules():
+        state: FSDPState | None = getattr(sub, _STATE, None)
+        if state is None or state.group is None:
+            continue
+        state.group.plan = state.group.plan.with_owner(prefix)
+        record_flat_slots(sub, state.group.plan.flat_slots())

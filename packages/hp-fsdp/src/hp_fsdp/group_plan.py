@@ -1,0 +1,288 @@
+"""One fully_shard group planned as frozen data, before anything is allocated.
+
+:func:`plan_group` reads only shapes, layouts, dtypes and mesh axis names (no process group,
+no tensor, so a ``meta`` model's parameters plan as well as real ones) and returns a
+:class:`GroupPlan`: the order of the parameters in the flat buffer, the buffer's
+``hp_layout.FlatBufferLayout``, each parameter's FSDP layout, and the order of the gradient
+reductions (the tail reduced over a tensor-parallel axis first, then the reduce-scatter).
+``fully_shard`` plans a group, then allocates and copies what the plan says
+(``FSDPParamGroup``), and records :meth:`GroupPlan.flat_slots` on the module it shards, so
+``hp_dtensor.contract.parallel_plan_of(root)`` shows every parameter's slot.
+
+Planning is deterministic and plans compare by value: equal inputs give equal plans, so the
+ranks of one data-parallel group (which see the same shapes and mesh) plan the same group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+import torch
+
+from hp_dtensor import DTensor, layout_of
+from hp_dtensor.contract import FlatSlot, grad_reduction_of
+from hp_layout import FlatBufferLayout, Layout, Mesh, ReduceOp, Replicate, plan_flat_buffer
+
+__all__ = ["GroupPlan", "ParamSpec", "dtype_name", "plan_group", "spec_of", "torch_dtype"]
+
+# Every parameter's shard starts on a 16-byte boundary.
+ALIGN_BYTES = 16
+
+Reduction = tuple[tuple[str, ReduceOp], ...]
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """What planning reads of one parameter.
+
+    Attributes:
+        fqn: its name relative to the module fully_shard is called on.
+        shape: the shape FSDP packs: the tensor-parallel local shard's, or the whole shape.
+        dtype: its storage dtype, e.g. ``"float32"`` (see :func:`dtype_name`).
+        base: its layout before FSDP (tensor parallel), None for a whole parameter.
+        reduction: the ``(axis, op)`` gradient reduction a tensor-parallel plan recorded for
+            it (``hp_dtensor.contract.grad_reduction_of``), ``()`` when none.
+    """
+
+    fqn: str
+    shape: tuple[int, ...]
+    dtype: str = "float32"
+    base: Layout | None = None
+    reduction: Reduction = ()
+
+
+@dataclass(frozen=True)
+class GroupPlan:
+    """One fully_shard group, planned (see the module docstring).
+
+    Attributes:
+        owner: the name of the module the group belongs to, relative to the outermost
+            fully_shard'ed module above it ("" that module itself, usually the root).
+        fqns: the parameters' names relative to the module fully_shard was called on, in
+            buffer order: those with an extra tensor-parallel gradient reduction last.
+        shapes: each parameter's packed (tensor-parallel local) shape, in buffer order.
+        bases: each parameter's layout before FSDP, None for a whole parameter.
+        layouts: each parameter's layout with FSDP (a RaggedShard on ``shard_axis``).
+        flat: the flat buffer (``hp_layout.plan_flat_buffer`` of ``shapes``).
+        extra_start: the first element of the buffer's tail all-reduced over
+            ``extra_reduce``'s axes before the reduce-scatter (the buffer's padded length
+            when nothing is).
+        extra_reduce: the ``(axis, op)`` reductions over axes FSDP does not own (a
+            tensor-parallel axis the tail's parameters are replicated on), ``()`` if none.
+        storage_dtype: the dtype of the sharded parameters and their flat buffer.
+        param_dtype: the dtype of the unsharded parameters (compute).
+        reduce_dtype: the dtype gradients are reduced in.
+        mesh: the FSDP mesh (1-d shard, or 2-d replicate and shard).
+        shard_axis: the mesh axis the buffer is cut over.
+        replicate_axes: the mesh axes holding replicas of the buffer (HSDP), ``()`` if none.
+    """
+
+    owner: str
+    fqns: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    bases: tuple[Layout | None, ...]
+    layouts: tuple[Layout, ...]
+    flat: FlatBufferLayout
+    extra_start: int
+    extra_reduce: Reduction
+    storage_dtype: str
+    param_dtype: str
+    reduce_dtype: str
+    mesh: Mesh
+    shard_axis: str
+    replicate_axes: tuple[str, ...] = ()
+
+    def index(self, fqn: str) -> int:
+        """The position of parameter ``fqn`` in the buffer.
+
+        Raises:
+            KeyError: no parameter of the group has that name.
+        """
+        if fqn not in self.fqns:
+            raise KeyError(f"no parameter {fqn!r} in the group of {self.owner!r}: {self.fqns}")
+        return self.fqns.index(fqn)
+
+    def padding(self, index: int) -> int:
+        """Elements between parameter ``index``'s end and the next slot (or the buffer's end).
+
+        Postcondition: the slots' numels and paddings, with the first offset, sum to
+        ``flat.padded_numel``.
+        """
+        slots = self.flat.slots
+        nxt = slots[index + 1].offset if index + 1 < len(slots) else self.flat.padded_numel
+        return nxt - slots[index].end
+
+    def flat_slot(self, index: int) -> FlatSlot:
+        """Parameter ``index``'s slot, as ``hp_dtensor.contract`` records it."""
+        slot = self.flat.slots[index]
+        return FlatSlot(
+            group=self.owner,
+            index=index,
+            offset=slot.offset,
+            numel=slot.numel,
+            padding=self.padding(index),
+            buffer_numel=self.flat.padded_numel,
+            chunk_numel=self.flat.chunk_numel,
+            shard_axes=(self.shard_axis,),
+            replicate_axes=self.replicate_axes,
+            dtype=self.storage_dtype,
+        )
+
+    def flat_slots(self) -> dict[str, FlatSlot]:
+        """``{fqn: FlatSlot}`` for every parameter, in buffer order (names as in ``fqns``)."""
+        return {fqn: self.flat_slot(i) for i, fqn in enumerate(self.fqns)}
+
+    def with_owner(self, owner: str) -> GroupPlan:
+        """The same plan belonging to the module named ``owner``."""
+        return replace(self, owner=owner)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``"float32"`` for ``torch.float32``: the name plans store."""
+    return str(dtype).removeprefix("torch.")
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype a plan's dtype name stands for (inverse of :func:`dtype_name`)."""
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"{name!r} is not a torch dtype")
+    return dtype
+
+
+def spec_of(fqn: str, param: torch.Tensor) -> ParamSpec:
+    """What planning needs of ``param`` (an hp_dtensor DTensor, a plain parameter annotated
+    with a layout, or a whole one); reads no data, so a meta parameter is fine."""
+    reduction = grad_reduction_of(param)
+    axes = reduction.axes if reduction is not None else ()
+    if isinstance(param, DTensor):
+        shape = tuple(param.to_local().shape)
+        return ParamSpec(fqn, shape, dtype_name(param.dtype), param.dist_layout, axes)
+    annotated = layout_of(param)
+    base = annotated if annotated.mesh.size > 1 else None
+    return ParamSpec(fqn, tuple(param.shape), dtype_name(param.dtype), base, axes)
+
+
+def plan_group(
+    params: Sequence[ParamSpec],
+    mesh: Mesh,
+    shard_axis: str,
+    replicate_axis: str | None = None,
+    *,
+    param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = None,
+    owner: str = "",
+    label: str | None = None,
+) -> GroupPlan:
+    """Plan the group of ``params`` sharded over ``shard_axis`` of the FSDP ``mesh``.
+
+    ``param_dtype`` and ``reduce_dtype`` are the MixedPrecisionPolicy's; ``label`` names the
+    module in error messages (default ``owner``).
+
+    Postconditions: the plan holds every parameter once, those without an extra reduction
+    first, each kind in the given order; ``flat == plan_flat_buffer(shapes, shards, align)``
+    with ``align`` 16 bytes of the storage dtype; ``extra_start`` is the first extra-reduced
+    parameter's offset; nothing is allocated and no process group is used.
+
+    Raises:
+        ValueError: parameters of several dtypes, or a base layout FSDP cannot shard.
+        NotImplementedError: one group needing several extra reductions, or a non-sum one,
+            or storage dtypes that differ under a ``param_dtype``.
+    """
+    name = label if label is not None else owner
+    ordered, extra = _order_by_extra_reduction(params, mesh)
+    storage = _storage_dtype(ordered, param_dtype, name)
+    compute = dtype_name(param_dtype) if param_dtype is not None else storage
+    reduced = dtype_name(reduce_dtype) if reduce_dtype is not None else compute
+    align = max(1, ALIGN_BYTES // torch_dtype(storage).itemsize)
+    shapes = tuple(p.shape for p in ordered)
+    flat = plan_flat_buffer(shapes, mesh.axis_size(shard_axis), align)
+    layouts = tuple(
+        flat.layout(i, _mesh_for(p.base, mesh), shard_axis, base=p.base)
+        for i, p in enumerate(ordered)
+    )
+    first_extra = len(ordered) - sum(1 for p in ordered if _extra_axes(p, mesh))
+    extra_start = flat.slots[first_extra].offset if extra else flat.padded_numel
+    return GroupPlan(
+        owner=owner,
+        fqns=tuple(p.fqn for p in ordered),
+        shapes=shapes,
+        bases=tuple(p.base for p in ordered),
+        layouts=layouts,
+        flat=flat,
+        extra_start=extra_start,
+        extra_reduce=extra,
+        storage_dtype=storage,
+        param_dtype=compute,
+        reduce_dtype=reduced,
+        mesh=mesh,
+        shard_axis=shard_axis,
+        replicate_axes=(replicate_axis,) if replicate_axis is not None else (),
+    )
+
+
+def _extra_axes(param: ParamSpec, mesh: Mesh) -> Reduction:
+    """The parameter's gradient reductions over axes the FSDP mesh does not own."""
+    own = set(mesh.axis_names)
+    return tuple((axis, op) for axis, op in param.reduction if axis not in own)
+
+
+def _order_by_extra_reduction(
+    params: Sequence[ParamSpec], mesh: Mesh
+) -> tuple[list[ParamSpec], Reduction]:
+    """The parameters with those needing an extra reduction last, and that reduction."""
+    plain = [p for p in params if not _extra_axes(p, mesh)]
+    extra = [p for p in params if _extra_axes(p, mesh)]
+    kinds = {_extra_axes(p, mesh) for p in extra}
+    if len(kinds) > 1:
+        raise NotImplementedError(
+            f"parameters of one group need different gradient reductions {sorted(kinds)}; "
+            "shard them in separate fully_shard calls"
+        )
+    for p in extra:
+        for _axis, op in _extra_axes(p, mesh):
+            if op is not ReduceOp.SUM:
+                raise NotImplementedError(f"gradient reduction {op} over a non-FSDP axis")
+    return plain + extra, next(iter(kinds)) if kinds else ()
+
+
+def _storage_dtype(params: Sequence[ParamSpec], param_dtype: torch.dtype | None, name: str) -> str:
+    """The one storage dtype of the group (float32 for an empty one)."""
+    dtypes = {p.dtype for p in params}
+    if len(dtypes) > 1:
+        example = {f"torch.{p.dtype}": p.fqn for p in params}
+        if param_dtype is None:
+            raise ValueError(
+                f"fully_shard({name!r}): parameters of several dtypes in one group without "
+                f"a MixedPrecisionPolicy ({example}); give param_dtype, or shard the "
+                "modules separately"
+            )
+        raise NotImplementedError(
+            f"fully_shard({name!r}): one group with storage dtypes {example}; one flat "
+            "buffer per dtype is not implemented yet; shard those modules separately"
+        )
+    return next(iter(dtypes)) if dtypes else "float32"
+
+
+def _mesh_for(base: Layout | None, mesh: Mesh) -> Mesh:
+    """The hp_layout mesh the parameter's FSDP layout lives on (``mesh`` for a whole one).
+
+    Raises:
+        ValueError: ``base`` lacks one of the FSDP axes or is not replicated along it.
+    """
+    if base is None:
+        return mesh
+    for axis in mesh.axis_names:
+        if axis not in base.mesh.axis_names:
+            raise ValueError(
+                f"the FSDP mesh axis {axis!r} is not an axis of the parameter's mesh "
+                f"{base.mesh!r}; pass fully_shard the data-parallel sub-mesh of the mesh used "
+                "for tensor parallelism"
+            )
+        if not isinstance(base.placement(axis), Replicate):
+            raise ValueError(
+                f"a parameter laid out as {base!r} is not replicated along the FSDP axis "
+                f"{axis!r}; FSDP can only shard data-parallel replicas"
+            )
+    return base.mesh
