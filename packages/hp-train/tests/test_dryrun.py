@@ -28,6 +28,7 @@ from hp_train.dryrun import (
 )
 from hp_train.dryrun.cli import main
 from hp_train.model import Transformer
+from hp_train.optim import ROUTER_PATTERNS
 
 MOE_TINY = ModelConfig(n_layers=4, moe=MoEConfig(n_experts=4, top_k=2, n_shared_experts=1))
 TRAIN = TrainConfig(global_batch=8, seq_len=32)
@@ -50,7 +51,7 @@ def _meta_groups(model: ModelConfig) -> list[list[tuple[str, tuple[int, ...]]]]:
 def test_state_memory_equals_meta_tensor_sizes(model: ModelConfig) -> None:
     with torch.device("meta"):
         module = Transformer(model)
-    split = split_params(module)
+    split = split_params(module, adamw_patterns=ROUTER_PATTERNS)  # as build_optimizer
     muon = sum(p.numel() for p in split.muon_params)
     adamw = sum(p.numel() for p in split.adamw_params)
     pred = predict_for_run(model, ParallelConfig(), TRAIN)
@@ -182,7 +183,7 @@ def test_bad_input_gives_clear_errors() -> None:
     tiny = ModelConfig()
     with pytest.raises(DryRunError, match="multiply to the topology's world size"):
         dry_run(tiny, ParallelConfig(1, 3, 1, 1), Topology.single_host(4), StepShape(12, 32))
-    with pytest.raises(DryRunError, match="tp=3 does not divide n_heads=4"):
+    with pytest.raises(DryRunError, match="tp=3 must divide n_heads=4"):
         dry_run(tiny, ParallelConfig(1, 1, 3, 1), Topology.single_host(3), StepShape(3, 32))
     with pytest.raises(DryRunError, match="not divisible by the data-parallel degree"):
         dry_run(tiny, ParallelConfig(1, 3, 1, 1), Topology.single_host(3), StepShape(8, 32))

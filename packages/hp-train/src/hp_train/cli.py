@@ -12,6 +12,7 @@ flags.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -26,17 +27,15 @@ from hp_train.config import (
     ParallelConfig,
     TrainConfig,
 )
+from hp_train.presets import model_configs
 from hp_train.runtime import init_runtime, shutdown
-from hp_train.trainer import RunOptions, Summary, train
+from hp_train.trainer import RunOptions, Summary, plan_report, train
 
 __all__ = ["MODEL_PRESETS", "main", "parse"]
 
-#: Named model sizes (``--model``); explicit size flags override a preset's fields.
-MODEL_PRESETS: dict[str, ModelConfig] = {
-    "tiny": ModelConfig(),
-    "small": ModelConfig(dim=128, n_layers=4, n_heads=4, ffn_dim=352, max_seq_len=128),
-    "tiny-moe": ModelConfig(moe=MoEConfig(n_experts=4, top_k=2, expert_ffn_dim=64, every=2)),
-}
+#: Named model sizes (``--model``; the one table the dry run uses too, ``hp_train.presets``);
+#: explicit size flags override a preset's fields.
+MODEL_PRESETS: dict[str, ModelConfig] = model_configs()
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -83,6 +82,12 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--validate", action="store_true")
     r.add_argument("--validate-steps", type=int, default=2)
     r.add_argument("--quiet", action="store_true")
+    r.add_argument(
+        "--print-plan",
+        action="store_true",
+        help="print the parallel plan of these flags and exit (one process, no torchrun; "
+        "--dp-shard defaults to 1, or to what WORLD_SIZE leaves)",
+    )
     return p
 
 
@@ -161,9 +166,28 @@ def _print_summary(
     )
 
 
+def _print_plan(argv: Sequence[str] | None, pre: argparse.Namespace) -> int:
+    """``--print-plan``: resolve and print without a process group (rank 0 alone prints
+    under torchrun)."""
+    world = int(os.environ.get("WORLD_SIZE", "0")) or (
+        pre.dp_replicate * (pre.dp_shard or 1) * pre.tp * pre.pp
+    )
+    try:
+        model, parallel, config, _, _ = parse(argv, world)
+        report = plan_report(model, parallel, config)
+    except ConfigError as exc:
+        print(f"hp-train: {exc}", file=sys.stderr)
+        return 2
+    if os.environ.get("RANK", "0") == "0":
+        print(report, flush=True)
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run training; returns the process exit code (2 for a configuration error)."""
     pre = _parser().parse_args(argv)
+    if pre.print_plan:
+        return _print_plan(argv, pre)
     try:
         runtime = init_runtime(pre.device, threads=pre.threads)
     except ValueError as exc:

@@ -5,6 +5,7 @@ loses at most the record being written and another process can ``tail -f`` the f
 are made JSON-safe: one-element tensors become Python numbers, and non-finite floats (NaN,
 +-inf, which strict JSON cannot hold) become ``null`` with their names and kinds listed in
 the record's ``"nonfinite"`` field, e.g. ``{"loss": null, "nonfinite": {"loss": "nan"}}``.
+:func:`write_json` writes one whole JSON document (the run's ``plan.json``) atomically.
 """
 
 from __future__ import annotations
@@ -21,7 +22,14 @@ from typing import SupportsFloat, SupportsIndex, TextIO
 
 import torch
 
-__all__ = ["NONFINITE_KEY", "MetricsWriter", "peak_memory_bytes", "read_metrics", "to_json_record"]
+__all__ = [
+    "NONFINITE_KEY",
+    "MetricsWriter",
+    "peak_memory_bytes",
+    "read_metrics",
+    "to_json_record",
+    "write_json",
+]
 
 NONFINITE_KEY = "nonfinite"
 """The record field naming each non-finite value (dotted path -> ``"nan"``/``"inf"``/``"-inf"``)."""
@@ -147,6 +155,23 @@ class MetricsWriter:
         tb: TracebackType | None,
     ) -> None:
         self.close()
+
+
+def write_json(path: str | os.PathLike[str], obj: object) -> None:
+    """Write ``obj`` (already JSON-ready) to ``path`` as indented strict JSON, atomically:
+    into ``<path>.tmp``, then renamed over ``path``, so a reader never sees half a file. The
+    parent directory is created if missing.
+
+    Raises:
+        ValueError: a non-finite float in ``obj``.
+        TypeError: a value JSON cannot hold.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(obj, indent=1, allow_nan=False, ensure_ascii=False)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text + "\n", encoding="utf-8")
+    os.replace(tmp, path)
 
 
 def read_metrics(path: str | os.PathLike[str]) -> list[dict[str, object]]:

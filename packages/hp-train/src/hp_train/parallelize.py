@@ -19,15 +19,30 @@ from typing import Any
 import torch.distributed as dist
 
 from hp_dtensor import DeviceMesh
-from hp_dtensor.parallel import ParallelStyle, parallelize_module, transformer_tp_plan
+from hp_dtensor.parallel import (
+    ParallelPlan,
+    ParallelStyle,
+    parallelize_module,
+    resolve,
+    transformer_tp_plan,
+)
 from hp_fsdp import fully_shard
 from hp_layout import Mesh
 from hp_train.config import ConfigError, ModelConfig, ParallelConfig
 from hp_train.model import Transformer
 
-__all__ = ["Layout3D", "build_layout", "check_model_fits", "parallelize", "tp_plan"]
+__all__ = [
+    "Layout3D",
+    "build_layout",
+    "check_model_fits",
+    "parallelize",
+    "resolve_tp_plan",
+    "tp_plan",
+]
 
 AXES = ("dp_replicate", "dp_shard", "tp")
+# The tensor-parallel axis and the data axes, as parallelize() applies the TP plan.
+_TP_AXES: dict[str, Any] = {"tp_axis": "tp", "dp_axes": ("dp_replicate", "dp_shard")}
 
 
 @dataclass(frozen=True)
@@ -52,17 +67,36 @@ class Layout3D:
     pipeline_mesh: DeviceMesh | None = None
 
 
+# Why each size must split evenly ``tp`` ways (the Megatron plan of ``tp_plan``).
+_TP_SPLITS = (
+    ("n_heads", "tensor parallelism splits attention by whole heads"),
+    ("n_kv_heads", "tensor parallelism splits attention by whole heads"),
+    ("ffn_dim", "the dense feed-forward's hidden units are split evenly"),
+    ("vocab_size", "the embedding and the output head split the vocabulary evenly"),
+)
+
+
 def check_model_fits(model: ModelConfig, parallel: ParallelConfig) -> None:
-    """Raise :class:`ConfigError` when the model cannot be split ``parallel.tp`` ways."""
+    """Raise :class:`ConfigError` when the model cannot be split ``parallel.tp`` ways or into
+    ``parallel.pp`` stages (the one check of the trainer and the dry run, ``hp_train.dryrun``).
+
+    Raises:
+        ConfigError: ``tp`` does not divide ``n_heads``, ``n_kv_heads``, ``ffn_dim`` or
+            ``vocab_size`` (the first that fails is named, with its divisors; ``ffn_dim`` only
+            when some block is dense), or there are fewer blocks than stages.
+    """
     tp = parallel.tp
-    for name, value in (
-        ("n_heads", model.n_heads),
-        ("n_kv_heads", model.n_kv_heads),
-        ("ffn_dim", model.ffn_dim),
-        ("vocab_size", model.vocab_size),
-    ):
-        if value % tp:
-            raise ConfigError(f"tp={tp} must divide {name}={value}")
+    dense = model.moe is None or any(not model.moe.is_moe_layer(i) for i in range(model.n_layers))
+    for name, why in _TP_SPLITS:
+        value = getattr(model, name)
+        if value % tp and (name != "ffn_dim" or dense):
+            divisors = [str(d) for d in range(1, value + 1) if value % d == 0]
+            if len(divisors) > 12:
+                divisors = [*divisors[:11], "...", str(value)]
+            raise ConfigError(
+                f"tp={tp} must divide {name}={value} ({why}); choose tp among its divisors "
+                f"{', '.join(divisors)}"
+            )
     if parallel.pp > model.n_layers:
         raise ConfigError(
             f"pp={parallel.pp} needs at least {parallel.pp} blocks (one per stage), the model "
@@ -123,6 +157,18 @@ def _names_part_of(stage: Transformer, key: str) -> bool:
     return bool(stage.layers) if index == "*" else index in stage.layers
 
 
+def resolve_tp_plan(
+    model: Transformer, mesh: Mesh | DeviceMesh, *, mode: str = "production"
+) -> ParallelPlan:
+    """The plan :func:`parallelize` applies to ``model`` (the whole model or a pipeline stage,
+    not yet parallelized; a ``meta`` model is enough) over its ``(dp_replicate, dp_shard,
+    tp)`` ``mesh``: :func:`tp_plan` with ``tp > 1``; with ``tp == 1`` no plan is applied and
+    every parameter is replicated (pure: ``hp_dtensor.parallel.resolve``, no process group)."""
+    grid = mesh if isinstance(mesh, Mesh) else mesh.mesh
+    plan = tp_plan(model.config, model) if grid.axis_size("tp") > 1 else {}
+    return resolve(model, grid, plan, mode=mode, **_TP_AXES)
+
+
 def parallelize(
     model: Transformer, layout: Layout3D, *, mode: str = "production", **fsdp: Any
 ) -> Transformer:
@@ -133,8 +179,7 @@ def parallelize(
             layout.mesh,
             tp_plan(model.config, model),
             mode=mode,  # type: ignore[arg-type]
-            tp_axis="tp",
-            dp_axes=("dp_replicate", "dp_shard"),
+            **_TP_AXES,
         )
     for block in model.layers.values():
         fully_shard(block, mesh=layout.dp_mesh, **fsdp)

@@ -1,8 +1,12 @@
 """The dry-run planner: predict a run's memory, communication and step time without processes.
 
-Shapes come from the model built on ``meta`` (:mod:`~hp_train.dryrun.shapes`), FSDP groups
-from ``hp_layout.plan_flat_buffer``, costs from ``hp_layout.Topology``'s alpha-beta model, Muon
-traffic from ``hp_muon``'s plan (or analytically at scale), compute from a FLOPs model. Every
+Shapes come from the model built on ``meta`` (:mod:`~hp_train.dryrun.shapes`), tensor
+parallelism from the plan the trainer resolves on it (``hp_dtensor.parallel.resolve`` of
+``hp_train.parallelize.tp_plan``), FSDP groups from ``hp_layout.plan_flat_buffer``, every
+parameter's layout from both (:func:`predicted_layouts`, what ``layout_of`` reports in the real
+run), the fits check and the model presets from the trainer's, costs from
+``hp_layout.Topology``'s alpha-beta model, Muon traffic from ``hp_muon``'s plan (or
+analytically at scale), compute from a FLOPs model. Every
 planning function is pure and returns frozen dataclasses; :mod:`~hp_train.dryrun.report`
 formats them and :mod:`~hp_train.dryrun.cli` is ``hp-dryrun`` / ``python -m hp_train.dryrun``.
 """
@@ -29,6 +33,9 @@ from hp_train.dryrun.shapes import (
     fsdp_groups,
     model_parameters,
     parameter_count,
+    planned_model,
+    predicted_layouts,
+    resolved_plan,
 )
 from hp_train.dryrun.workload import BF16_MIXED, FP32, Precision, StepShape
 
@@ -64,7 +71,10 @@ __all__ = [
     "model_preset",
     "muon_traffic",
     "parameter_count",
+    "planned_model",
     "predict_for_run",
+    "predicted_layouts",
+    "resolved_plan",
     "search",
     "topology_preset",
 ]

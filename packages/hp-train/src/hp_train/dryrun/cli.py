@@ -6,6 +6,11 @@ Examples::
         --dp-shard 768 --microbatches 2 --recompute
     python -m hp_train.dryrun --model moe_505b --topology ascend_supernode \\
         --search --memory-limit-gib 64
+    python -m hp_train.dryrun --model tiny-moe --dp-shard 2 --tp 2 --rank 1 --print-plan
+
+``--print-plan`` prints the plan the trainer resolves for the rank's model (its pipeline stage)
+with each parameter's FSDP flat slot and optimizer group
+(:func:`hp_train.dryrun.shapes.planned_model`, ``ParallelPlan.table(rank)``) and exits.
 
 Exit status: 0 on success, 2 on bad input (the message says what was wrong).
 """
@@ -22,6 +27,7 @@ from hp_train.dryrun.planner import dry_run
 from hp_train.dryrun.presets import MODEL_PRESETS, Device, device_for, model_preset, topology_preset
 from hp_train.dryrun.report import format_dry_run, format_search
 from hp_train.dryrun.search import search
+from hp_train.dryrun.shapes import planned_model
 from hp_train.dryrun.workload import BF16_MIXED, FP32, StepShape
 
 __all__ = ["build_parser", "main"]
@@ -57,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--dp-replicate", type=int, default=1)
     ap.add_argument("--dp-shard", type=int, default=None, help="default: every rank left")
     ap.add_argument("--tp", type=int, default=1)
-    ap.add_argument("--pp", type=int, default=1, help="modeled only (no runtime support yet)")
+    ap.add_argument("--pp", type=int, default=1, help="pipeline stages")
     ap.add_argument("--global-batch", type=int, default=None, help="default: the preset's")
     ap.add_argument("--seq-len", type=int, default=None, help="default: the preset's")
     ap.add_argument("--microbatches", type=int, default=1)
@@ -72,6 +78,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--search", action="store_true", help="search every layout of the world")
     ap.add_argument("--memory-limit-gib", type=float, default=64.0)
     ap.add_argument("--top", type=int, default=5, help="configurations the search prints")
+    ap.add_argument(
+        "--print-plan",
+        action="store_true",
+        help="print the resolved parallel plan of --rank (shapes, placements, flat slots, "
+        "optimizer groups, collectives) and exit",
+    )
     return ap
 
 
@@ -122,7 +134,7 @@ def _run(args: argparse.Namespace) -> str:
         precision=BF16_MIXED if args.precision == "bf16" else FP32,
         muon_bucket_mb=args.muon_bucket_mb,
     )
-    if args.search:
+    if args.search and not args.print_plan:
         limit = int(args.memory_limit_gib * GIB)
         result = search(model, topology, shape, limit, device=device, model_name=name)
         return format_search(result, args.top)
@@ -132,8 +144,21 @@ def _run(args: argparse.Namespace) -> str:
         )
     else:
         parallel = ParallelConfig(args.dp_replicate, args.dp_shard, args.tp, args.pp)
+    if args.print_plan:
+        return _plan_text(name, model, parallel, args.rank)
     run = dry_run(model, parallel, topology, shape, device=device, rank=args.rank, model_name=name)
     return format_dry_run(run, layers=args.layers)
+
+
+def _plan_text(name: str, model: ModelConfig, parallel: ParallelConfig, rank: int) -> str:
+    plan = planned_model(model, parallel, rank)
+    per_stage = parallel.world_size // parallel.pp
+    stage = f", pipeline stage {rank // per_stage}" if parallel.pp > 1 else ""
+    return (
+        f"hp-dryrun plan: model {name}; dp_replicate={parallel.dp_replicate} x "
+        f"dp_shard={parallel.dp_shard} x tp={parallel.tp} x pp={parallel.pp}; rank {rank}"
+        f"{stage}\n\n{plan.table(rank)}"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -15,10 +15,14 @@ Schedule model (per microbatch, on each pipeline stage; stated so its numbers ca
   exposed is the larger of the last groups' (block 0 and root) all-reduce and whatever the
   total exceeds the backward compute by.
 * **Tensor parallel** all-reduces and all-gathers, pipeline sends and Muon's exchange are on
-  the critical path (fully exposed). Newton-Schulz runs on the owners after the exchange.
+  the critical path (fully exposed). Newton-Schulz runs on the owners after the exchange. The
+  activation collectives are those of the trainer's resolved plan
+  (:func:`~hp_train.dryrun.shapes.tp_collectives`: the boundaries of each block, the embedding
+  and the head; an MoE block's feed-forward is whole, so only its attention's), each of one
+  microbatch's activation (``tokens x dim``), the head's of its logits.
 * **Pipeline** (1F1B): a step takes ``(microbatches + pp - 1)`` times the slowest stage's
-  microbatch time; the bubble fraction is ``(pp - 1) / (microbatches + pp - 1)``. The runtime
-  does not support ``pp > 1`` yet: it is modeled only.
+  microbatch time; the bubble fraction is ``(pp - 1) / (microbatches + pp - 1)``. Stages keep
+  the blocks the trainer gives them (:func:`hp_train.pipeline.stage_boundaries`).
 
 Compute time is FLOPs (:mod:`hp_train.dryrun.workload`) over the device's achieved
 throughput. Elementwise optimizer work and kernel launch overheads are not modeled.
@@ -29,13 +33,20 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from hp_layout import Collective, Topology, chunk_bounds
+from hp_layout import Collective, Topology
 from hp_train.config import ModelConfig, ParallelConfig
 from hp_train.dryrun.comm import KINDS, CollectiveRecord, RankGrid
 from hp_train.dryrun.memory import MemoryBreakdown, memory_breakdown
 from hp_train.dryrun.muon_traffic import MuonTraffic, muon_traffic
-from hp_train.dryrun.presets import Device, DryRunError, device_for
-from hp_train.dryrun.shapes import GroupSpec, check_tp, fsdp_groups, parameter_count
+from hp_train.dryrun.presets import Device, device_for
+from hp_train.dryrun.shapes import (
+    GroupSpec,
+    check_fits,
+    fsdp_groups,
+    parameter_count,
+    stage_layers,
+    tp_collectives,
+)
 from hp_train.dryrun.workload import StepShape, block_forward_flops, head_forward_flops
 
 __all__ = ["DryRun", "KindSummary", "StageResult", "StepTime", "dry_run"]
@@ -231,7 +242,7 @@ def _stage(
     p = grid.parallel
     pp, m = p.pp, shape.microbatches
     coord = grid.coordinate(rank)
-    layers = chunk_bounds(model.n_layers, pp, stage)
+    layers = stage_layers(model, pp, stage)
     first, last = stage == 0, stage == pp - 1
     groups = fsdp_groups(
         model,
@@ -313,21 +324,28 @@ def _stage(
         ag[g.name] = gather.time if gather else 0.0
         rs[g.name] = scatter.time if scatter else 0.0
         ar[g.name] = reduce.time if reduce else 0.0
-    n_blocks = len(blocks)
+    # Per microbatch, by phase and collective: the blocks' activation collectives (again in
+    # the recomputed forward), the embedding's, and the head's of the logits.
+    block_calls: dict[tuple[str, str], int] = {}
+    for g in blocks:
+        forward, backward = tp_collectives(model, g.name)
+        for phase, kinds in (("forward", forward), ("backward", backward)):
+            for kind in kinds:
+                block_calls[phase, kind] = block_calls.get((phase, kind), 0) + 1
+    phases = ("forward", "backward", "recompute") if shape.recompute else ("forward", "backward")
     tp_records = [
-        grid.record("tp", Collective.ALL_REDUCE, "forward", "tp", act, 2 * n_blocks * m),
-        grid.record("tp", Collective.ALL_REDUCE, "backward", "tp", act, 2 * n_blocks * m),
+        grid.record("tp", Collective(kind), phase, "tp", act, n * m)
+        for phase in phases
+        for (of, kind), n in block_calls.items()
+        if of == (phase if phase != "recompute" else "forward")
     ]
-    if shape.recompute:
-        tp_records.append(
-            grid.record("tp", Collective.ALL_REDUCE, "recompute", "tp", act, 2 * n_blocks * m)
-        )
-    if first:
-        tp_records.append(grid.record("tp", Collective.ALL_REDUCE, "forward", "tp", act, m))
-        tp_records.append(grid.record("tp", Collective.ALL_REDUCE, "backward", "tp", act, m))
-    if last:
-        logits = tokens * model.vocab_size * prec.compute
-        tp_records.append(grid.record("tp", Collective.ALL_GATHER, "forward", "tp", logits, m))
+    units = ([("tok_embeddings", act)] if first else []) + (
+        [("output", tokens * model.vocab_size * prec.compute)] if last else []
+    )
+    for unit, nbytes in units:
+        forward, backward = tp_collectives(model, unit)
+        for phase, kinds in (("forward", forward), ("backward", backward)):
+            tp_records += [grid.record("tp", Collective(k), phase, "tp", nbytes, m) for k in kinds]
     if pp > 1:
         if not last:
             tp_records.append(grid.record("pp", Collective.SEND_RECV, "forward", "pp", act, m))
@@ -470,32 +488,33 @@ def dry_run(
     ``rank`` picks the data-parallel and tensor-parallel coordinate the per-rank figures are
     for (each stage is evaluated at that coordinate). ``device`` defaults to the topology's
     (:func:`hp_train.dryrun.presets.device_for`). With ``all_stages=False`` (the search) only
-    the first, second and last pipeline stages are evaluated: the first stages hold the most
-    blocks (``chunk_bounds``) and the ends the embedding and head, so with uniform blocks they
-    include the largest and slowest.
+    the first, second and last pipeline stages and those holding the most blocks are evaluated
+    (the ends hold the embedding and head, the first the most microbatches in flight), so with
+    uniform blocks they include the largest and slowest.
 
     Postconditions: ``memory`` is the largest stage's; ``kinds`` and ``time`` are those of
     the stage with the longest microbatch time; every collective kind of
     :data:`~hp_train.dryrun.comm.KINDS` appears in ``kinds`` (zero when unused).
 
     Raises:
-        DryRunError: the degrees do not multiply to the topology's world size, ``tp`` does
-            not divide the heads, ``pp`` exceeds the layers, or the batch does not split.
+        DryRunError: the degrees do not multiply to the topology's world size, the trainer
+            refuses the configuration (``hp_train.parallelize.check_model_fits``: ``tp`` does
+            not split the model, ``pp`` exceeds the blocks), or the batch does not split.
     """
     grid = RankGrid.build(parallel, topology)
-    check_tp(model, parallel.tp)
-    if parallel.pp > model.n_layers:
-        raise DryRunError(
-            f"pp={parallel.pp} exceeds n_layers={model.n_layers}: each stage needs a block"
-        )
+    check_fits(model, parallel)
     microbatch_size = shape.microbatch_size(parallel.dp)
     dev = device or device_for(topology)
     coord = grid.coordinate(rank)
     stage_size = parallel.world_size // parallel.pp
     inner = rank - coord["pp"] * stage_size
-    chosen = (
-        range(parallel.pp) if all_stages else sorted({0, min(1, parallel.pp - 1), parallel.pp - 1})
-    )
+    if all_stages:
+        chosen: Sequence[int] = range(parallel.pp)
+    else:
+        sizes = [stage_layers(model, parallel.pp, s) for s in range(parallel.pp)]
+        most = max(stop - start for start, stop in sizes)
+        largest = {s for s, (start, stop) in enumerate(sizes) if stop - start == most}
+        chosen = sorted({0, min(1, parallel.pp - 1), parallel.pp - 1} | largest)
     stages = tuple(
         _stage(model, grid, shape, dev, s, s * stage_size + inner, microbatch_size, muon_exact)
         for s in chosen
@@ -516,13 +535,14 @@ def dry_run(
     notes: list[str] = []
     if pp > 1:
         notes.append(
-            "pp > 1 is modeled (1F1B, bubble (pp-1)/(microbatches+pp-1)); the runtime does not "
-            "support pipeline parallelism yet"
+            "pp > 1 is modeled as 1F1B (bubble (pp-1)/(microbatches+pp-1)), the stages cut as "
+            "the trainer cuts them"
         )
     if model.moe is not None and parallel.tp > 1:
         notes.append(
-            "MoE experts under tp > 1 are modeled Megatron-style per expert; the runtime's TP "
-            "plan does not cover MoE layers yet"
+            "MoE feed-forwards (router, experts, shared experts) stay whole on every "
+            "tensor-parallel rank, as the trainer's TP plan keeps them: their compute and "
+            "memory are not divided by tp"
         )
     sources = {s.muon.source for s in stages}
     if shape.optimizer == "muon":
@@ -557,7 +577,7 @@ def exposed_of(stage: StageResult, kind: str) -> float:
 
 def stage_groups(model: ModelConfig, parallel: ParallelConfig, stage: int) -> tuple[GroupSpec, ...]:
     """The FSDP groups of pipeline stage ``stage`` (tensor-parallel coordinate 0, fp32)."""
-    layers = chunk_bounds(model.n_layers, parallel.pp, stage)
+    layers = stage_layers(model, parallel.pp, stage)
     return fsdp_groups(
         model,
         parallel.dp_shard,

@@ -15,10 +15,11 @@ already uses:
 
 Kinds: ``"fsdp_all_gather"`` (forward gathers of every group, backward re-gathers of every
 block: the root keeps its parameters), ``"fsdp_reduce_scatter"`` (one per group),
-``"hsdp_all_reduce"`` (one per group's chunk over ``dp_replicate``), ``"tp"`` (the Megatron
-all-reduces, the head's logits all-gather, FSDP's tail all-reduce of tensor-parallel-replicated
-gradients), ``"muon"`` (the owner exchanges). A degree of 1 issues no collective of its kind
-(hp_fsdp copies instead).
+``"hsdp_all_reduce"`` (one per group's chunk over ``dp_replicate``), ``"tp"`` (the boundary
+collectives of the trainer's resolved plan: the row-parallel all-reduces, the head's logits
+all-gather; and FSDP's tail all-reduce of tensor-parallel-replicated gradients), ``"muon"``
+(the owner exchanges). A degree of 1 issues no collective of its kind (hp_fsdp copies
+instead).
 
 Assumed run (what ``hp_train``'s loop does): one ``fully_shard`` per block then the root, no
 mixed precision (fp32 everywhere), one microbatch per step (``global_batch / dp`` sequences),
@@ -103,12 +104,13 @@ def predict_for_run(
     ``optimizer_state_bytes == muon_state_bytes + adamw_state_bytes``.
 
     Raises:
-        DryRunError: ``pp > 1`` (the runtime has no pipeline parallelism), or any input the
+        DryRunError: ``pp > 1`` (these per-rank figures are those of a run without
+            pipelining; :func:`~hp_train.dryrun.dry_run` models ``pp > 1``), or any input the
             dry run refuses (indivisible batch, ``tp`` not dividing the heads, a bad rank).
     """
     if parallel_config.pp != 1:
         raise DryRunError(
-            f"predict_for_run models the runtime, which has no pipeline parallelism; got "
+            f"predict_for_run predicts a run without pipeline parallelism; got "
             f"pp={parallel_config.pp} (use hp_train.dryrun.dry_run to model pp > 1)"
         )
     topo = topology or Topology.single_host(parallel_config.world_size)

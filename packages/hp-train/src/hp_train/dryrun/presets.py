@@ -1,16 +1,8 @@
-"""Named models, topologies and devices the dry run knows, and the errors of bad names.
+"""Named topologies and devices the dry run knows, the model presets it shares with the
+trainer, and the errors of bad names.
 
-Model presets (:data:`MODEL_PRESETS`):
-
-* ``tiny``: the default :class:`~hp_train.config.ModelConfig` (what the tests train).
-* ``llama_8b``: a Llama-3-8B-like dense model (dim 4096, 32 layers, 32 heads, 8 KV heads,
-  SwiGLU 14336, vocabulary 128256): 8,030,261,248 parameters.
-* ``moe_505b``: the seed paper's scale, a DeepSeek-V3-like MoE with every block an MoE block:
-  dim 7168, 61 layers, 128 heads of 56 with 16 KV heads, 256 routed experts of SwiGLU width
-  1472, top-8, one shared expert of the same width, vocabulary 129280:
-  **505,256,113,152 parameters** (:data:`MOE_505B_PARAMS`). The expert width 1472 (not
-  DeepSeek's 2048, which gives 705B with this model's plain attention) is what brings the
-  total to ~505B while keeping 256 experts.
+Model presets: :data:`MODEL_PRESETS` is :mod:`hp_train.presets`' table (the one the trainer's
+``--model`` uses too): ``tiny``, ``small``, ``tiny-moe``, ``llama_8b``, ``moe_505b``.
 
 Topology presets (:func:`topology_preset`): ``single_host[:N]``, ``cluster:HxR`` (hosts x ranks
 per host), ``ascend_supernode[:K]`` (K supernodes of 384 cards = 768 dies each); the figures are
@@ -22,7 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hp_layout import Topology, TopologyError
-from hp_train.config import ConfigError, ModelConfig, MoEConfig
+from hp_train import presets
+from hp_train.config import ConfigError
+from hp_train.presets import MODEL_PRESETS, MOE_505B_PARAMS, ModelPreset
 
 __all__ = [
     "DEVICE_PRESETS",
@@ -41,73 +35,16 @@ class DryRunError(ConfigError):
     """A dry-run input that cannot work (the message names it and what would be right)."""
 
 
-@dataclass(frozen=True)
-class ModelPreset:
-    """A model with the batch shape it is usually planned with.
-
-    Attributes:
-        name: the preset's name.
-        model: the model.
-        seq_len: tokens per sequence.
-        global_batch: sequences per optimizer step over all data-parallel ranks.
-    """
-
-    name: str
-    model: ModelConfig
-    seq_len: int
-    global_batch: int
-
-
-MOE_505B_PARAMS = 505_256_113_152
-"""Exact parameter count of the ``moe_505b`` preset (checked against the meta model)."""
-
-MODEL_PRESETS: dict[str, ModelPreset] = {
-    "tiny": ModelPreset("tiny", ModelConfig(), seq_len=32, global_batch=8),
-    "llama_8b": ModelPreset(
-        "llama_8b",
-        ModelConfig(
-            vocab_size=128256,
-            dim=4096,
-            n_layers=32,
-            n_heads=32,
-            n_kv_heads=8,
-            ffn_dim=14336,
-            max_seq_len=8192,
-            rope_theta=500000.0,
-        ),
-        seq_len=8192,
-        global_batch=256,
-    ),
-    "moe_505b": ModelPreset(
-        "moe_505b",
-        ModelConfig(
-            vocab_size=129280,
-            dim=7168,
-            n_layers=61,
-            n_heads=128,
-            n_kv_heads=16,
-            ffn_dim=18432,
-            max_seq_len=4096,
-            moe=MoEConfig(n_experts=256, top_k=8, expert_ffn_dim=1472, every=1, n_shared_experts=1),
-        ),
-        seq_len=4096,
-        global_batch=1536,
-    ),
-}
-
-
 def model_preset(name: str) -> ModelPreset:
-    """The model preset called ``name``.
+    """The model preset called ``name`` (:func:`hp_train.presets.model_preset`).
 
     Raises:
         DryRunError: no such preset (the message lists the known ones).
     """
     try:
-        return MODEL_PRESETS[name]
-    except KeyError:
-        raise DryRunError(
-            f"unknown model preset {name!r}; known presets: {sorted(MODEL_PRESETS)}"
-        ) from None
+        return presets.model_preset(name)
+    except ConfigError as exc:
+        raise DryRunError(str(exc)) from None
 
 
 def _ints(text: str, sep: str, count: int, spec: str) -> tuple[int, ...]:

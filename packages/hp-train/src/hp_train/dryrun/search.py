@@ -1,7 +1,9 @@
 """``--search``: every way to lay a model onto a topology, ranked by predicted step time.
 
-Enumerated: ``dp_replicate x dp_shard x tp x pp == world`` with ``tp`` dividing the attention
-heads and the KV heads, ``pp <= n_layers``, the global batch divisible by ``dp``; microbatch
+Enumerated: ``dp_replicate x dp_shard x tp x pp == world`` that the trainer accepts
+(``hp_train.parallelize.check_model_fits``: ``tp`` dividing the attention heads, the KV heads,
+the dense feed-forward and the vocabulary, ``pp <= n_layers``), the global batch divisible by
+``dp``; microbatch
 counts from ``microbatch_options`` that divide the per-rank batch; recomputation off and on.
 A configuration fits when its largest stage's peak memory
 (:attr:`~hp_train.dryrun.memory.MemoryBreakdown.total`) is at most the limit. Muon traffic is
@@ -17,6 +19,7 @@ from hp_layout import Topology
 from hp_train.config import ModelConfig, ParallelConfig
 from hp_train.dryrun.planner import DryRun, dry_run
 from hp_train.dryrun.presets import Device, DryRunError
+from hp_train.dryrun.shapes import check_fits
 from hp_train.dryrun.workload import StepShape
 
 __all__ = ["SearchResult", "divisors", "parallel_configs", "search"]
@@ -47,13 +50,14 @@ def divisors(n: int) -> tuple[int, ...]:
 
 
 def parallel_configs(model: ModelConfig, world: int, global_batch: int) -> list[ParallelConfig]:
-    """Every ``(dp_replicate, dp_shard, tp, pp)`` for ``world`` ranks the model and batch allow."""
+    """Every ``(dp_replicate, dp_shard, tp, pp)`` for ``world`` ranks the model (as the trainer
+    checks it) and batch allow."""
     out: list[ParallelConfig] = []
     for tp in divisors(world):
-        if model.n_heads % tp or model.n_kv_heads % tp:
-            continue
         for pp in divisors(world // tp):
-            if pp > model.n_layers:
+            try:
+                check_fits(model, ParallelConfig(tp=tp, pp=pp))
+            except DryRunError:
                 continue
             dp = world // (tp * pp)
             if global_batch % dp:
@@ -91,8 +95,9 @@ def search(
     if not configs:
         raise DryRunError(
             f"no (dp_replicate, dp_shard, tp, pp) for {world} ranks: tp must divide n_heads="
-            f"{model.n_heads} and n_kv_heads={model.n_kv_heads}, and global_batch="
-            f"{shape.global_batch} must be divisible by dp"
+            f"{model.n_heads}, n_kv_heads={model.n_kv_heads}, ffn_dim={model.ffn_dim} and "
+            f"vocab_size={model.vocab_size}, pp at most n_layers={model.n_layers}, and "
+            f"global_batch={shape.global_batch} must be divisible by dp"
         )
     fitting: list[DryRun] = []
     evaluated = rejected = 0

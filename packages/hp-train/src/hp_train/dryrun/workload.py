@@ -6,8 +6,9 @@ forward; recomputation adds one more forward of the blocks):
 
 * attention projections ``2 * (2 * dim^2 + 2 * dim * kv_dim) / tp``; scores and weighted
   values ``2 * seq * dim / tp`` (``4 * seq * dim`` for all pairs, halved by the causal mask);
-* dense SwiGLU ``6 * dim * ffn / tp``; MoE: router ``2 * dim * E`` (replicated),
-  ``top_k`` routed experts and the shared ones, ``6 * dim * expert_ffn / tp`` each;
+* dense SwiGLU ``6 * dim * ffn / tp``; MoE: router ``2 * dim * E``, ``top_k`` routed experts
+  and the shared ones, ``6 * dim * expert_ffn`` each, not divided by ``tp``: the trainer's plan
+  keeps MoE feed-forwards whole, so every tensor-parallel rank computes them for all tokens;
 * output head ``2 * dim * vocab / tp``; the embedding lookup is free.
 
 Activation model (elements saved for backward per token; the tensors autograd keeps for this
@@ -18,9 +19,10 @@ model's modules, with flash attention keeping no ``seq x seq`` scores):
   (the o_proj input): ``5 * dim / tp``, plus ``n_heads / tp`` log-sum-exp values (with
   ``flash_attention=False``, the ``n_heads / tp * seq`` attention probabilities instead);
 * dense SwiGLU: w1's output, its SiLU, w3's output and their product: ``4 * ffn / tp``;
-* MoE: router scores ``E`` (fp32) and, per routed slot (``top_k`` per token), the gathered
-  input ``dim``, ``4 * expert_ffn / tp`` and the expert output ``dim``; shared experts like a
-  dense SwiGLU of width ``n_shared * expert_ffn``;
+* MoE (whole on every tensor-parallel rank, as the trainer keeps it): router scores ``E``
+  (fp32) and, per routed slot (``top_k`` per token), the gathered input ``dim``,
+  ``4 * expert_ffn`` and the expert output ``dim``; shared experts like a dense SwiGLU of width
+  ``n_shared * expert_ffn``, not divided by ``tp`` either;
 * head: final norm ``3 * dim`` and the logits plus their log-softmax, ``2 * vocab`` in fp32
   (the loss's gathered logits are whole on every tensor-parallel rank).
 
@@ -147,7 +149,7 @@ def block_forward_flops(model: ModelConfig, index: int, tp: int, seq_len: int) -
     moe = model.moe
     if moe is not None and moe.is_moe_layer(index):
         experts = moe.top_k + moe.n_shared_experts
-        ffn = 2 * d * moe.n_experts + experts * 6 * d * moe.expert_ffn_dim / tp
+        ffn: float = 2 * d * moe.n_experts + experts * 6 * d * moe.expert_ffn_dim
     else:
         ffn = 6 * d * model.ffn_dim / tp
     return attn + ffn
@@ -177,7 +179,7 @@ def block_activation_bytes(
     fp32 = 0.0
     if moe is not None and moe.is_moe_layer(index):
         fe = moe.expert_ffn_dim
-        ffn = moe.top_k * (2 * d + 4 * fe / tp) + 4 * moe.n_shared_experts * fe / tp
+        ffn: float = moe.top_k * (2 * d + 4 * fe) + 4 * moe.n_shared_experts * fe
         fp32 += moe.n_experts
     else:
         ffn = 4 * model.ffn_dim / tp
