@@ -27,6 +27,7 @@ from hp_dtensor.parallel import (
     FlatSlot,
     GradReductionPlan,
     MoE,
+    ParallelStyle,
     PlanError,
     RowwiseParallel,
     parallelize_module,
@@ -272,6 +273,8 @@ def _modules_on_ranks(case: str) -> dict[str, Any]:
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model: nn.Module
+    plan: dict[str, ParallelStyle]
+    axes: dict[str, Any]
     if case == "ep":
         mesh = DeviceMesh("cpu", Mesh((2,), ("ep",)))
         model, plan, axes = MoE(8, 12, 4, 2), {"": ExpertParallel()}, {}
@@ -287,8 +290,8 @@ def _modules_on_ranks(case: str) -> dict[str, Any]:
         x = torch.randn(1, 4, 4, 4, requires_grad=True)
     with torch.device("meta"):
         meta = MoE(8, 12, 4, 2) if case.startswith("ep") else _Attention()
-    predicted = resolve(meta, mesh, plan, **axes)  # type: ignore[arg-type]
-    parallelize_module(model, mesh, plan, mode="production", **axes)  # type: ignore[arg-type]
+    predicted = resolve(meta, mesh, plan, **axes)
+    parallelize_module(model, mesh, plan, mode="production", **axes)
     model(x).sum().backward()
     return {"counted": dict(_count_step(model, x)), "predicted": predicted.collectives_per_step()}
 

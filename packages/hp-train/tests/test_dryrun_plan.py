@@ -10,6 +10,7 @@ holds every parameter's ``hp_dtensor.contract.layout_of`` on every rank equal to
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -182,7 +183,7 @@ def test_trainer_and_dry_run_refuse_the_same_configs_with_one_message(
         check_model_fits(FFN_350, parallel)
     message = str(trainer.value)
     assert "tp=4 must divide ffn_dim=350" in message
-    refusals = [
+    refusals: list[Callable[[], object]] = [
         lambda: dry_run(FFN_350, parallel, topology_preset("single_host:4"), StepShape(4, 32)),
         lambda: predict_for_run(FFN_350, parallel, TrainConfig(global_batch=4, seq_len=32)),
         lambda: predicted_layouts(FFN_350, parallel, 0),
