@@ -301,3 +301,16 @@ def _modules_on_ranks(case: str) -> dict[str, Any]:
 def test_expert_and_context_parallel_collectives_are_predicted(case: str, world: int) -> None:
     for out in run_on_ranks(world, _modules_on_ranks, case, timeout=120):
         assert out["counted"] == out["predicted"], out
+
+
+def test_a_sharded_plan_leaves_the_reductions_to_the_sharder() -> None:
+    plan = resolve(_meta_llama(), TP2, transformer_tp_plan(sequence_parallel=True))
+    assert plan.reduction_collectives() == {"all_reduce": 1}
+    slot = FlatSlot("", 0, 0, 16, 0, 16, 8, ("dp",))
+    sharded = plan.with_flat_slots({"norm.weight": slot})
+    assert sharded.param("norm.weight").flat == slot
+    assert sharded.reduction_collectives() == {}
+    assert sharded.collectives_per_step() == sharded.boundary_collectives()
+    assert "by the sharder (flat slots), in its own collectives, not counted here" in (
+        sharded.table()
+    )

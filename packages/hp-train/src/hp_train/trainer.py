@@ -42,6 +42,7 @@ from hp_muon import ChainedOptimizer
 from hp_train.checkpoint import StageOf, latest_checkpoint, load_checkpoint, save_checkpoint
 from hp_train.config import ConfigError, ModelConfig, ParallelConfig, TrainConfig
 from hp_train.data import Batch, TokenSource, make_source
+from hp_train.dryrun.shapes import planned_model
 from hp_train.metrics import MetricsWriter, peak_memory_bytes, write_json
 from hp_train.model import Transformer, lm_loss
 from hp_train.monitor import (
@@ -279,7 +280,11 @@ def resolve_run_plans(
         if boundaries:
             keep_stage(model, k, boundaries)
         groups = optimizer_groups(model, build_optimizer(model, config))
-        plans.append(resolve_tp_plan(model, mesh).with_optimizer_groups(groups))
+        # The FSDP slots of the stage's first rank, as hp-fsdp will plan them.
+        sharded = planned_model(model_config, parallel, rank=mesh.ranks[0])
+        slots = {p.fqn: p.flat for p in sharded.params if p.flat is not None}
+        plan = resolve_tp_plan(model, mesh).with_flat_slots(slots)
+        plans.append(plan.with_optimizer_groups(groups))
     return plans
 
 

@@ -261,11 +261,19 @@ class ParallelPlan:
                 counts[kind] = counts.get(kind, 0) + 1
         return counts
 
+    def sharded(self) -> bool:
+        """Whether a sharder (hp-fsdp) has planned flat slots for the parameters: it then
+        reduces their gradients itself, in its own collectives (not counted here)."""
+        return any(p.flat is not None for p in self.params)
+
     def reduction_collectives(self) -> dict[str, int]:
         """All-reduces the gradient reductions run of their own per backward: one per axis of
         each distinct reduction, except a single sum over the parallel axis when the
         boundaries' backward runs a sum all-reduce there anyway (the reduction rides on it;
-        see :class:`ReductionTime`)."""
+        see :class:`ReductionTime`). None once a sharder holds the parameters
+        (:meth:`sharded`): its reduce-scatters and all-reduces do the reductions."""
+        if self.sharded():
+            return {}
         carrier = any("all_reduce" in b.backward for b in self.boundaries)
         count = 0
         for r in self.reduction_kinds():
@@ -388,8 +396,14 @@ class ParallelPlan:
             f"  at the boundaries: {_listed(self.boundary_collectives())}"
             + (f" (the model returning the output of {output!r})" if output else ""),
             f"  inside modules: {_listed(self.module_collectives())}",
-            f"  gradient reductions of their own: {_listed(self.reduction_collectives())}; "
-            f"{len(reductions)} kind(s): {'; '.join(r.describe() for r in reductions) or 'none'}",
+            "  gradient reductions of their own: "
+            + (
+                "by the sharder (flat slots), in its own collectives, not counted here"
+                if self.sharded()
+                else _listed(self.reduction_collectives())
+            )
+            + f"; {len(reductions)} kind(s): "
+            + ("; ".join(r.describe() for r in reductions) or "none"),
         ]
         return "\n".join(lines)
 
