@@ -51,7 +51,6 @@ from hp_dtensor.parallel.plan import PlanError
 from hp_layout import Layout, ReduceOp, Shard
 
 __all__ = [
-    "EXPERT_STYLES",
     "DispatchPlan",
     "TpConvention",
     "expert_parallel_forward",
@@ -60,8 +59,6 @@ __all__ = [
     "regroup_index",
     "run_expert_parallel",
 ]
-
-EXPERT_STYLES = ("ExpertParallel", "ExpertTensorParallel")
 
 TpConvention = Literal["exact", "adjoint"]
 

@@ -20,6 +20,7 @@ deterministic, so every rank resolves the same plan.
 from __future__ import annotations
 
 import enum
+import functools
 import json
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -234,10 +235,12 @@ class ParallelPlan:
         Raises:
             KeyError: no parameter has that name.
         """
-        for p in self.params:
-            if p.fqn == fqn or fqn in p.aliases:
-                return p
-        raise KeyError(f"no parameter {fqn!r} in the plan; it has e.g. {self._names()[:5]}")
+        found = self._by_name.get(fqn)
+        if found is None:
+            raise KeyError(
+                f"no parameter {fqn!r} in the plan; it has e.g. {list(self._by_name)[:5]}"
+            )
+        return found
 
     def module(self, name: str) -> ModulePlan | None:
         """The styled module called ``name``, None when no plan entry names it."""
@@ -450,11 +453,13 @@ class ParallelPlan:
 
     # Internals ----------------------------------------------------------------------------
 
-    def _names(self) -> list[str]:
-        return [n for p in self.params for n in (p.fqn, *p.aliases)]
+    @functools.cached_property
+    def _by_name(self) -> dict[str, ParamPlan]:
+        """Every parameter by each of its names (executors look up every parameter once)."""
+        return {n: p for p in self.params for n in (p.fqn, *p.aliases)}
 
     def _has(self, name: str) -> bool:
-        return any(p.fqn == name or name in p.aliases for p in self.params)
+        return name in self._by_name
 
 
 def _listed(counts: Mapping[str, int]) -> str:
