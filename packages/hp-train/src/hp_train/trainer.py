@@ -42,7 +42,7 @@ from hp_muon import ChainedOptimizer
 from hp_train.checkpoint import StageOf, latest_checkpoint, load_checkpoint, save_checkpoint
 from hp_train.config import ConfigError, ModelConfig, ParallelConfig, TrainConfig
 from hp_train.data import Batch, TokenSource, make_source
-from hp_train.dryrun.shapes import planned_model
+from hp_train.dryrun.shapes import job_mesh, planned_model
 from hp_train.metrics import MetricsWriter, peak_memory_bytes, write_json
 from hp_train.model import Transformer, lm_loss
 from hp_train.monitor import (
@@ -54,7 +54,6 @@ from hp_train.monitor import (
 )
 from hp_train.optim import build_optimizer, build_schedule
 from hp_train.parallelize import (
-    AXES,
     Layout3D,
     build_layout,
     check_model_fits,
@@ -265,26 +264,19 @@ def resolve_run_plans(
         ConfigError: the model cannot be split ``tp`` ways or into ``pp`` stages.
     """
     check_model_fits(model_config, parallel)
-    shape = (parallel.dp_replicate, parallel.dp_shard, parallel.tp)
-    boundaries: tuple[int, ...] = ()
-    if parallel.pp > 1:
-        grid = Mesh((parallel.pp, *shape), ("pp", *AXES))
-        meshes = [grid.submesh(list(AXES), grid.rank_at((k, 0, 0, 0))) for k in range(parallel.pp)]
-        boundaries = stage_boundaries(model_config, parallel.pp)
-    else:
-        meshes = [Mesh(shape, AXES)]
+    grid = job_mesh(parallel)
     plans: list[ParallelPlan] = []
-    for k, mesh in enumerate(meshes):
+    for k in range(parallel.pp):
         with torch.device("meta"):
             model = Transformer(model_config)
-        if boundaries:
-            keep_stage(model, k, boundaries)
+        if parallel.pp > 1:
+            keep_stage(model, k, stage_boundaries(model_config, parallel.pp))
         groups = optimizer_groups(model, build_optimizer(model, config))
-        # The FSDP slots of the stage's first rank, as hp-fsdp will plan them.
-        sharded = planned_model(model_config, parallel, rank=mesh.ranks[0])
-        slots = {p.fqn: p.flat for p in sharded.params if p.flat is not None}
-        plan = resolve_tp_plan(model, mesh).with_flat_slots(slots)
-        plans.append(plan.with_optimizer_groups(groups))
+        # The stage's plan with the FSDP slots of its first rank, as hp-fsdp will plan them.
+        first = grid.rank_at((k, 0, 0, 0)) if parallel.pp > 1 else 0
+        plans.append(
+            planned_model(model_config, parallel, rank=first).with_optimizer_groups(groups)
+        )
     return plans
 
 

@@ -45,6 +45,7 @@ from hp_dtensor.contract import FlatSlot
 from hp_dtensor.parallel import ParallelPlan
 from hp_fsdp import GroupPlan, plan_group
 from hp_fsdp import ParamSpec as FSDPParamSpec
+from hp_fsdp.group_plan import ALIGN_BYTES
 from hp_layout import FlatBufferLayout, Layout, Mesh, Shard, chunk_length, plan_flat_buffer
 from hp_muon import split_params
 from hp_train.config import ConfigError, ModelConfig, ParallelConfig
@@ -71,7 +72,6 @@ __all__ = [
     "tp_dim_of",
 ]
 
-_ALIGN_BYTES = 16
 _DTYPES = {2: "bfloat16", 4: "float32", 8: "float64"}
 _TP = "tp"
 _SHARD = "dp_shard"
@@ -351,7 +351,7 @@ def _group(
     else:
         extra = []
         shapes = tuple(p.shape for p in params)
-    align = max(1, _ALIGN_BYTES // param_bytes)
+    align = max(1, ALIGN_BYTES // param_bytes)  # hp-fsdp's alignment
     flat = _plan(shapes, dp_shard, align)
     start = flat.slots[len(params) - len(extra)].offset if extra else flat.padded_numel
     return GroupSpec(name, tuple(params), shapes, flat, start)
