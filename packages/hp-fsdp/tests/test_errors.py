@@ -22,7 +22,7 @@ def _errors() -> list[str]:
             assert callable(action)
             action()
             messages.append("no error")
-        except (ValueError, NotImplementedError) as exc:
+        except (ValueError, NotImplementedError, RuntimeError) as exc:
             messages.append(str(exc))
 
     twice = nn.Linear(3, 3)
@@ -44,15 +44,37 @@ def _errors() -> list[str]:
     fully_shard(pair[0], mesh=mesh)
     attempt(lambda: fully_shard(pair[1], mesh=mesh))
 
-    attempt(lambda: fully_shard(nn.Linear(3, 3, device="meta"), mesh=mesh))
+    meta = fully_shard(nn.Linear(3, 3, device="meta"), mesh=mesh)
+    attempt(lambda: meta(torch.ones(2, 3)))
+    half_meta = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3, device="meta"))
+    attempt(lambda: fully_shard(half_meta, mesh=mesh))
+
+    outer = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3))
+    attempt(lambda: fully_shard([outer, outer[0]], mesh=mesh))
+    attempt(lambda: fully_shard([], mesh=mesh))
+
+    from hp_fsdp import CPUOffloadPolicy
+
+    pinned = CPUOffloadPolicy(pin_memory=True)
+    attempt(lambda: fully_shard(nn.Linear(3, 3), mesh=mesh, offload_policy=pinned))
+
+    cast = fully_shard(nn.Linear(3, 3), mesh=mesh)
+    attempt(lambda: cast.double())
     return messages
 
 
 @pytest.mark.multiprocess
 def test_bad_input_is_named() -> None:
-    twice, topology, mixed, shared, meta = run_on_ranks(2, _errors)[0]
+    messages = run_on_ranks(2, _errors)[0]
+    twice, topology, mixed, shared, meta, half_meta, nested, empty, pinned, cast = messages
     assert "already fully_shard'ed" in twice
     assert "does not match topology" in topology
     assert "several dtypes" in mixed
     assert "already sharded by the fully_shard group" in shared
-    assert "is on meta" in meta
+    assert "still on meta" in meta
+    assert "to_empty" in meta
+    assert "are on meta but" in half_meta
+    assert "inside module 0" in nested
+    assert "empty list" in empty
+    assert "pin_memory=False" in pinned
+    assert "from torch.float32 to torch.float64 is not supported" in cast

@@ -11,6 +11,9 @@ enforces it). ``docs/architecture.md`` describes the plan's life cycle.
   gradient (the axes a sharder that takes over the parameter must still reduce over).
 * :func:`set_grad_layout`: the layout a DTensor parameter's gradient has once a sharder has
   reduced it (so that ``param.grad`` reports it).
+* :func:`set_materialize_target`: where ``hp_dtensor.parallel.materialize`` writes a meta
+  parameter's local values (a sharder's flat storage), so deferred initialization fills the
+  sharder's buffers in place.
 * :func:`parallel_plan_of`, :func:`record_parallel_plan`, :func:`record_flat_slots`: the
   module's resolved :class:`~hp_dtensor.parallel.resolved.ParallelPlan`, as the tensor-parallel
   executor recorded it, with the flat-buffer slots sharders recorded on its submodules.
@@ -27,11 +30,13 @@ from hp_dtensor.parallel._plan_record import (
     record_flat_slots,
     record_parallel_plan,
 )
+from hp_dtensor.parallel.init import MaterializeTarget, set_materialize_target
 from hp_dtensor.parallel.resolved import FlatSlot, ParallelPlan
 
 __all__ = [
     "FlatSlot",
     "GradReduction",
+    "MaterializeTarget",
     "ParallelPlan",
     "annotate_layout",
     "grad_layout_of",
@@ -41,4 +46,5 @@ __all__ = [
     "record_flat_slots",
     "record_parallel_plan",
     "set_grad_layout",
+    "set_materialize_target",
 ]

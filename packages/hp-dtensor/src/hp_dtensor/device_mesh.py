@@ -224,6 +224,20 @@ class DeviceMesh:
 
     # Interop ---------------------------------------------------------------------------------
 
+    @classmethod
+    def from_torch(cls, torch_mesh: Any) -> DeviceMesh:
+        """The mesh of a ``torch.distributed.device_mesh.DeviceMesh`` (same device type, ranks
+        and axis names; unnamed axes are called ``dim0``, ``dim1``, ...); its
+        :meth:`to_torch` returns ``torch_mesh`` itself."""
+        grid = torch_mesh.mesh
+        names = torch_mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(grid.ndim))
+        mesh = cls(
+            torch_mesh.device_type,
+            Mesh(tuple(grid.shape), tuple(names), [int(r) for r in grid.flatten().tolist()]),
+        )
+        _TORCH_MESHES.setdefault(mesh, torch_mesh)
+        return mesh
+
     def to_torch(self) -> Any:
         """The equivalent ``torch.distributed.device_mesh.DeviceMesh`` (built once per mesh
         and world; building one is collective over the job, like torch's own)."""
@@ -254,13 +268,6 @@ class DeviceMesh:
         if not set(names) <= set(self._root.axis_names) or self.get_rank() not in self.mesh:
             return False
         return self._root.submesh(list(names), self.get_rank()) == self.mesh
-
-    @classmethod
-    def from_torch(cls, mesh: Any) -> DeviceMesh:
-        """Wrap a ``torch.distributed.device_mesh.DeviceMesh`` (same ranks and axis names)."""
-        grid = mesh.mesh
-        names = mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(grid.ndim))
-        return cls(mesh.device_type, Mesh(tuple(grid.shape), names, grid.flatten().tolist()))
 
 
 def init_device_mesh(

@@ -30,12 +30,13 @@ import torch.distributed as dist
 from torch import nn
 
 from hp_dtensor import DTensor, annotate_layout
-from hp_dtensor.contract import set_grad_layout
+from hp_dtensor.contract import set_grad_layout, set_materialize_target
+from hp_dtensor.device import local_device
 from hp_fsdp._lowp_comm import Deferred, WireCodec, all_gather_records, reduce_scatter_lowp
 from hp_fsdp._mesh import FSDPMesh
 from hp_fsdp.counting import collective_purpose
 from hp_fsdp.group_plan import GroupPlan, plan_group, spec_of, torch_dtype
-from hp_fsdp.policy import LowPrecisionCommPolicy, MixedPrecisionPolicy
+from hp_fsdp.policy import CPUOffloadPolicy, LowPrecisionCommPolicy, MixedPrecisionPolicy
 from hp_layout import FlatBufferLayout, Layout, ReduceOp
 
 __all__ = ["FSDPParam", "FSDPParamGroup", "ShardedState", "plan_params"]
@@ -65,6 +66,8 @@ class FSDPParam:
         layout: its layout with FSDP (RaggedShard on the shard axis).
         sharded: the 1-d view of this rank's piece, registered on the module when sharded.
         unsharded: the view of the unsharded buffer, registered during compute.
+        leaf: the autograd leaf aliasing the unsharded buffer (the local tensor of a DTensor).
+        member: which of the modules passed to fully_shard owns it (0 for a single module).
     """
 
     module: nn.Module
@@ -76,6 +79,7 @@ class FSDPParam:
     sharded: nn.Parameter
     unsharded: nn.Parameter | None = None
     leaf: torch.Tensor | None = None
+    member: int = 0
 
 
 _TORCH_OPS = {ReduceOp.SUM: dist.ReduceOp.SUM, ReduceOp.MAX: dist.ReduceOp.MAX}
@@ -113,18 +117,44 @@ def _in_plan_order(params: Sequence[_Param], plan: GroupPlan) -> list[_Param]:
     return [by_name[fqn] for fqn in plan.fqns]
 
 
-def _local(param: nn.Parameter, fqn: str, owner: str) -> torch.Tensor:
-    """The data FSDP packs for ``param`` (its tensor-parallel shard, detached).
+def _local(param: torch.Tensor) -> torch.Tensor:
+    """The data FSDP packs for ``param`` (its tensor-parallel shard, detached)."""
+    return param.to_local().detach() if isinstance(param, DTensor) else param.detach()
+
+
+def _on_meta(locals_: Sequence[torch.Tensor], fqns: Sequence[str], owner: str) -> bool:
+    """Whether the group's parameters are on ``meta`` (all of them or none).
 
     Raises:
-        ValueError: the parameter is on meta.
+        ValueError: some are on meta and some are not.
     """
-    if param.is_meta or (isinstance(param, DTensor) and param.to_local().is_meta):
+    meta = [fqn for fqn, t in zip(fqns, locals_, strict=True) if t.is_meta]
+    if meta and len(meta) != len(fqns):
+        real = sorted(set(fqns) - set(meta))
         raise ValueError(
-            f"fully_shard({owner!r}): parameter {fqn!r} is on meta; materialize the model "
-            "(hp_dtensor.parallel.materialize) before sharding it"
+            f"fully_shard({owner!r}): parameters {meta} are on meta but {real} are not; build "
+            "the module on one device (all on meta for deferred initialization)"
         )
-    return param.to_local().detach() if isinstance(param, DTensor) else param.detach()
+    return bool(meta)
+
+
+def repoint(param: torch.Tensor, data: torch.Tensor) -> None:
+    """Make the parameter object ``param`` hold ``data`` (a view of a flat buffer) as its
+    (local) tensor, keeping the object and its attributes, so optimizers and user references
+    stay valid."""
+    if not isinstance(param, DTensor) and param.device.type == data.device.type:
+        param.data = data
+        return
+    inner: torch.Tensor = data
+    if isinstance(param, DTensor):
+        inner = DTensor(data, param.dist_layout, param.device_mesh)
+    new = nn.Parameter(inner, param.requires_grad)
+    for key, value in vars(param).items():
+        if key not in vars(new):
+            setattr(new, key, value)  # layout annotations and the like
+    # A new tensor type (meta to a device, or a DTensor's local tensor): swap the objects'
+    # contents so the object the optimizer and the module hold becomes the new one.
+    torch.utils.swap_tensors(param, new)
 
 
 class FSDPParamGroup:
@@ -139,17 +169,28 @@ class FSDPParamGroup:
         policy: MixedPrecisionPolicy,
         owner: str,
         comm_policy: LowPrecisionCommPolicy | None = None,
+        offload: CPUOffloadPolicy | None = None,
+        members: Sequence[int] | None = None,
     ) -> None:
-        """Allocate the buffers of ``plan`` and copy ``params``' data into this rank's chunk.
+        """Allocate the buffers of ``plan`` and copy ``params``' data into this rank's chunk
+        (``members[i]``: which fully_shard'ed module owns ``params[i]``).
 
         Postconditions: the modules hold the sharded parameters (views of ``sharded_flat``,
-        laid out as ``plan.layouts``); the unsharded buffer has no storage yet.
+        laid out as ``plan.layouts``); the unsharded buffer has no storage yet. Meta
+        parameters give a meta ``sharded_flat``, allocated by ``to_empty`` (see
+        :meth:`apply_to_storage`) or by ``hp_dtensor.parallel.materialize``, which writes
+        each shard into it. With ``offload``, ``sharded_flat`` (and the sharded gradients)
+        live in host memory and the collectives run on the mesh's device.
         """
         self.plan = plan
         self.fsdp = fsdp
         self.owner = owner
         self.policy = policy
         self.comm_policy = comm_policy or LowPrecisionCommPolicy()
+        # The quantized shard and the version of ``sharded_flat`` it was made from.
+        self._gather_cache: tuple[int, torch.Tensor] | None = None
+        owners = members if members is not None else [0] * len(params)
+        member_of = {id(param): m for (_, _, _, param), m in zip(params, owners, strict=True)}
         ordered = _in_plan_order(params, plan)
         self.flat: FlatBufferLayout = plan.flat
         self.extra_reduce = plan.extra_reduce
@@ -157,16 +198,26 @@ class FSDPParamGroup:
         self.storage_dtype = torch_dtype(plan.storage_dtype)
         self.param_dtype = torch_dtype(plan.param_dtype)
         self.reduce_dtype = torch_dtype(plan.reduce_dtype)
-        self.device = ordered[0][3].device if ordered else torch.device("cpu")
-        locals_ = [_local(param, fqn, owner) for _, _, fqn, param in ordered]
-        self.sharded_flat = self._pack(locals_)
+        self.offload = offload
+        locals_ = [_local(param) for _, _, _, param in ordered]
+        meta = _on_meta(locals_, plan.fqns, owner)
+        if meta or offload is not None:
+            self.device = local_device(fsdp.mesh.device_type)
+        else:
+            self.device = locals_[0].device if locals_ else torch.device("cpu")
+        self.storage_device = torch.device("cpu") if offload is not None else self.device
+        self.sharded_flat = self._meta_chunk() if meta else self._pack(locals_)
         self.params: list[FSDPParam] = [
-            self._sharded_param(index, entry) for index, entry in enumerate(ordered)
+            self._sharded_param(index, entry, member_of[id(entry[3])])
+            for index, entry in enumerate(ordered)
         ]
-        self.unsharded_flat = torch.empty(
-            self.flat.padded_numel, dtype=self.param_dtype, device=self.device
-        )
-        self.unsharded_flat.untyped_storage().resize_(0)
+        if meta:
+            for index, p in enumerate(self.params):
+                set_materialize_target(p.sharded, self._materialize_target(index))
+        # The last function applied to the storage (module._apply reaches a group once per
+        # member module).
+        self.applied: object = None
+        self._unsharded_flat: torch.Tensor | None = None
         self.unsharded_grad: torch.Tensor | None = None
         self._plan_wire()
         # Inputs of in-flight collectives (cast copies) are kept alive until they complete.
@@ -188,13 +239,144 @@ class FSDPParamGroup:
                     f"parameter {fqn!r} has shape {tuple(tensor.shape)}, planned {shape}"
                 )
         coordinate = self.fsdp.mesh.get_local_rank(self.fsdp.shard_axis)
-        chunk = torch.zeros(self.flat.chunk_numel, dtype=self.storage_dtype, device=self.device)
+        chunk = self._host_or_device_chunk(self.storage_device)
         for span in self.flat.spans(coordinate):
             piece = locals_[span.index].reshape(-1)[span.start : span.stop]
             chunk[span.chunk_offset : span.chunk_offset + piece.numel()].copy_(piece)
         return chunk
 
-    def _sharded_param(self, index: int, entry: _Param) -> FSDPParam:
+    @property
+    def unsharded_flat(self) -> torch.Tensor:
+        """The unsharded buffer (whose views the module computes with); created at the first
+        unshard, on the compute device, and without storage while the group is sharded."""
+        if self._unsharded_flat is None:
+            # Allocated right before the first all-gather fills it (never while initializing).
+            flat = torch.empty(self.flat.padded_numel, dtype=self.param_dtype, device=self.device)
+            flat.untyped_storage().resize_(0)
+            self._unsharded_flat = flat
+        return self._unsharded_flat
+
+    def _meta_chunk(self) -> torch.Tensor:
+        return torch.empty(self.flat.chunk_numel, dtype=self.storage_dtype, device="meta")
+
+    def _host_or_device_chunk(self, device: torch.device) -> torch.Tensor:
+        """A zeroed chunk on ``device`` (pinned host memory when the offload policy says so)."""
+        pin = self.offload is not None and self.offload.pin_memory
+        return torch.zeros(
+            self.flat.chunk_numel, dtype=self.storage_dtype, device=device, pin_memory=pin
+        )
+
+    def _materialize_target(self, index: int) -> Any:
+        """Where ``hp_dtensor.parallel.materialize`` writes parameter ``index``'s piece: its
+        view of ``sharded_flat``, allocated (zeroed) on first use."""
+
+        def target(device: torch.device) -> torch.Tensor:
+            if self.sharded_flat.is_meta:
+                self._set_storage(self._host_or_device_chunk(self._storage_for(device)))
+            start, length = self.chunk_range(index)
+            return self.sharded_flat[start : start + length]
+
+        return target
+
+    def _storage_for(self, device: torch.device) -> torch.device:
+        """Where the shards live when the model is put on ``device``.
+
+        Raises:
+            ValueError: offloaded shards asked to live on an accelerator.
+        """
+        if self.offload is not None and device.type != "cpu":
+            raise ValueError(
+                f"fully_shard({self.owner!r}) has a CPUOffloadPolicy: its sharded parameters "
+                f"live in host memory, not on {device}; initialize them on 'cpu' (e.g. "
+                "to_empty(device='cpu')); the collectives still run on the mesh's device"
+            )
+        return device
+
+    def _set_storage(self, chunk: torch.Tensor) -> None:
+        """Make ``chunk`` this rank's storage and (unless offloaded) the compute device its."""
+        self.sharded_flat = chunk
+        if self.offload is None:
+            self.device = chunk.device
+        self.storage_device = chunk.device
+        self._unsharded_flat = None
+        self._gather_cache = None
+        for p in self.params:
+            p.unsharded, p.leaf = None, None
+
+    def apply_to_storage(self, fn: Any) -> None:
+        """Apply ``nn.Module._apply``'s ``fn`` (``to_empty``, ``to``, ``cuda``, ...) to this
+        rank's flat chunk as one tensor, and point the sharded parameters (the same objects)
+        at views of the result; nothing is allocated beyond the chunk.
+
+        Raises:
+            NotImplementedError: ``fn`` changes the dtype (cast before fully_shard, or use a
+                MixedPrecisionPolicy).
+        """
+        if self.applied is fn:
+            return
+        self.applied = fn
+        with_grads = [p.fqn for p in self.params if p.sharded.grad is not None]
+        if with_grads:
+            raise NotImplementedError(
+                f"fully_shard({self.owner!r}): moving or re-allocating parameters that have "
+                f"gradients ({with_grads}); call zero_grad(set_to_none=True) first"
+            )
+        self.reshard()
+        old = self.sharded_flat
+        new = fn(old)
+        if new is old:
+            return
+        if new.dtype != old.dtype or new.shape != old.shape:
+            raise NotImplementedError(
+                f"fully_shard({self.owner!r}): converting the sharded parameters from "
+                f"{old.dtype} to {new.dtype} is not supported; convert the module before "
+                "fully_shard, or keep the storage dtype and set MixedPrecisionPolicy(param_dtype)"
+            )
+        self._storage_for(new.device)
+        self._set_storage(new.contiguous())
+        for index, p in enumerate(self.params):
+            start, length = self.chunk_range(index)
+            repoint(p.sharded, self.sharded_flat[start : start + length])
+
+    def adopt_registered(self) -> None:
+        """Take over parameter objects that replaced the sharded ones on the modules since
+        the last call (``hp_dtensor.parallel.materialize``, a user assigning a parameter):
+        copy their data into the flat chunk unless they alias it already, and point them at
+        their views of it, so optimizers holding them update the flat buffer.
+
+        Raises:
+            ValueError: a replacement has another shape or dtype than the sharded piece, or
+                is still on meta while the chunk is not.
+        """
+        if self.state is not ShardedState.SHARDED:
+            return
+        for index, p in enumerate(self.params):
+            current = p.module._parameters.get(p.name)
+            if current is None or current is p.sharded:
+                continue
+            local = _local(current)
+            start, length = self.chunk_range(index)
+            if tuple(local.shape) != (length,) or local.dtype != self.storage_dtype:
+                raise ValueError(
+                    f"fully_shard({self.owner!r}): parameter {p.fqn!r} was replaced by a "
+                    f"{tuple(local.shape)} {local.dtype} tensor; this rank's sharded piece is "
+                    f"({length},) {self.storage_dtype}: assign values with "
+                    "load_state_dict or in place (param.copy_)"
+                )
+            if self.sharded_flat.is_meta and not local.is_meta:
+                self._set_storage(self._host_or_device_chunk(self._storage_for(local.device)))
+            view = self.sharded_flat[start : start + length]
+            if local.is_meta and not view.is_meta:
+                raise ValueError(
+                    f"fully_shard({self.owner!r}): parameter {p.fqn!r} was replaced by a meta "
+                    "tensor after the group was materialized"
+                )
+            if local.data_ptr() != view.data_ptr() or local.is_meta:
+                view.copy_(local)
+                repoint(current, view)
+            p.sharded = current
+
+    def _sharded_param(self, index: int, entry: _Param, member: int = 0) -> FSDPParam:
         """Parameter ``index``'s sharded piece: a view of ``sharded_flat`` with its layout."""
         module, name, fqn, param = entry
         layout, base = self.plan.layouts[index], self.plan.bases[index]
@@ -206,7 +388,9 @@ class FSDPParamGroup:
             set_grad_layout(sharded, layout)
         else:
             annotate_layout(sharded, layout, rank=self.fsdp.mesh.get_rank())
-        return FSDPParam(module, name, fqn, self.plan.shapes[index], base, layout, sharded)
+        return FSDPParam(
+            module, name, fqn, self.plan.shapes[index], base, layout, sharded, member=member
+        )
 
     def _plan_wire(self) -> None:
         """The byte records of the low-precision collectives (fixed for the group's life)."""
@@ -226,7 +410,7 @@ class FSDPParamGroup:
         if wire is not None and wire != torch.float32:
             self.reduce_codec = WireCodec(wire, chunk, comm.block_size)
         # The quantized shard and the version of ``sharded_flat`` it was made from.
-        self._gather_cache: tuple[int, torch.Tensor] | None = None
+        self._gather_cache = None
         self.param_quantizations = 0
         """Times this rank's shard was quantized for the all-gather (once per step)."""
 
@@ -289,6 +473,13 @@ class FSDPParamGroup:
         """All-gather the parameters (asynchronously with ``async_op``; see ``wait``)."""
         if self.state is not ShardedState.SHARDED:
             return
+        self.adopt_registered()
+        if self.sharded_flat.is_meta:
+            raise RuntimeError(
+                f"fully_shard({self.owner!r}): the parameters are still on meta; allocate them "
+                "with module.to_empty(device=...) and initialize them, or run "
+                "hp_dtensor.parallel.materialize(module)"
+            )
         storage = self.unsharded_flat.untyped_storage()
         storage.resize_(self.unsharded_flat.numel() * self.unsharded_flat.element_size())
         self._version = self.unsharded_flat._version
@@ -296,7 +487,11 @@ class FSDPParamGroup:
             self._pending = self._unshard_quantized(self.gather_codec)
         else:
             source = self.sharded_flat
-            if self.param_dtype != self.storage_dtype:
+            if self.offload is not None:
+                # Host to device (a real copy even when the mesh's device is the CPU).
+                source = torch.empty_like(source, dtype=self.param_dtype, device=self.device)
+                source.copy_(self.sharded_flat, non_blocking=self.offload.pin_memory)
+            elif self.param_dtype != self.storage_dtype:
                 source = source.to(self.param_dtype)
             if self.fsdp.shard_size == 1:
                 self.unsharded_flat.copy_(source)
@@ -325,7 +520,7 @@ class FSDPParamGroup:
         record = (
             self._gather_cache[1]
             if self._gather_cache is not None
-            else torch.empty(codec.nbytes, dtype=torch.uint8, device=self.device)
+            else torch.empty(codec.nbytes, dtype=torch.uint8, device=self.storage_device)
         )
         codec.encode(self.sharded_flat, record)
         self.param_quantizations += 1
@@ -334,6 +529,8 @@ class FSDPParamGroup:
 
     def _unshard_quantized(self, codec: WireCodec) -> Deferred:
         record = self.quantized_shard()
+        if self.offload is not None:
+            record = record.to(self.device, copy=True)
         chunk, world = codec.numel, self.fsdp.shard_size
         if world == 1:
             # Quantized all the same, so one rank computes with what n ranks would.
@@ -369,7 +566,8 @@ class FSDPParamGroup:
         if self.state is ShardedState.SHARDED:
             return
         self.register_sharded()
-        self.unsharded_flat.untyped_storage().resize_(0)
+        if self._unsharded_flat is not None:
+            self._unsharded_flat.untyped_storage().resize_(0)
         self.state = ShardedState.SHARDED
 
     # Gradients ------------------------------------------------------------------------------
@@ -427,7 +625,14 @@ class FSDPParamGroup:
 
     def assign_sharded_gradients(self, chunk: torch.Tensor, accumulate: bool = False) -> None:
         """Make views of ``chunk`` (this rank's reduced chunk) the sharded parameters' grads,
-        or, with ``accumulate``, add them to the gradients they have."""
+        or, with ``accumulate``, add them to the gradients they have. Gradients take the
+        storage dtype and device (host memory when offloaded: a copy of the chunk there)."""
+        if self.offload is not None or chunk.dtype != self.storage_dtype:
+            pin = self.offload is not None and self.offload.pin_memory
+            staged = torch.empty(
+                chunk.shape, dtype=self.storage_dtype, device=self.storage_device, pin_memory=pin
+            )
+            chunk = staged.copy_(chunk)
         for index, p in enumerate(self.params):
             if not p.sharded.requires_grad:
                 continue

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch.distributed as dist
 
 from hp_dtensor import DeviceMesh
 from hp_layout import Mesh, Topology
 
-__all__ = ["FSDPMesh", "resolve_mesh"]
+__all__ = ["FSDPMesh", "as_hp_mesh", "resolve_mesh"]
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,23 @@ class FSDPMesh:
     def replicate_size(self) -> int:
         """Copies of the sharded parameters (1 without HSDP)."""
         return 1 if self.replicate_axis is None else self.mesh.size(self.replicate_axis)
+
+
+def as_hp_mesh(mesh: Any) -> DeviceMesh | None:
+    """``mesh`` as this project's DeviceMesh (a torch ``DeviceMesh`` is converted; None stays).
+
+    Raises:
+        TypeError: anything else.
+    """
+    if mesh is None or isinstance(mesh, DeviceMesh):
+        return mesh
+    from torch.distributed.device_mesh import DeviceMesh as TorchDeviceMesh
+
+    if isinstance(mesh, TorchDeviceMesh):
+        return DeviceMesh.from_torch(mesh)
+    raise TypeError(
+        f"fully_shard's mesh must be an hp_dtensor or torch DeviceMesh, got {type(mesh).__name__}"
+    )
 
 
 def resolve_mesh(

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import enum
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,6 +55,7 @@ class _RootContext:
     callback_queued: bool = False
     arena: GradArena | None = None
     arena_index: dict[int, int] = field(default_factory=dict)
+    arena_groups: list[FSDPParamGroup] = field(default_factory=list)
 
 
 class FSDPState:
@@ -61,14 +63,14 @@ class FSDPState:
 
     def __init__(
         self,
-        module: nn.Module,
-        group: FSDPParamGroup | None,
+        modules: Sequence[nn.Module],
+        groups: Sequence[FSDPParamGroup],
         reshard_after_forward: bool,
         output_dtype: torch.dtype | None,
         input_dtype: torch.dtype | None,
     ) -> None:
-        self.module = module
-        self.group = group
+        self.modules = list(modules)
+        self.groups = list(groups)
         self.reshard_after_forward = reshard_after_forward
         self.reshard_after_backward = True
         self.requires_gradient_sync = True
@@ -81,7 +83,7 @@ class FSDPState:
         # Prefetch the next group in forward/backward order: on accelerators by default, where
         # communication runs beside compute; on CPU it would keep one more group unsharded for
         # little gain, so it is opt-in there (set_implicit_prefetch or the explicit setters).
-        self.implicit_prefetch = (group.device.type if group is not None else "cpu") != "cpu"
+        self.implicit_prefetch = bool(groups) and groups[0].device.type != "cpu"
         self.forward_prefetch: list[FSDPState] | None = None
         self.backward_prefetch: list[FSDPState] | None = None
         self._backward_started = False
@@ -89,42 +91,71 @@ class FSDPState:
         self._accumulated = 0
         self._needed = 0
         self._hooked: set[int] = set()
+        # Members (indices into ``modules``) whose forward finished in this pass; None
+        # between passes. The group reshards once every member has run.
+        self._forward_done: set[int] | None = None
+
+    @property
+    def module(self) -> nn.Module:
+        """The (first) module this state was created for."""
+        return self.modules[0]
+
+    @property
+    def group(self) -> FSDPParamGroup | None:
+        """The one flat buffer group of this state (None without parameters).
+
+        Raises:
+            ValueError: the state has one group per storage dtype; use ``groups``.
+        """
+        if len(self.groups) > 1:
+            raise ValueError(
+                f"the fully_shard state of {self.groups[0].owner!r} has "
+                f"{len(self.groups)} flat buffers (one per storage dtype); use .groups"
+            )
+        return self.groups[0] if self.groups else None
+
+    def member_index(self, module: nn.Module) -> int:
+        """The position of ``module`` among the modules this state shards."""
+        for index, member in enumerate(self.modules):
+            if member is module:
+                return index
+        raise ValueError(f"{type(module).__name__} is not sharded by this fully_shard state")
 
     # Root ------------------------------------------------------------------------------------
 
     def _lazy_init(self) -> None:
         if self.is_root is not None:
             return
-        states = [
-            s
-            for m in self.module.modules()
-            if (s := getattr(m, "_hp_fsdp_state", None)) is not None
-        ]
+        states: list[FSDPState] = []
+        for member in self.modules:
+            for m in member.modules():
+                found = getattr(m, "_hp_fsdp_state", None)
+                if found is not None and all(found is not s for s in states):
+                    states.append(found)
         seen: dict[int, str] = {}
         for state in states:
             if state is not self and state.is_root is None:
                 state.is_root = False
-            if state.group is None:
-                continue
-            for p in state.group.params:
-                key = id(p.sharded)
-                if key in seen:
-                    raise ValueError(
-                        f"parameter {p.fqn!r} belongs to two fully_shard groups ({seen[key]!r} "
-                        f"and {state.group.owner!r}); shard the modules sharing it together"
-                    )
-                seen[key] = state.group.owner
+            for group in state.groups:
+                for p in group.params:
+                    key = id(p.sharded)
+                    if key in seen:
+                        raise ValueError(
+                            f"parameter {p.fqn!r} belongs to two fully_shard groups "
+                            f"({seen[key]!r} and {group.owner!r}); shard the modules sharing "
+                            "it together"
+                        )
+                    seen[key] = group.owner
         self.is_root = True
         # The root's parameters are needed right at the start of backward: keep them.
         self.reshard_after_forward = False
         context = _RootContext(states, self)
         for state in states:
             state.root = context
-        groups = [s for s in states if s.group is not None]
-        backward = list(reversed(groups))
-        if groups:
-            first = groups[0].group
-            assert first is not None
+        # Gradient arena entries: every group, in backward order.
+        backward = [g for s in reversed(states) for g in s.groups]
+        if backward:
+            first = backward[-1]
             fsdp = first.fsdp
             replicate = (
                 fsdp.mesh.get_group(fsdp.replicate_axis)
@@ -132,16 +163,17 @@ class FSDPState:
                 else None
             )
             context.arena = GradArena(
-                [s.group.flat.chunk_numel for s in backward if s.group is not None],
+                [g.flat.chunk_numel for g in backward],
                 first.reduce_dtype,
                 first.device,
                 fsdp.shard_size,
                 replicate,
                 fsdp.replicate_size,
                 _BUCKET_BYTES,
-                _replicate_wire([s.group for s in groups if s.group is not None]),
+                _replicate_wire(backward),
             )
-            context.arena_index = {id(s): i for i, s in enumerate(backward)}
+            context.arena_index = {id(g): i for i, g in enumerate(backward)}
+            context.arena_groups = backward
 
     # Forward ---------------------------------------------------------------------------------
 
@@ -154,22 +186,30 @@ class FSDPState:
             for state in root.states:
                 state._backward_started = False
                 state._post_backward_done = False
-        if root.recording and self.group is not None and self not in root.forward_order:
+        if root.recording and self.groups and self not in root.forward_order:
             root.forward_order.append(self)
         self.training = TrainingState.FORWARD
-        if self.group is not None:
-            self.group.unshard(async_op=True)
-            self.group.wait()
-        for nxt in self._next(self.forward_prefetch, root.forward_order, +1):
-            if nxt.group is not None:
-                nxt.group.unshard(async_op=True)
+        if self._forward_done is None:
+            self._forward_done = set()
+            for group in self.groups:
+                group.unshard(async_op=True)
+            for group in self.groups:
+                group.wait()
+            for nxt in self._next(self.forward_prefetch, root.forward_order, +1):
+                for group in nxt.groups:
+                    group.unshard(async_op=True)
         if self.input_dtype is not None:
             args, kwargs = _cast((args, kwargs), self.input_dtype)
         return args, kwargs
 
     def post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
-        if self.group is not None and self.reshard_after_forward:
-            self.group.reshard()
+        done = self._forward_done if self._forward_done is not None else set()
+        done.add(self.member_index(module))
+        last = len(done) == len(self.modules)
+        self._forward_done = None if last else done
+        if last and self.reshard_after_forward:
+            for group in self.groups:
+                group.reshard()
         if torch.is_grad_enabled():
             for tensor in tree_flatten(output)[0]:
                 if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
@@ -206,19 +246,22 @@ class FSDPState:
                 root.root_state._final_callback_root
             )
         self.training = TrainingState.PRE_BACKWARD
-        if self.group is not None:
-            self.group.unshard(async_op=True)
-            self.group.wait()
-            self.group.prepare_gradients()
+        self._forward_done = None
+        if self.groups:
+            for group in self.groups:
+                group.unshard(async_op=True)
+            for group in self.groups:
+                group.wait()
+                group.prepare_gradients()
             self._hook_accumulation()
             self._accumulated = 0
         for prev in self._next(self.backward_prefetch, root.forward_order, -1):
-            if prev.group is not None:
-                prev.group.unshard(async_op=True)
+            for group in prev.groups:
+                group.unshard(async_op=True)
 
     def _hook_accumulation(self) -> None:
-        assert self.group is not None
-        for p in self.group.params:
+        params = [p for group in self.groups for p in group.params]
+        for p in params:
             leaf = p.leaf
             if leaf is None or not leaf.requires_grad or id(leaf) in self._hooked:
                 continue
@@ -226,9 +269,7 @@ class FSDPState:
             # would never be collected.
             leaf.register_post_accumulate_grad_hook(_weak_accumulated_hook(weakref.ref(self)))
             self._hooked.add(id(leaf))
-        self._needed = sum(
-            1 for p in self.group.params if p.leaf is not None and p.leaf.requires_grad
-        )
+        self._needed = sum(1 for p in params if p.leaf is not None and p.leaf.requires_grad)
 
     def accumulated(self) -> None:
         """One more parameter's gradient is in; reduce when all are."""
@@ -238,27 +279,27 @@ class FSDPState:
 
     def post_backward(self) -> None:
         """Hand this group's gradients to the reduce-scatter (or keep accumulating)."""
-        if self._post_backward_done or self.group is None:
+        if self._post_backward_done or not self.groups:
             return
         self._post_backward_done = True
         self.training = TrainingState.POST_BACKWARD
-        group = self.group
-        if self.requires_gradient_sync and group.unsharded_grad is not None:
-            root = self.root
-            assert root is not None
-            assert root.arena is not None
-            index = root.arena_index[id(self)]
-            target = root.arena.chunk(index)
-            accumulate = None
-            if any(p.sharded.grad is not None for p in group.params if p.sharded.requires_grad):
-                accumulate = torch.empty_like(target)
-                target_for_rs = accumulate
-            else:
-                target_for_rs = target
-            work = group.reduce_scatter(target_for_rs)
-            root.arena.submit(index, work, group.release_gradients, accumulate)
-        if self.reshard_after_backward and not self.is_root:
-            group.reshard()
+        for group in self.groups:
+            if self.requires_gradient_sync and group.unsharded_grad is not None:
+                root = self.root
+                assert root is not None
+                assert root.arena is not None
+                index = root.arena_index[id(group)]
+                target = root.arena.chunk(index)
+                accumulate = None
+                if any(p.sharded.grad is not None for p in group.params if p.sharded.requires_grad):
+                    accumulate = torch.empty_like(target)
+                    target_for_rs = accumulate
+                else:
+                    target_for_rs = target
+                work = group.reduce_scatter(target_for_rs)
+                root.arena.submit(index, work, group.release_gradients, accumulate)
+            if self.reshard_after_backward and not self.is_root:
+                group.reshard()
 
     def _final_callback_root(self) -> None:
         root = self.root
@@ -268,14 +309,14 @@ class FSDPState:
             if state._backward_started and not state._post_backward_done:
                 state.post_backward()
         if root.arena is not None:
-            order = [s for s in reversed(root.states) if s.group is not None]
             for reduced in root.arena.finish(self.gradient_divide_factor):
-                group = order[reduced.index].group
-                assert group is not None
+                group = root.arena_groups[reduced.index]
                 group.assign_sharded_gradients(reduced.chunk, reduced.accumulate)
         for state in root.states:
-            if state.group is not None and state.reshard_after_backward:
-                state.group.reshard()
+            if state.reshard_after_backward:
+                for group in state.groups:
+                    group.reshard()
+            state._forward_done = None
             state.training = TrainingState.IDLE
             state._backward_started = False
             state._post_backward_done = False

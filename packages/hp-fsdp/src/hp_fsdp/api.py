@@ -8,12 +8,17 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from hp_dtensor import DeviceMesh
+from hp_dtensor import DTensor
 from hp_dtensor.contract import record_flat_slots
-from hp_fsdp._group import FSDPParamGroup, plan_params
-from hp_fsdp._mesh import FSDPMesh, resolve_mesh
+from hp_fsdp._group import FSDPParam, FSDPParamGroup, plan_params
+from hp_fsdp._mesh import as_hp_mesh, resolve_mesh
 from hp_fsdp._state import FSDPState
-from hp_fsdp.policy import LowPrecisionCommPolicy, MixedPrecisionPolicy, OffloadPolicy
+from hp_fsdp.policy import (
+    LowPrecisionCommPolicy,
+    MixedPrecisionPolicy,
+    as_mixed_precision,
+    as_offload,
+)
 from hp_fsdp.state_dict import register_state_dict_hooks
 from hp_layout import Topology
 
@@ -37,16 +42,37 @@ class FSDPModule:
             return [self._fsdp_state()]
         return [s for m in module.modules() if (s := getattr(m, _STATE, None)) is not None]
 
+    def _apply(self, fn: Any, recurse: bool = True) -> Any:
+        """``nn.Module._apply`` (behind ``to_empty``, ``to``, ``cuda``, ``cpu``): the group's
+        flat chunks get ``fn`` as whole tensors and the sharded parameters (the same objects)
+        become views of the results; everything else as usual. ``to_empty(device=...)`` of a
+        meta model thus allocates this rank's shards only."""
+        state = self._fsdp_state()
+        hidden: list[FSDPParam] = []
+        for group in state.groups:
+            group.apply_to_storage(fn)
+            for p in group.params:
+                if p.module._parameters.get(p.name) is p.sharded:
+                    hidden.append(p)
+                    p.module._parameters[p.name] = None
+        try:
+            return cast(Any, super())._apply(fn, recurse)
+        finally:
+            for p in hidden:
+                p.module._parameters[p.name] = p.sharded
+
     def unshard(self, async_op: bool = False) -> None:
         """All-gather this module's parameters now (``async_op``: issue only)."""
-        group = self._fsdp_state().group
-        if group is not None:
-            group.unshard(async_op=async_op)
+        groups = self._fsdp_state().groups
+        for group in groups:
+            group.unshard(async_op=True)
+        if not async_op:
+            for group in groups:
+                group.wait()
 
     def reshard(self) -> None:
         """Free this module's unsharded parameters."""
-        group = self._fsdp_state().group
-        if group is not None:
+        for group in self._fsdp_state().groups:
             group.reshard()
 
     def set_requires_gradient_sync(
@@ -97,10 +123,13 @@ def _fsdp_class(cls: type) -> type:
     return _CLASSES[cls]
 
 
-def _managed(module: nn.Module) -> list[tuple[nn.Module, str, str, nn.Parameter]]:
-    """Parameters of ``module`` not owned by a nested fully_shard call, in module order."""
-    out: list[tuple[nn.Module, str, str, nn.Parameter]] = []
-    seen: set[int] = set()
+_Managed = tuple[nn.Module, str, str, nn.Parameter]
+
+
+def _managed(module: nn.Module, seen: set[int]) -> list[_Managed]:
+    """Parameters of ``module`` not owned by a nested fully_shard call nor in ``seen`` (which
+    grows), in module order."""
+    out: list[_Managed] = []
 
     def visit(prefix: str, m: nn.Module) -> None:
         if m is not module and hasattr(m, _STATE):
@@ -118,13 +147,44 @@ def _managed(module: nn.Module) -> list[tuple[nn.Module, str, str, nn.Parameter]
     return out
 
 
+def _members(module: nn.Module | Iterable[nn.Module]) -> list[nn.Module]:
+    """The modules one fully_shard call shards as one group.
+
+    Raises:
+        TypeError: something other than a module or modules.
+        ValueError: none, a repeated one, one inside another, or one already sharded.
+    """
+    members = [module] if isinstance(module, nn.Module) else list(module)
+    if not members:
+        raise ValueError("fully_shard got an empty list of modules")
+    for m in members:
+        if not isinstance(m, nn.Module):
+            raise TypeError(f"fully_shard takes modules, got {type(m).__name__}")
+        if hasattr(m, _STATE):
+            raise ValueError(
+                f"{type(m).__name__} is already fully_shard'ed; apply fully_shard once per module"
+            )
+    for i, a in enumerate(members):
+        for j, b in enumerate(members):
+            if i != j and any(sub is a for sub in b.modules()):
+                raise ValueError(
+                    f"fully_shard got module {i} ({type(a).__name__}) inside module {j} "
+                    f"({type(b).__name__}); pass modules that do not contain each other"
+                )
+    return members
+
+
+def _owner_label(members: Sequence[nn.Module]) -> str:
+    return "+".join(type(m).__name__ for m in members)
+
+
 def fully_shard(
     module: nn.Module | Iterable[nn.Module],
     *,
-    mesh: DeviceMesh | None = None,
+    mesh: Any = None,
     reshard_after_forward: bool = True,
-    mp_policy: MixedPrecisionPolicy | None = None,
-    offload_policy: OffloadPolicy | None = None,
+    mp_policy: Any = None,
+    offload_policy: Any = None,
     topology: Topology | None = None,
     comm_policy: LowPrecisionCommPolicy | None = None,
 ) -> Any:
@@ -135,41 +195,51 @@ def fully_shard(
     the flat buffer, annotated with their layouts.
 
     Args:
-        module: the module (or a list of modules sharing one group is not supported: pass one).
-        mesh: 1-d (shard) or 2-d (replicate, shard) device mesh; default: all ranks, or the
-            topology's (replicate, shard) mesh.
+        module: the module, or a list of modules sharded as one group (all-gathered when the
+            first of them runs forward, resharded after the last; e.g. the final norm with the
+            output head). Parameters may be on ``meta``: the buffers are planned from shapes,
+            ``to_empty(device=...)`` allocates this rank's chunk only, and
+            ``hp_dtensor.parallel.materialize`` fills it with a single-device init's values.
+        mesh: 1-d (shard) or 2-d (replicate, shard) device mesh (an hp_dtensor or a torch
+            ``DeviceMesh``); default: all ranks, or the topology's (replicate, shard) mesh.
         reshard_after_forward: free the unsharded parameters after forward (all-gather again
             in backward); the root keeps them.
-        mp_policy: mixed precision.
-        offload_policy: only ``OffloadPolicy()`` (no offload) is implemented.
+        mp_policy: mixed precision (this package's or torch's ``MixedPrecisionPolicy``).
+            Parameters of several storage dtypes (fp32 norms beside bf16 weights) get one flat
+            buffer per dtype.
+        offload_policy: ``OffloadPolicy()`` (none) or ``CPUOffloadPolicy(pin_memory=...)``:
+            sharded parameters, their gradients (and so the optimizer state and step) in host
+            memory (torch's classes of those names are accepted too).
         topology: link tiers; the shard axis must lie on the faster tier.
         comm_policy: what the collectives put on the wire (FP8 parameter all-gather, bf16/FP8
             gradient reduction per tier); None: the dtypes of ``mp_policy``.
+
+    Returns:
+        ``module`` (the list, for a list).
     """
-    if not isinstance(module, nn.Module):
-        raise NotImplementedError("fully_shard of several modules as one group is not supported")
-    if hasattr(module, _STATE):
+    members = _members(module)
+    policy = as_mixed_precision(mp_policy)
+    offload = as_offload(offload_policy)
+    owner = _owner_label(members)
+    seen: set[int] = set()
+    params: list[_Managed] = []
+    member_of: list[int] = []
+    for index, member in enumerate(members):
+        found = _managed(member, seen)
+        if len(members) > 1:
+            # Unique names in the group's plan: the member's index, then the name in it.
+            found = [(m, name, f"{index}.{fqn}", param) for m, name, fqn, param in found]
+        params += found
+        member_of += [index] * len(found)
+    _check_unowned(params, owner)
+    device_type = _device_type(params)
+    fsdp = resolve_mesh(as_hp_mesh(mesh), topology, device_type)
+    if offload is not None and offload.pin_memory and fsdp.mesh.device_type == "cpu":
         raise ValueError(
-            f"{type(module).__name__} is already fully_shard'ed; apply fully_shard once per module"
+            f"fully_shard({owner!r}): CPUOffloadPolicy(pin_memory=True) pins host memory for "
+            "copies to an accelerator, but the mesh is on the CPU; pass "
+            "CPUOffloadPolicy(pin_memory=False)"
         )
-    if offload_policy is not None and type(offload_policy) is not OffloadPolicy:
-        raise NotImplementedError(
-            f"{type(offload_policy).__name__} is not implemented; hp-offload provides parameter "
-            "offload, and OffloadPolicy() (no offload) is the default"
-        )
-    policy = mp_policy or MixedPrecisionPolicy()
-    params = _managed(module)
-    owner = type(module).__name__
-    for _, _, fqn, param in params:
-        earlier = getattr(param, _OWNER, None)
-        if earlier is not None:
-            raise ValueError(
-                f"parameter {fqn!r} of {owner} is already sharded by the fully_shard group of "
-                f"{earlier}; a parameter shared by modules must be sharded by one call that "
-                "covers all of them (fully_shard their common parent)"
-            )
-    device = params[0][3].device if params else torch.device("cpu")
-    fsdp = resolve_mesh(mesh, topology, device.type)
     if (
         comm_policy is not None
         and comm_policy.replicate_reduce_dtype is not None
@@ -180,44 +250,102 @@ def fully_shard(
             f"{comm_policy.replicate_reduce_dtype} needs a 2-d (replicate, shard) mesh, got "
             f"{fsdp.mesh!r}; use shard_reduce_dtype for the gradient reduction of a 1-d mesh"
         )
-    group = _plan_and_allocate(params, fsdp, policy, owner, comm_policy)
+    groups = [
+        FSDPParamGroup(
+            plan_params([params[i] for i in part], fsdp, policy, owner),
+            [params[i] for i in part],
+            fsdp,
+            policy,
+            owner,
+            comm_policy,
+            offload,
+            [member_of[i] for i in part],
+        )
+        for part in _by_storage_dtype(params, policy, owner)
+    ]
+    if len(members) > 1:
+        for group in groups:
+            for p in group.params:
+                p.fqn = p.fqn.split(".", 1)[1]  # relative to its member, as for one module
     for _, _, _, param in params:
         setattr(param, _OWNER, owner)
     input_dtype = policy.param_dtype if policy.cast_forward_inputs else None
-    state = FSDPState(module, group, reshard_after_forward, policy.output_dtype, input_dtype)
-    setattr(module, _STATE, state)
-    module.register_forward_pre_hook(state.pre_forward, prepend=True, with_kwargs=True)
-    module.register_forward_hook(state.post_forward)
-    register_state_dict_hooks(module)
-    module.__class__ = _fsdp_class(type(module))
-    _record_slots(module)
+    state = FSDPState(members, groups, reshard_after_forward, policy.output_dtype, input_dtype)
+    for member in members:
+        setattr(member, _STATE, state)
+        member.register_forward_pre_hook(state.pre_forward, prepend=True, with_kwargs=True)
+        member.register_forward_hook(state.post_forward)
+        register_state_dict_hooks(member)
+        member.__class__ = _fsdp_class(type(member))
+        _record_slots(member)
     return module
 
 
-def _plan_and_allocate(
-    params: Sequence[tuple[nn.Module, str, str, nn.Parameter]],
-    fsdp: FSDPMesh,
-    policy: MixedPrecisionPolicy,
-    owner: str,
-    comm_policy: LowPrecisionCommPolicy | None,
-) -> FSDPParamGroup | None:
-    """Plan the group of ``params`` (pure), then allocate it; None without parameters."""
-    if not params:
-        return None
-    plan = plan_params(params, fsdp, policy, owner)
-    return FSDPParamGroup(plan, params, fsdp, policy, owner, comm_policy)
+def _check_unowned(params: Sequence[_Managed], owner: str) -> None:
+    for _, _, fqn, param in params:
+        earlier = getattr(param, _OWNER, None)
+        if earlier is not None:
+            raise ValueError(
+                f"parameter {fqn!r} of {owner} is already sharded by the fully_shard group of "
+                f"{earlier}; a parameter shared by modules must be sharded by one call that "
+                "covers all of them (fully_shard their common parent)"
+            )
+
+
+def _device_type(params: Sequence[_Managed]) -> str:
+    """The device type of the default mesh: the parameters' (CPU for meta ones)."""
+    for _, _, _, param in params:
+        local = param.to_local() if isinstance(param, DTensor) else param
+        if not local.is_meta:
+            return local.device.type
+    return "cpu"
+
+
+def _by_storage_dtype(
+    params: Sequence[_Managed], policy: MixedPrecisionPolicy, owner: str
+) -> list[list[int]]:
+    """Indices of ``params`` per storage dtype, in order of first appearance: one flat buffer
+    each (several only under a ``param_dtype``: all of them compute in it).
+
+    Raises:
+        ValueError: several storage dtypes without ``param_dtype``.
+    """
+    parts: dict[torch.dtype, list[int]] = {}
+    for index, (_, _, _, param) in enumerate(params):
+        parts.setdefault(param.dtype, []).append(index)
+    if len(parts) > 1 and policy.param_dtype is None:
+        example = {str(dtype): params[ix[0]][2] for dtype, ix in parts.items()}
+        raise ValueError(
+            f"fully_shard({owner!r}): parameters of several dtypes in one group without a "
+            f"MixedPrecisionPolicy ({example}); give param_dtype (one flat buffer per storage "
+            "dtype, all computing in it), or shard the modules separately"
+        )
+    return list(parts.values())
 
 
 def _record_slots(module: nn.Module) -> None:
-    """Record the flat slots of ``module``'s group and of every group nested in it, each named
+    """Record the flat slots of ``module``'s groups and of every group nested in it, each named
     by its module's name relative to ``module`` (``hp_dtensor.contract.record_flat_slots``).
 
     Postcondition: ``parallel_plan_of(module)`` has every sharded parameter's slot, whose
-    ``group`` is the name of the module owning it relative to ``module``.
+    ``group`` is the name of the module owning it relative to ``module`` (the names of the
+    modules of one list joined by ``+``).
     """
+    where: dict[int, tuple[FSDPState, dict[int, tuple[str, nn.Module]]]] = {}
     for prefix, sub in module.named_modules():
         state: FSDPState | None = getattr(sub, _STATE, None)
-        if state is None or state.group is None:
-            continue
-        state.group.plan = state.group.plan.with_owner(prefix)
-        record_flat_slots(sub, state.group.plan.flat_slots())
+        if state is not None:
+            found = where.setdefault(id(state), (state, {}))[1]
+            found[state.member_index(sub)] = (prefix, sub)
+    for state, found in where.values():
+        owner = "+".join(found[i][0] for i in sorted(found))
+        for group in state.groups:
+            group.plan = group.plan.with_owner(owner)
+        for index, (_, sub) in found.items():
+            slots = {}
+            for group in state.groups:
+                by_plan_name = group.plan.flat_slots()
+                for p, plan_name in zip(group.params, group.plan.fqns, strict=True):
+                    if p.member == index:
+                        slots[p.fqn] = by_plan_name[plan_name]
+            record_flat_slots(sub, slots)

@@ -13,6 +13,8 @@ __all__ = [
     "LowPrecisionCommPolicy",
     "MixedPrecisionPolicy",
     "OffloadPolicy",
+    "as_mixed_precision",
+    "as_offload",
 ]
 
 
@@ -109,12 +111,58 @@ class OffloadPolicy:
 
 @dataclass(frozen=True)
 class CPUOffloadPolicy(OffloadPolicy):
-    """Keep sharded parameters and gradients in host memory; copy the shard to the device for
-    the all-gather and the reduced gradient back.
+    """Keep sharded parameters and gradients in host memory (so the optimizer state and its
+    step are there too); copy the shard to the mesh's device for the all-gather and the
+    reduced gradient back. On a CPU mesh both copies still run (host to host), so the path is
+    the one an accelerator takes.
 
     Attributes:
-        pin_memory: pin the host buffers (needs an accelerator; on a CPU-only machine there is
-            nothing to pin and the policy refuses ``True``).
+        pin_memory: pin the host buffers for asynchronous copies (needs an accelerator mesh;
+            fully_shard refuses ``True`` on a CPU mesh).
     """
 
     pin_memory: bool = True
+
+
+def as_mixed_precision(policy: object) -> MixedPrecisionPolicy:
+    """``policy`` as this package's MixedPrecisionPolicy: None is the default, and torch's
+    ``torch.distributed.fsdp.MixedPrecisionPolicy`` (same attributes) is converted.
+
+    Raises:
+        TypeError: anything else.
+    """
+    if policy is None:
+        return MixedPrecisionPolicy()
+    if isinstance(policy, MixedPrecisionPolicy):
+        return policy
+    from torch.distributed.fsdp import MixedPrecisionPolicy as TorchPolicy
+
+    if isinstance(policy, TorchPolicy):
+        return MixedPrecisionPolicy(
+            param_dtype=policy.param_dtype,
+            reduce_dtype=policy.reduce_dtype,
+            output_dtype=policy.output_dtype,
+            cast_forward_inputs=policy.cast_forward_inputs,
+        )
+    raise TypeError(f"mp_policy must be a MixedPrecisionPolicy, got {type(policy).__name__}")
+
+
+def as_offload(policy: object) -> CPUOffloadPolicy | None:
+    """The CPU offload ``policy`` asks for, None for no offload (None or ``OffloadPolicy()``,
+    this package's or torch's).
+
+    Raises:
+        TypeError: anything else.
+    """
+    from torch.distributed import fsdp as torch_fsdp
+
+    if isinstance(policy, CPUOffloadPolicy):
+        return policy
+    if isinstance(policy, torch_fsdp.CPUOffloadPolicy):
+        return CPUOffloadPolicy(pin_memory=policy.pin_memory)
+    if policy is None or type(policy) in (OffloadPolicy, torch_fsdp.OffloadPolicy):
+        return None
+    raise TypeError(
+        f"offload_policy must be OffloadPolicy() or CPUOffloadPolicy(...), got "
+        f"{type(policy).__name__}"
+    )

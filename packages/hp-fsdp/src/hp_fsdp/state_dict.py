@@ -168,9 +168,13 @@ def _from_checkpoint(value: torch.Tensor, fp: FSDPParam, key: str) -> torch.Tens
 
 def _module_params(module: nn.Module) -> list[FSDPParam]:
     state = getattr(module, _STATE, None)
-    if state is None or state.group is None:
+    if state is None:
         return []
-    params: list[FSDPParam] = state.group.params
+    member = state.member_index(module)
+    params: list[FSDPParam] = []
+    for group in state.groups:
+        group.adopt_registered()
+        params += [p for p in group.params if p.member == member]
     return params
 
 
@@ -234,11 +238,12 @@ class _StateDictHooks:
         """Copy each managed parameter's entry into the flat buffer and take it out of the
         (per-call copy of the) state dict, so the default loader leaves it alone."""
         del local_metadata, strict, missing_keys, unexpected_keys
-        params = _module_params(module)
         state = getattr(module, _STATE)
-        if params and state.group.state is not ShardedState.SHARDED:
-            # The unsharded copy would be stale: drop it (the next forward gathers again).
-            state.group.reshard()
+        for group in state.groups:
+            if group.state is not ShardedState.SHARDED:
+                # The unsharded copy would be stale: drop it (the next forward gathers again).
+                group.reshard()
+        params = _module_params(module)
         for fp in params:
             key = prefix + fp.fqn
             if key not in state_dict:

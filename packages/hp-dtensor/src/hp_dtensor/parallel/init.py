@@ -51,15 +51,41 @@ from hp_dtensor.parallel._grad_reduction import install_grad_reductions
 from hp_dtensor.parallel.random import take_region
 from hp_layout import Layout
 
-__all__ = ["MaterializeError", "ModuleInit", "materialize"]
+__all__ = [
+    "MaterializeError",
+    "MaterializeTarget",
+    "ModuleInit",
+    "materialize",
+    "materialize_target_of",
+    "set_materialize_target",
+]
 
 ModuleInit = Callable[[nn.Module], object]
 """An initializer for one module: writes the module's (full-size) tensors in place."""
 
+MaterializeTarget = Callable[[torch.device], torch.Tensor]
+"""Where a sharder keeps a meta tensor's local data once materialized: called with the device,
+it returns the (allocated) tensor of the local shape and dtype that materialize fills."""
+
+_TARGET = "_hp_materialize_target"
+
 # Attributes of the old tensor object that describe the old tensor itself, not the parameter.
 _OWN_ATTRIBUTES = frozenset(
-    {"_local", "_dist_layout", "_device_mesh", "_is_param", LAYOUT_ATTRIBUTE}
+    {"_local", "_dist_layout", "_device_mesh", "_is_param", LAYOUT_ATTRIBUTE, _TARGET}
 )
+
+
+def set_materialize_target(tensor: torch.Tensor, target: MaterializeTarget) -> None:
+    """Make :func:`materialize` write ``tensor``'s local values into ``target(device)`` (a view
+    of a sharder's storage) instead of a fresh tensor, so that materializing a sharded model
+    never holds two copies of its shards. The materialized parameter aliases that storage."""
+    setattr(tensor, _TARGET, target)
+
+
+def materialize_target_of(tensor: torch.Tensor) -> MaterializeTarget | None:
+    """The target :func:`set_materialize_target` recorded on ``tensor``, or None."""
+    target = getattr(tensor, _TARGET, None)
+    return target if callable(target) else None
 
 
 class MaterializeError(RuntimeError):
@@ -257,7 +283,7 @@ def _materialize_module(
     for slot in slots:
         value = _filled(_describe(prefix, module), temporary, slot, device)
         if id(slot.original) not in done:
-            done[id(slot.original)] = (slot.original, _rebuild(slot, value))
+            done[id(slot.original)] = (slot.original, _rebuild(slot, value, device))
         new = done[id(slot.original)][1]
         if slot.kind == "param":
             module._parameters[slot.name] = new  # type: ignore[assignment]  # a Parameter
@@ -369,12 +395,23 @@ def _filled(what: str, temporary: nn.Module, slot: _Slot, device: torch.device) 
     return value.detach()
 
 
-def _rebuild(slot: _Slot, value: torch.Tensor) -> torch.Tensor:
-    """The materialized counterpart of ``slot.original`` from its full value."""
+def _rebuild(slot: _Slot, value: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The materialized counterpart of ``slot.original`` from its full value (written into the
+    storage a sharder named with :func:`set_materialize_target`, if it did)."""
     data = value
     if slot.layout is not None:
-        region = take_region(value, slot.layout.local_region(slot.rank))
-        data = region.clone(memory_format=torch.contiguous_format)
+        data = take_region(value, slot.layout.local_region(slot.rank))
+    target = materialize_target_of(slot.original)
+    if target is not None:
+        destination = target(device)
+        if tuple(destination.shape) != tuple(data.shape) or destination.dtype != data.dtype:
+            raise MaterializeError(
+                f"materialize: the target of {slot.name!r} is {tuple(destination.shape)} "
+                f"{destination.dtype}, its local value {tuple(data.shape)} {data.dtype}"
+            )
+        data = destination.copy_(data)
+    elif slot.layout is not None:
+        data = data.clone(memory_format=torch.contiguous_format)
     requires_grad = bool(slot.original.requires_grad)
     new: torch.Tensor
     if slot.mesh is not None:
