@@ -34,6 +34,7 @@ from hp_dtensor.contract import set_grad_layout, set_materialize_target
 from hp_dtensor.device import local_device
 from hp_fsdp._lowp_comm import Deferred, WireCodec, all_gather_records, reduce_scatter_lowp
 from hp_fsdp._mesh import FSDPMesh
+from hp_fsdp._rows import as_torch_dtensor, copy_in, copy_out, local_shape, pack_rows
 from hp_fsdp.counting import collective_purpose
 from hp_fsdp.group_plan import GroupPlan, plan_group, spec_of, torch_dtype
 from hp_fsdp.policy import CPUOffloadPolicy, LowPrecisionCommPolicy, MixedPrecisionPolicy
@@ -88,7 +89,11 @@ _Param = tuple[nn.Module, str, str, nn.Parameter]
 
 
 def plan_params(
-    params: Sequence[_Param], fsdp: FSDPMesh, policy: MixedPrecisionPolicy, label: str
+    params: Sequence[_Param],
+    fsdp: FSDPMesh,
+    policy: MixedPrecisionPolicy,
+    label: str,
+    per_param: bool = False,
 ) -> GroupPlan:
     """The plan of the group of ``params`` (pure: reads shapes, layouts and dtypes only).
 
@@ -102,6 +107,7 @@ def plan_params(
         param_dtype=policy.param_dtype,
         reduce_dtype=policy.reduce_dtype,
         label=label,
+        per_param=per_param,
     )
 
 
@@ -117,9 +123,19 @@ def _in_plan_order(params: Sequence[_Param], plan: GroupPlan) -> list[_Param]:
     return [by_name[fqn] for fqn in plan.fqns]
 
 
+def _is_torch_dtensor(t: object) -> bool:
+    from torch.distributed.tensor import DTensor as TorchDTensor
+
+    return isinstance(t, TorchDTensor)
+
+
 def _local(param: torch.Tensor) -> torch.Tensor:
-    """The data FSDP packs for ``param`` (its tensor-parallel shard, detached)."""
-    return param.to_local().detach() if isinstance(param, DTensor) else param.detach()
+    """The data FSDP packs for ``param`` (its tensor-parallel shard, or a per-parameter
+    torch DTensor's rows, detached)."""
+    if isinstance(param, DTensor) or _is_torch_dtensor(param):
+        local: torch.Tensor = cast(Any, param).to_local()
+        return local.detach()
+    return param.detach()
 
 
 def _on_meta(locals_: Sequence[torch.Tensor], fqns: Sequence[str], owner: str) -> bool:
@@ -142,12 +158,29 @@ def repoint(param: torch.Tensor, data: torch.Tensor) -> None:
     """Make the parameter object ``param`` hold ``data`` (a view of a flat buffer) as its
     (local) tensor, keeping the object and its attributes, so optimizers and user references
     stay valid."""
-    if not isinstance(param, DTensor) and param.device.type == data.device.type:
+    torch_dtensor = _is_torch_dtensor(param)
+    if (
+        not isinstance(param, DTensor)
+        and not torch_dtensor
+        and param.device.type == data.device.type
+    ):
         param.data = data
         return
     inner: torch.Tensor = data
     if isinstance(param, DTensor):
         inner = DTensor(data, param.dist_layout, param.device_mesh)
+    elif torch_dtensor:
+        from torch.distributed.tensor import DTensor as TorchDTensor
+
+        spec = cast(Any, param)
+        inner = TorchDTensor.from_local(
+            data,
+            spec.device_mesh,
+            spec.placements,
+            run_check=False,
+            shape=param.shape,
+            stride=param.stride(),
+        )
     new = nn.Parameter(inner, param.requires_grad)
     for key, value in vars(param).items():
         if key not in vars(new):
@@ -193,6 +226,14 @@ class FSDPParamGroup:
         member_of = {id(param): m for (_, _, _, param), m in zip(params, owners, strict=True)}
         ordered = _in_plan_order(params, plan)
         self.flat: FlatBufferLayout = plan.flat
+        self.rows = plan.rows
+        self.coordinate = fsdp.mesh.get_local_rank(fsdp.shard_axis)
+        if self.rows is not None and self.comm_policy != LowPrecisionCommPolicy():
+            raise NotImplementedError(
+                f"fully_shard({owner!r}): a LowPrecisionCommPolicy with "
+                "param_layout='per_param' is not implemented; use the flat layout for "
+                "low-precision collectives"
+            )
         self.extra_reduce = plan.extra_reduce
         self.extra_start = plan.extra_start
         self.storage_dtype = torch_dtype(plan.storage_dtype)
@@ -238,8 +279,11 @@ class FSDPParamGroup:
                 raise ValueError(
                     f"parameter {fqn!r} has shape {tuple(tensor.shape)}, planned {shape}"
                 )
-        coordinate = self.fsdp.mesh.get_local_rank(self.fsdp.shard_axis)
+        coordinate = self.coordinate
         chunk = self._host_or_device_chunk(self.storage_device)
+        if self.rows is not None:
+            pack_rows(self.rows, coordinate, locals_, chunk)
+            return chunk
         for span in self.flat.spans(coordinate):
             piece = locals_[span.index].reshape(-1)[span.start : span.stop]
             chunk[span.chunk_offset : span.chunk_offset + piece.numel()].copy_(piece)
@@ -257,13 +301,13 @@ class FSDPParamGroup:
         return self._unsharded_flat
 
     def _meta_chunk(self) -> torch.Tensor:
-        return torch.empty(self.flat.chunk_numel, dtype=self.storage_dtype, device="meta")
+        return torch.empty(self.plan.chunk_numel, dtype=self.storage_dtype, device="meta")
 
     def _host_or_device_chunk(self, device: torch.device) -> torch.Tensor:
         """A zeroed chunk on ``device`` (pinned host memory when the offload policy says so)."""
         pin = self.offload is not None and self.offload.pin_memory
         return torch.zeros(
-            self.flat.chunk_numel, dtype=self.storage_dtype, device=device, pin_memory=pin
+            self.plan.chunk_numel, dtype=self.storage_dtype, device=device, pin_memory=pin
         )
 
     def _materialize_target(self, index: int) -> Any:
@@ -273,10 +317,23 @@ class FSDPParamGroup:
         def target(device: torch.device) -> torch.Tensor:
             if self.sharded_flat.is_meta:
                 self._set_storage(self._host_or_device_chunk(self._storage_for(device)))
-            start, length = self.chunk_range(index)
-            return self.sharded_flat[start : start + length]
+            return self.local_view(index)
 
         return target
+
+    def local_shape(self, index: int) -> tuple[int, ...]:
+        """The shape of parameter ``index``'s local tensor: its 1-d piece (flat layout) or its
+        rows (per-parameter layout)."""
+        if self.rows is not None:
+            return local_shape(self.rows, index, self.plan.shapes[index], self.coordinate)
+        return (self.chunk_range(index)[1],)
+
+    def local_view(self, index: int, chunk: torch.Tensor | None = None) -> torch.Tensor:
+        """Parameter ``index``'s local tensor as a view of ``chunk`` (default: this rank's
+        sharded chunk)."""
+        start, length = self.chunk_range(index)
+        source = self.sharded_flat if chunk is None else chunk
+        return source[start : start + length].view(self.local_shape(index))
 
     def _storage_for(self, device: torch.device) -> torch.device:
         """Where the shards live when the model is put on ``device``.
@@ -335,8 +392,7 @@ class FSDPParamGroup:
         self._storage_for(new.device)
         self._set_storage(new.contiguous())
         for index, p in enumerate(self.params):
-            start, length = self.chunk_range(index)
-            repoint(p.sharded, self.sharded_flat[start : start + length])
+            repoint(p.sharded, self.local_view(index))
 
     def adopt_registered(self) -> None:
         """Take over parameter objects that replaced the sharded ones on the modules since
@@ -355,17 +411,17 @@ class FSDPParamGroup:
             if current is None or current is p.sharded:
                 continue
             local = _local(current)
-            start, length = self.chunk_range(index)
-            if tuple(local.shape) != (length,) or local.dtype != self.storage_dtype:
+            expected = self.local_shape(index)
+            if tuple(local.shape) != expected or local.dtype != self.storage_dtype:
                 raise ValueError(
                     f"fully_shard({self.owner!r}): parameter {p.fqn!r} was replaced by a "
-                    f"{tuple(local.shape)} {local.dtype} tensor; this rank's sharded piece is "
-                    f"({length},) {self.storage_dtype}: assign values with "
+                    f"{tuple(local.shape)} {local.dtype} local tensor; this rank's sharded "
+                    f"piece is {expected} {self.storage_dtype}: assign values with "
                     "load_state_dict or in place (param.copy_)"
                 )
             if self.sharded_flat.is_meta and not local.is_meta:
                 self._set_storage(self._host_or_device_chunk(self._storage_for(local.device)))
-            view = self.sharded_flat[start : start + length]
+            view = self.local_view(index)
             if local.is_meta and not view.is_meta:
                 raise ValueError(
                     f"fully_shard({self.owner!r}): parameter {p.fqn!r} was replaced by a meta "
@@ -380,8 +436,15 @@ class FSDPParamGroup:
         """Parameter ``index``'s sharded piece: a view of ``sharded_flat`` with its layout."""
         module, name, fqn, param = entry
         layout, base = self.plan.layouts[index], self.plan.bases[index]
-        start, length = self.chunk_range(index)
-        view = self.sharded_flat[start : start + length]
+        view = self.local_view(index)
+        if self.rows is not None:
+            dtensor = as_torch_dtensor(
+                view, self.fsdp.mesh, self.fsdp.shard_axis, self.plan.shapes[index]
+            )
+            sharded = nn.Parameter(dtensor, requires_grad=param.requires_grad)
+            return FSDPParam(
+                module, name, fqn, self.plan.shapes[index], base, layout, sharded, member=member
+            )
         sharded = self._wrap(view, layout, param.requires_grad, isinstance(param, DTensor))
         if isinstance(sharded, DTensor):
             # After the reductions the sharded gradient has the parameter's layout.
@@ -395,7 +458,7 @@ class FSDPParamGroup:
     def _plan_wire(self) -> None:
         """The byte records of the low-precision collectives (fixed for the group's life)."""
         comm = self.comm_policy
-        chunk = self.flat.chunk_numel
+        chunk = self.plan.chunk_numel
         self.gather_codec: WireCodec | None = None
         if comm.param_all_gather_dtype is not None:
             if not self.storage_dtype.is_floating_point:
@@ -417,10 +480,16 @@ class FSDPParamGroup:
     def chunk_range(self, index: int) -> tuple[int, int]:
         """``(offset, length)`` of parameter ``index``'s piece in this rank's chunk."""
         ranges = self.__dict__.get("_chunk_ranges")
-        if ranges is None:
-            coordinate = self.fsdp.mesh.get_local_rank(self.fsdp.shard_axis)
+        if ranges is None and self.rows is not None:
             ranges = {
-                s.index: (s.chunk_offset, s.stop - s.start) for s in self.flat.spans(coordinate)
+                i: (slot.offset, slot.local_rows(self.coordinate) * slot.inner)
+                for i, slot in enumerate(self.rows.slots)
+            }
+            self.__dict__["_chunk_ranges"] = ranges
+        if ranges is None:
+            ranges = {
+                s.index: (s.chunk_offset, s.stop - s.start)
+                for s in self.flat.spans(self.coordinate)
             }
             self.__dict__["_chunk_ranges"] = ranges
         found: tuple[int, int] = ranges.get(index, (0, 0))
@@ -493,7 +562,9 @@ class FSDPParamGroup:
                 source.copy_(self.sharded_flat, non_blocking=self.offload.pin_memory)
             elif self.param_dtype != self.storage_dtype:
                 source = source.to(self.param_dtype)
-            if self.fsdp.shard_size == 1:
+            if self.rows is not None:
+                self._pending = self._unshard_rows(source)
+            elif self.fsdp.shard_size == 1:
                 self.unsharded_flat.copy_(source)
                 self._pending = None
             else:
@@ -506,6 +577,26 @@ class FSDPParamGroup:
         self.state = ShardedState.UNSHARDING
         if not async_op:
             self.wait()
+
+    def _unshard_rows(self, source: torch.Tensor) -> Deferred:
+        """Per-parameter layout: all-gather the chunks (rank-major), then copy each parameter
+        out into the unsharded buffer when waited for."""
+        rows = self.rows
+        assert rows is not None
+        world = self.fsdp.shard_size
+        gathered = torch.empty(world * rows.chunk_numel, dtype=self.param_dtype, device=self.device)
+        work = None
+        if world == 1:
+            gathered.copy_(source)
+        else:
+            group = self.fsdp.mesh.get_group(self.fsdp.shard_axis)
+            with collective_purpose("param_all_gather"):
+                work = dist.all_gather_single(gathered, source, group=group, async_op=True)
+
+        def finish() -> None:
+            copy_out(rows, gathered, self.flat, self.unsharded_flat)
+
+        return Deferred(work, finish, gathered, source)
 
     def quantized_shard(self) -> torch.Tensor:
         """This rank's shard as an FP8 record (``uint8``: data, then scales), quantized only
@@ -604,7 +695,16 @@ class FSDPParamGroup:
                 self.unsharded_grad, output, self.reduce_codec, self.fsdp.shard_size, group
             )
         source = self.unsharded_grad
-        if self.reduce_dtype != self.param_dtype:
+        if self.rows is not None:
+            # Rank-major, padding zeroed (the rows past a parameter's last reduce to zero).
+            rank_major = torch.zeros(
+                self.fsdp.shard_size * self.rows.chunk_numel,
+                dtype=self.reduce_dtype,
+                device=self.device,
+            )
+            copy_in(self.rows, source, self.flat, rank_major)
+            source = rank_major
+        elif self.reduce_dtype != self.param_dtype:
             source = source.to(self.reduce_dtype)
         if self.fsdp.shard_size == 1:
             output.copy_(source)
@@ -636,8 +736,9 @@ class FSDPParamGroup:
         for index, p in enumerate(self.params):
             if not p.sharded.requires_grad:
                 continue
-            start, length = self.chunk_range(index)
-            grad = chunk[start : start + length]
+            grad = self.local_view(index, chunk)
+            if self.rows is not None:
+                grad = as_torch_dtensor(grad, self.fsdp.mesh, self.fsdp.shard_axis, p.shape)
             target = p.sharded.to_local() if isinstance(p.sharded, DTensor) else p.sharded
             if target.grad is None or not accumulate:
                 target.grad = grad

@@ -163,7 +163,7 @@ class FSDPState:
                 else None
             )
             context.arena = GradArena(
-                [g.flat.chunk_numel for g in backward],
+                [g.plan.chunk_numel for g in backward],
                 first.reduce_dtype,
                 first.device,
                 fsdp.shard_size,

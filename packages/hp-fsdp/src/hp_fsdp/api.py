@@ -187,6 +187,7 @@ def fully_shard(
     offload_policy: Any = None,
     topology: Topology | None = None,
     comm_policy: LowPrecisionCommPolicy | None = None,
+    param_layout: str = "flat",
 ) -> Any:
     """Shard ``module``'s parameters (those not owned by nested calls) over the mesh.
 
@@ -213,10 +214,22 @@ def fully_shard(
         topology: link tiers; the shard axis must lie on the faster tier.
         comm_policy: what the collectives put on the wire (FP8 parameter all-gather, bf16/FP8
             gradient reduction per tier); None: the dtypes of ``mp_policy``.
+        param_layout: ``"flat"`` (the default): the module holds this rank's 1-d pieces of
+            one flat buffer, annotated with their layouts; the all-gather and the
+            reduce-scatter work in place (no copy). ``"per_param"``: FSDP2's layout: each
+            parameter a torch ``DTensor`` of its global shape, ``Shard(0)`` on the shard axis,
+            whose local rows are views of the flat chunk (shape-aware optimizers,
+            ``param.full_tensor()``, torch's state-dict and clipping functions work on them);
+            it costs one copy out of the all-gather and one into the reduce-scatter per group
+            and step, as FSDP2. Not with tensor parallelism or a ``comm_policy`` yet.
 
     Returns:
         ``module`` (the list, for a list).
     """
+    if param_layout not in ("flat", "per_param"):
+        raise ValueError(
+            f"fully_shard: param_layout must be 'flat' or 'per_param', got {param_layout!r}"
+        )
     members = _members(module)
     policy = as_mixed_precision(mp_policy)
     offload = as_offload(offload_policy)
@@ -252,7 +265,9 @@ def fully_shard(
         )
     groups = [
         FSDPParamGroup(
-            plan_params([params[i] for i in part], fsdp, policy, owner),
+            plan_params(
+                [params[i] for i in part], fsdp, policy, owner, param_layout == "per_param"
+            ),
             [params[i] for i in part],
             fsdp,
             policy,

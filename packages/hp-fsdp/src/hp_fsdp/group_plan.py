@@ -22,9 +22,26 @@ import torch
 
 from hp_dtensor import DTensor, layout_of
 from hp_dtensor.contract import FlatSlot, grad_reduction_of
-from hp_layout import FlatBufferLayout, Layout, Mesh, ReduceOp, Replicate, plan_flat_buffer
+from hp_layout import (
+    FlatBufferLayout,
+    Layout,
+    Mesh,
+    ReduceOp,
+    Replicate,
+    Shard,
+    plan_flat_buffer,
+)
 
-__all__ = ["GroupPlan", "ParamSpec", "dtype_name", "plan_group", "spec_of", "torch_dtype"]
+__all__ = [
+    "GroupPlan",
+    "ParamSpec",
+    "RowShardLayout",
+    "RowSlot",
+    "dtype_name",
+    "plan_group",
+    "spec_of",
+    "torch_dtype",
+]
 
 # Every parameter's shard starts on a 16-byte boundary.
 ALIGN_BYTES = 16
@@ -53,6 +70,79 @@ class ParamSpec:
 
 
 @dataclass(frozen=True)
+class RowSlot:
+    """One parameter in the per-parameter (FSDP2) layout: dim 0 cut with ``torch.chunk``
+    semantics, every rank's rows at the same offset of its chunk.
+
+    Attributes:
+        offset: the first element of the parameter's rows in every rank's chunk.
+        rows: the parameter's dim 0 (a 1-d parameter's rows are its elements, ``inner`` 1).
+        rows_per_rank: ``ceil(rows / shard_size)``: the rows a chunk has room for.
+        inner: elements per row (the product of the other dims).
+    """
+
+    offset: int
+    rows: int
+    rows_per_rank: int
+    inner: int
+
+    @property
+    def capacity(self) -> int:
+        """Elements reserved for the parameter in each chunk."""
+        return self.rows_per_rank * self.inner
+
+    def local_rows(self, coordinate: int) -> int:
+        """Rows the rank at ``coordinate`` of the shard axis holds (0 past the last rows).
+
+        Postcondition: the local rows over all coordinates sum to ``rows``.
+        """
+        return max(0, min(self.rows_per_rank, self.rows - coordinate * self.rows_per_rank))
+
+
+@dataclass(frozen=True)
+class RowShardLayout:
+    """Every rank's chunk in the per-parameter layout: each parameter's local rows at its
+    slot's offset (aligned), the rest padding. The all-gather of the chunks is rank-major, so
+    the unsharded parameters are copied out of it, and gradients copied into that order
+    before the reduce-scatter (as FSDP2 does).
+
+    Attributes:
+        slots: one per parameter, in buffer order.
+        chunk_numel: elements of each rank's chunk.
+        shard_size: ranks along the shard axis.
+    """
+
+    slots: tuple[RowSlot, ...]
+    chunk_numel: int
+    shard_size: int
+
+
+def plan_rows(shapes: Sequence[tuple[int, ...]], shard_size: int, align: int) -> RowShardLayout:
+    """The per-parameter layout of parameters of ``shapes`` over ``shard_size`` ranks.
+
+    Postconditions: slots start at multiples of ``align`` and do not overlap; every slot
+    holds ``ceil(rows / shard_size)`` rows; ``chunk_numel`` is a multiple of ``align``.
+
+    Raises:
+        NotImplementedError: a 0-d parameter (no dim 0 to shard).
+    """
+    slots: list[RowSlot] = []
+    offset = 0
+    for shape in shapes:
+        if not shape:
+            raise NotImplementedError(
+                "a 0-d parameter has no dim 0 to shard per parameter; use the flat layout"
+            )
+        rows, inner = shape[0], 1
+        for size in shape[1:]:
+            inner *= size
+        per_rank = -(-rows // shard_size)
+        slots.append(RowSlot(offset, rows, per_rank, inner))
+        offset += -(-per_rank * inner // align) * align
+    return RowShardLayout(tuple(slots), max(offset, align), shard_size)
+
+
+@dataclass(frozen=True)
 class GroupPlan:
     """One fully_shard group, planned (see the module docstring).
 
@@ -76,6 +166,9 @@ class GroupPlan:
         mesh: the FSDP mesh (1-d shard, or 2-d replicate and shard).
         shard_axis: the mesh axis the buffer is cut over.
         replicate_axes: the mesh axes holding replicas of the buffer (HSDP), ``()`` if none.
+        rows: the per-parameter layout of the sharded chunks (``param_layout="per_param"``),
+            None for the flat layout (each chunk a contiguous run of ``flat``); ``flat`` then
+            only places the unsharded parameters.
     """
 
     owner: str
@@ -92,6 +185,12 @@ class GroupPlan:
     mesh: Mesh
     shard_axis: str
     replicate_axes: tuple[str, ...] = ()
+    rows: RowShardLayout | None = None
+
+    @property
+    def chunk_numel(self) -> int:
+        """Elements of each rank's chunk of the sharded buffer."""
+        return self.rows.chunk_numel if self.rows is not None else self.flat.chunk_numel
 
     def index(self, fqn: str) -> int:
         """The position of parameter ``fqn`` in the buffer.
@@ -114,8 +213,24 @@ class GroupPlan:
         return nxt - slots[index].end
 
     def flat_slot(self, index: int) -> FlatSlot:
-        """Parameter ``index``'s slot, as ``hp_dtensor.contract`` records it."""
+        """Parameter ``index``'s slot, as ``hp_dtensor.contract`` records it (per-parameter
+        layout: the offset within every rank's chunk, and the rows each holds)."""
         slot = self.flat.slots[index]
+        if self.rows is not None:
+            row = self.rows.slots[index]
+            return FlatSlot(
+                group=self.owner,
+                index=index,
+                offset=row.offset,
+                numel=slot.numel,
+                padding=row.capacity * self.rows.shard_size - slot.numel,
+                buffer_numel=self.rows.chunk_numel * self.rows.shard_size,
+                chunk_numel=self.rows.chunk_numel,
+                shard_axes=(self.shard_axis,),
+                replicate_axes=self.replicate_axes,
+                dtype=self.storage_dtype,
+                rows_per_rank=row.rows_per_rank,
+            )
         return FlatSlot(
             group=self.owner,
             index=index,
@@ -174,11 +289,13 @@ def plan_group(
     reduce_dtype: torch.dtype | None = None,
     owner: str = "",
     label: str | None = None,
+    per_param: bool = False,
 ) -> GroupPlan:
     """Plan the group of ``params`` sharded over ``shard_axis`` of the FSDP ``mesh``.
 
     ``param_dtype`` and ``reduce_dtype`` are the MixedPrecisionPolicy's; ``label`` names the
-    module in error messages (default ``owner``).
+    module in error messages (default ``owner``). ``per_param``: FSDP2's layout (each
+    parameter ``Shard(0)``, see :class:`RowShardLayout`) instead of the flat one.
 
     Postconditions: the plan holds every parameter once, those without an extra reduction
     first, each kind in the given order; ``flat == plan_flat_buffer(shapes, shards, align)``
@@ -198,10 +315,20 @@ def plan_group(
     align = max(1, ALIGN_BYTES // torch_dtype(storage).itemsize)
     shapes = tuple(p.shape for p in ordered)
     flat = plan_flat_buffer(shapes, mesh.axis_size(shard_axis), align)
-    layouts = tuple(
-        flat.layout(i, _mesh_for(p.base, mesh), shard_axis, base=p.base)
-        for i, p in enumerate(ordered)
-    )
+    rows: RowShardLayout | None = None
+    if per_param:
+        if any(p.base is not None for p in ordered):
+            raise NotImplementedError(
+                f"fully_shard({name!r}): param_layout='per_param' with tensor-parallel "
+                "parameters is not implemented; use the flat layout (the default) under TP"
+            )
+        rows = plan_rows(shapes, mesh.axis_size(shard_axis), align)
+        layouts = tuple(_row_layout(shape, mesh, shard_axis) for shape in shapes)
+    else:
+        layouts = tuple(
+            flat.layout(i, _mesh_for(p.base, mesh), shard_axis, base=p.base)
+            for i, p in enumerate(ordered)
+        )
     first_extra = len(ordered) - sum(1 for p in ordered if _extra_axes(p, mesh))
     extra_start = flat.slots[first_extra].offset if extra else flat.padded_numel
     return GroupPlan(
@@ -219,7 +346,14 @@ def plan_group(
         mesh=mesh,
         shard_axis=shard_axis,
         replicate_axes=(replicate_axis,) if replicate_axis is not None else (),
+        rows=rows,
     )
+
+
+def _row_layout(shape: tuple[int, ...], mesh: Mesh, shard_axis: str) -> Layout:
+    """``Shard(0)`` over the shard axis, replicated over the others (FSDP2's placements)."""
+    placements = [Shard(0) if axis == shard_axis else Replicate() for axis in mesh.axis_names]
+    return Layout(shape, mesh, placements)
 
 
 def _extra_axes(param: ParamSpec, mesh: Mesh) -> Reduction:

@@ -96,8 +96,17 @@ def checkpoint_layout(layout: Layout) -> Layout:
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    """The plain local tensor of a parameter or state (our DTensor's local shard)."""
-    return t.to_local() if isinstance(t, DTensor) else t
+    """The plain local tensor of a parameter or state (our DTensor's local shard, a torch
+    DTensor's local rows)."""
+    if isinstance(t, DTensor) or _is_torch_dtensor(t):
+        local: torch.Tensor = t.to_local()  # type: ignore[attr-defined]
+        return local
+    return t
+
+
+def _per_param(fp: FSDPParam) -> bool:
+    """Whether ``fp`` is in the per-parameter layout (a torch DTensor parameter)."""
+    return _is_torch_dtensor(fp.sharded)
 
 
 def _device_mesh(fp: FSDPParam) -> DeviceMesh:
@@ -222,7 +231,12 @@ class _StateDictHooks:
         for fp in _module_params(module):
             key = prefix + fp.fqn
             if key in state_dict:
-                state_dict[key] = _to_checkpoint(_local(fp.sharded), fp)
+                # Per-parameter layout: the parameter itself (aliasing it, as FSDP2's does).
+                state_dict[key] = (
+                    fp.sharded.detach()
+                    if _per_param(fp)
+                    else _to_checkpoint(_local(fp.sharded), fp)
+                )
 
     def pre_load(
         self,
@@ -256,7 +270,7 @@ class _StateDictHooks:
                 error_msgs.append(str(error))
                 continue
             with torch.no_grad():
-                _local(fp.sharded).copy_(piece)
+                _local(fp.sharded).view(-1).copy_(piece)
 
     def post_load(self, module: nn.Module, incompatible_keys: Any) -> None:
         """The entries taken out in ``pre_load`` were loaded, not missing."""
@@ -370,11 +384,25 @@ def get_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer)
 def _restored(value: Any, fp: FSDPParam | None, key: str) -> Any:
     if fp is None or not isinstance(value, torch.Tensor):
         return value
-    if _is_torch_dtensor(value) or isinstance(value, DTensor):
-        return _from_checkpoint(value, fp, key).clone()
-    if tuple(value.shape) == fp.layout.global_shape and value.dim() > 0:
-        return _from_checkpoint(value, fp, key).clone()
-    return value
+    whole = tuple(value.shape) == fp.layout.global_shape and value.dim() > 0
+    if not (_is_torch_dtensor(value) or isinstance(value, DTensor) or whole):
+        return value
+    piece = _from_checkpoint(value, fp, key).clone()
+    if not _per_param(fp):
+        return piece
+    # A state of the parameter's shape, laid out like it (a torch DTensor of its rows).
+    like: Any = fp.sharded
+    local = piece.view(like.to_local().shape)
+    from torch.distributed.tensor import DTensor as TorchDTensor
+
+    return TorchDTensor.from_local(
+        local,
+        like.device_mesh,
+        like.placements,
+        run_check=False,
+        shape=like.shape,
+        stride=like.stride(),
+    )
 
 
 def set_optimizer_state_dict(

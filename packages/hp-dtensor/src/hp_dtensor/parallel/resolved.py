@@ -104,6 +104,10 @@ class FlatSlot:
         shard_axes: the mesh axes the buffer is cut over.
         replicate_axes: the mesh axes holding replicas of the buffer (HSDP).
         dtype: the buffer's storage dtype.
+        rows_per_rank: 0 when the parameter is packed end to end into the buffer (``offset``
+            in the whole buffer); otherwise the per-parameter layout (FSDP2's): every rank's
+            chunk holds up to this many rows of it (dim 0 cut as ``torch.chunk`` cuts it) at
+            ``offset`` within the chunk.
     """
 
     group: str
@@ -116,6 +120,7 @@ class FlatSlot:
     shard_axes: tuple[str, ...]
     replicate_axes: tuple[str, ...] = ()
     dtype: str = "float32"
+    rows_per_rank: int = 0
 
 
 @dataclass(frozen=True)
