@@ -7,7 +7,8 @@ either
   ``reset_parameters`` replayed on full-size temporaries, each rank keeping its piece, written
   straight into the flat buffers (``hp_dtensor.contract.set_materialize_target``). The shards
   are bit-identical to a single-device construction under the same seed (asserted exactly:
-  difference 0.0), at world 2 and 4 and with tensor parallelism (2 x 2), and training from
+  difference 0.0), at world 2 and 4, with tensor parallelism (2 x 2) and in the per-parameter
+  layout (torch DTensor parameters, world 4), and training from
   them equals training the model sharded from real parameters, bit for bit;
 * or allocated by ``model.to_empty(device="cpu")``, which allocates this rank's flat chunks
   only (the parameter objects stay the same), and filled by ``load_state_dict``.
@@ -46,10 +47,10 @@ CONFIG = LlamaConfig(vocab_size=64, dim=32, n_layers=3, n_heads=4, ffn_dim=64, m
 PEAK_MODULE_FACTOR, PEAK_SLACK_BYTES = 1.5, 1024
 
 
-def _shard(model: Llama, mesh: DeviceMesh) -> None:
+def _shard(model: Llama, mesh: DeviceMesh, layout: str = "flat") -> None:
     for block in model.layers:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(block, mesh=mesh, param_layout=layout)
+    fully_shard(model, mesh=mesh, param_layout=layout)
 
 
 def _meshes(kind: str) -> tuple[DeviceMesh, DeviceMesh]:
@@ -72,8 +73,13 @@ def _build(kind: str, on_meta: bool) -> tuple[Llama, DeviceMesh]:
         model = Llama(CONFIG)
     if kind == "fsdp_tp":
         parallelize_module(model, mesh, transformer_tp_plan(), mode="production", tp_axis="tp")
-    _shard(model, dp_mesh)
+    _shard(model, dp_mesh, "per_param" if kind == "per_param" else "flat")
     return model, mesh
+
+
+def _whole(p: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    full_tensor = getattr(p, "full_tensor", None)  # a per-parameter torch DTensor
+    return full_tensor().detach() if callable(full_tensor) else full_value(p, mesh)
 
 
 def _module_bytes(model: nn.Module) -> int:
@@ -127,7 +133,7 @@ def _materialized(kind: str) -> dict[str, Any]:
     for (name, p), (_, q) in zip(
         model.named_parameters(), reference.named_parameters(), strict=True
     ):
-        errors[name] = (full_value(p, mesh).reshape(q.shape) - q).abs().max().item()
+        errors[name] = (_whole(p, mesh).reshape(q.shape) - q).abs().max().item()
     buffers = max((b - model.cos).abs().max().item() for b in (reference.cos,))
     sharded, largest = _sharded_bytes(model), _module_bytes(model)
     real, _ = _build(kind, on_meta=False)
@@ -144,7 +150,9 @@ def _materialized(kind: str) -> dict[str, Any]:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize(("kind", "world"), [("fsdp", 2), ("fsdp", 4), ("fsdp_tp", 4)])
+@pytest.mark.parametrize(
+    ("kind", "world"), [("fsdp", 2), ("fsdp", 4), ("fsdp_tp", 4), ("per_param", 4)]
+)
 def test_materialized_shards_equal_single_device_init(kind: str, world: int) -> None:
     for result in run_on_ranks(world, _materialized, kind, timeout=300):
         assert max(result["errors"].values()) == 0.0, result["errors"]

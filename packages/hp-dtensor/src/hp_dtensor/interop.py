@@ -85,6 +85,7 @@ __all__ = [
     "annotate_layout",
     "from_torch_dtensor",
     "from_torch_state_dict",
+    "is_torch_dtensor",
     "layout_from_torch",
     "layout_of",
     "mesh_from_torch",
@@ -116,6 +117,12 @@ class InteropError(ValueError):
 def _is_torch_dtensor(value: object) -> bool:
     module = sys.modules.get("torch.distributed.tensor")
     return module is not None and isinstance(value, module.DTensor)
+
+
+def is_torch_dtensor(value: object) -> bool:
+    """Whether ``value`` is a ``torch.distributed.tensor.DTensor`` (without importing torch's
+    DTensor where it is not loaded yet)."""
+    return _is_torch_dtensor(value)
 
 
 # Layouts of any tensor --------------------------------------------------------------------------

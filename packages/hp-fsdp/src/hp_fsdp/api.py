@@ -83,6 +83,20 @@ class FSDPModule:
         for state in self._states(recurse):
             state.requires_gradient_sync = requires_gradient_sync
 
+    def set_reshard_after_forward(
+        self, reshard_after_forward: bool, *, recurse: bool = True
+    ) -> None:
+        """Whether parameters are freed after forward (and gathered again in backward); the
+        root keeps its own regardless."""
+        for state in self._states(recurse):
+            state.reshard_after_forward = reshard_after_forward and not state.is_root
+
+    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
+        """FSDP2 compatibility: hp-fsdp's collectives always reduce with SUM and divide
+        afterwards (by :meth:`set_gradient_divide_factor`'s factor), which is what FSDP2 does
+        with ``enable=True``; both settings give the same gradients here."""
+        del enable
+
     def set_reshard_after_backward(
         self, reshard_after_backward: bool, *, recurse: bool = True
     ) -> None:

@@ -9,7 +9,9 @@ tensors of three kinds, each materialized as the same kind:
 * a plain meta tensor annotated with :func:`hp_dtensor.annotate_layout` (production mode: the
   tensor is the local shard, :func:`hp_dtensor.layout_of` gives the global layout), or named
   in ``layouts``: this rank's region, annotated with the layout again;
-* a plain meta tensor without a layout: the whole tensor (replicated).
+* a plain meta tensor without a layout: the whole tensor (replicated);
+* a meta torch ``DTensor`` (a sharder's per-parameter layout, FSDP2's): a torch DTensor with
+  the same mesh, placements and global shape whose local tensor is this rank's region.
 
 :func:`materialize` replays the initializers module by module, in ``module.modules()`` order,
 on full-size temporary tensors, then keeps each rank's region (``Layout.local_region``;
@@ -38,7 +40,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -46,7 +48,7 @@ from torch import nn
 
 from hp_dtensor.device_mesh import DeviceMesh
 from hp_dtensor.dtensor import DTensor
-from hp_dtensor.interop import LAYOUT_ATTRIBUTE, annotate_layout
+from hp_dtensor.interop import LAYOUT_ATTRIBUTE, annotate_layout, is_torch_dtensor, layout_of
 from hp_dtensor.parallel._grad_reduction import install_grad_reductions
 from hp_dtensor.parallel.random import take_region
 from hp_layout import Layout
@@ -71,7 +73,16 @@ _TARGET = "_hp_materialize_target"
 
 # Attributes of the old tensor object that describe the old tensor itself, not the parameter.
 _OWN_ATTRIBUTES = frozenset(
-    {"_local", "_dist_layout", "_device_mesh", "_is_param", LAYOUT_ATTRIBUTE, _TARGET}
+    {
+        "_local",
+        "_dist_layout",
+        "_device_mesh",
+        "_is_param",
+        "_local_tensor",
+        "_spec",
+        LAYOUT_ATTRIBUTE,
+        _TARGET,
+    }
 )
 
 
@@ -210,7 +221,9 @@ def _layouts_by_id(module: nn.Module, layouts: Mapping[str, Layout]) -> dict[int
 
 
 def _is_meta(t: torch.Tensor) -> bool:
-    return bool(t.to_local().is_meta) if isinstance(t, DTensor) else bool(t.is_meta)
+    if isinstance(t, DTensor) or is_torch_dtensor(t):
+        return bool(t.to_local().is_meta)  # type: ignore[attr-defined]
+    return bool(t.is_meta)
 
 
 def _default_rank() -> int:
@@ -237,6 +250,10 @@ def _slot(
         mesh = tensor.device_mesh
         me = mesh.get_rank() if rank is None else rank
         return _checked(_Slot(name, kind, tensor, tensor.dist_layout, mesh, me), tensor.to_local())
+    if is_torch_dtensor(tensor):
+        me = _default_rank() if rank is None else rank
+        local = tensor.to_local()  # type: ignore[attr-defined]
+        return _checked(_Slot(name, kind, tensor, layout_of(tensor), None, me), local)
     layout = by_id.get(id(tensor), getattr(tensor, LAYOUT_ATTRIBUTE, None))
     if layout is None:
         return _Slot(name, kind, tensor, None, None, 0)
@@ -414,7 +431,20 @@ def _rebuild(slot: _Slot, value: torch.Tensor, device: torch.device) -> torch.Te
         data = data.clone(memory_format=torch.contiguous_format)
     requires_grad = bool(slot.original.requires_grad)
     new: torch.Tensor
-    if slot.mesh is not None:
+    if is_torch_dtensor(slot.original):
+        from torch.distributed.tensor import DTensor as TorchDTensor
+
+        like: Any = slot.original
+        wrapped_torch = TorchDTensor.from_local(
+            data,
+            like.device_mesh,
+            like.placements,
+            run_check=False,
+            shape=like.shape,
+            stride=like.stride(),
+        )
+        new = nn.Parameter(wrapped_torch, requires_grad) if slot.kind == "param" else wrapped_torch
+    elif slot.mesh is not None:
         assert slot.layout is not None
         wrapped = DTensor(data, slot.layout, slot.mesh)
         new = nn.Parameter(wrapped, requires_grad) if slot.kind == "param" else wrapped
