@@ -59,7 +59,27 @@ PIP_ARGS: tuple[str, ...] = ("--no-compile", "-c", str(CONSTRAINTS))
 # Tests: one BLAS/OpenMP thread per process (2-core machines, multi-process tests).
 # PYTHONDONTWRITEBYTECODE is emptied: venvs install with --no-compile, so without it every
 # spawned rank process would recompile torch's modules on import.
-TEST_ENV: Mapping[str, str] = {"OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": ""}
+TEST_ENV: Mapping[str, str] = {
+    "OMP_NUM_THREADS": "1",
+    "PYTHONDONTWRITEBYTECODE": "",
+    # Acceptance tests on third-party trainers fail, not skip, where their tools are missing.
+    "HP_REQUIRE_ACCEPTANCE": "1",
+}
+# Test tools installed without their dependencies (versions pinned in constraints/ci.txt):
+# torchtitan's hard requirement on Hugging Face `datasets` cannot resolve against the pinned
+# fsspec / huggingface-hub, and the acceptance test never imports it (nor triton, wandb, ...).
+NO_DEPS_TEST_REQUIREMENTS: Mapping[str, tuple[str, ...]] = {
+    "hp-fsdp": (
+        "torchtitan",
+        "spmd-types",
+        "tyro",
+        "docstring-parser",
+        "torchdata",
+        "tensorboard",
+        "protobuf",
+        "absl-py",
+    ),
+}
 
 
 def _normalize(name: str) -> str:
@@ -196,7 +216,16 @@ def install_closure(
         else:
             specs.append(str(pkg.path) + (f"[{TEST_EXTRA}]" if test_extra else ""))
     install_local(session, names, specs, extra_requirements)
+    if test_extra:
+        install_no_deps_test_tools(session, [dist])
     return names
+
+
+def install_no_deps_test_tools(session: nox.Session, names: Iterable[str]) -> None:
+    """The :data:`NO_DEPS_TEST_REQUIREMENTS` of packages ``names``, pinned, without deps."""
+    tools = sorted({t for n in names for t in NO_DEPS_TEST_REQUIREMENTS.get(n, ())})
+    if tools:
+        session.install(*PIP_ARGS, "--no-deps", *tools, env=PIP_ENV)
 
 
 def _compiles_against_torch(pkg: Package) -> bool:
@@ -552,6 +581,7 @@ def tests_all(session: nox.Session) -> None:
         for n in names
     ]
     install_local(session, names, specs, ["mypy"])
+    install_no_deps_test_tools(session, names)
     failed: list[str] = []
     for name in names:
         try:
