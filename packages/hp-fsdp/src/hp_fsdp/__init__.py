@@ -2,6 +2,7 @@
 
 from hp_fsdp.api import FSDPModule, fully_shard
 from hp_fsdp.clip import clip_grad_norm_, total_grad_norm
+from hp_fsdp.compat import UnshardHandle, register_fsdp_forward_method
 from hp_fsdp.group_plan import GroupPlan, ParamSpec, plan_group
 from hp_fsdp.policy import (
     CPUOffloadPolicy,
@@ -26,12 +27,14 @@ __all__ = [
     "MixedPrecisionPolicy",
     "OffloadPolicy",
     "ParamSpec",
+    "UnshardHandle",
     "__version__",
     "clip_grad_norm_",
     "fully_shard",
     "get_model_state_dict",
     "get_optimizer_state_dict",
     "plan_group",
+    "register_fsdp_forward_method",
     "set_model_state_dict",
     "set_optimizer_state_dict",
     "total_grad_norm",

@@ -13,6 +13,7 @@ from hp_dtensor.contract import record_flat_slots
 from hp_fsdp._group import FSDPParam, FSDPParamGroup, plan_params
 from hp_fsdp._mesh import as_hp_mesh, resolve_mesh
 from hp_fsdp._state import FSDPState
+from hp_fsdp.compat import REFUSED_METHODS, UnshardHandle, refusal
 from hp_fsdp.policy import (
     LowPrecisionCommPolicy,
     MixedPrecisionPolicy,
@@ -40,7 +41,12 @@ class FSDPModule:
         module = cast(nn.Module, self)
         if not recurse:
             return [self._fsdp_state()]
-        return [s for m in module.modules() if (s := getattr(m, _STATE, None)) is not None]
+        out: list[FSDPState] = []
+        for m in module.modules():
+            state = getattr(m, _STATE, None)
+            if state is not None and all(state is not s for s in out):
+                out.append(state)  # a list's state once, though each member carries it
+        return out
 
     def _apply(self, fn: Any, recurse: bool = True) -> Any:
         """``nn.Module._apply`` (behind ``to_empty``, ``to``, ``cuda``, ``cpu``): the group's
@@ -61,14 +67,21 @@ class FSDPModule:
             for p in hidden:
                 p.module._parameters[p.name] = p.sharded
 
-    def unshard(self, async_op: bool = False) -> None:
-        """All-gather this module's parameters now (``async_op``: issue only)."""
+    def unshard(self, async_op: bool = False) -> UnshardHandle | None:
+        """All-gather this module's parameters now; with ``async_op``, issue the all-gathers
+        and return a handle whose ``wait()`` finishes them (FSDP2's ``UnshardHandle``)."""
         groups = self._fsdp_state().groups
         for group in groups:
             group.unshard(async_op=True)
-        if not async_op:
+
+        def wait() -> None:
             for group in groups:
                 group.wait()
+
+        if async_op:
+            return UnshardHandle(wait)
+        wait()
+        return None
 
     def reshard(self) -> None:
         """Free this module's unsharded parameters."""
@@ -119,6 +132,10 @@ class FSDPModule:
         for state in self._states(recurse):
             state.implicit_prefetch = enabled
 
+    def set_reduce_scatter_divide_factor(self, factor: float) -> None:
+        """FSDP2's older name of :meth:`set_gradient_divide_factor`."""
+        self.set_gradient_divide_factor(factor)
+
     def set_modules_to_forward_prefetch(self, modules: Sequence[FSDPModule]) -> None:
         """Modules whose all-gather is issued when this module's forward starts."""
         self._fsdp_state().forward_prefetch = [m._fsdp_state() for m in modules]
@@ -127,6 +144,9 @@ class FSDPModule:
         """Modules whose all-gather is issued when this module's backward starts."""
         self._fsdp_state().backward_prefetch = [m._fsdp_state() for m in modules]
 
+
+for _name, _reason in REFUSED_METHODS.items():
+    setattr(FSDPModule, _name, refusal(_name, _reason))
 
 _CLASSES: dict[type, type] = {}
 
@@ -196,9 +216,12 @@ def fully_shard(
     module: nn.Module | Iterable[nn.Module],
     *,
     mesh: Any = None,
-    reshard_after_forward: bool = True,
+    reshard_after_forward: bool | None = None,
+    shard_placement_fn: Any = None,
     mp_policy: Any = None,
     offload_policy: Any = None,
+    ignored_params: Any = None,
+    dp_mesh_dims: Any = None,
     topology: Topology | None = None,
     comm_policy: LowPrecisionCommPolicy | None = None,
     param_layout: str = "flat",
@@ -218,7 +241,10 @@ def fully_shard(
         mesh: 1-d (shard) or 2-d (replicate, shard) device mesh (an hp_dtensor or a torch
             ``DeviceMesh``); default: all ranks, or the topology's (replicate, shard) mesh.
         reshard_after_forward: free the unsharded parameters after forward (all-gather again
-            in backward); the root keeps them.
+            in backward); the root keeps them. None (the default) is True. An int (FSDP2:
+            reshard to a smaller mesh) is refused.
+        shard_placement_fn, ignored_params, dp_mesh_dims: FSDP2 arguments hp-fsdp refuses
+            (``NotImplementedError``) unless None.
         mp_policy: mixed precision (this package's or torch's ``MixedPrecisionPolicy``).
             Parameters of several storage dtypes (fp32 norms beside bf16 weights) get one flat
             buffer per dtype.
@@ -240,6 +266,8 @@ def fully_shard(
     Returns:
         ``module`` (the list, for a list).
     """
+    _refuse_unsupported(reshard_after_forward, shard_placement_fn, ignored_params, dp_mesh_dims)
+    reshard = True if reshard_after_forward is None else reshard_after_forward
     if param_layout not in ("flat", "per_param"):
         raise ValueError(
             f"fully_shard: param_layout must be 'flat' or 'per_param', got {param_layout!r}"
@@ -299,7 +327,7 @@ def fully_shard(
     for _, _, _, param in params:
         setattr(param, _OWNER, owner)
     input_dtype = policy.param_dtype if policy.cast_forward_inputs else None
-    state = FSDPState(members, groups, reshard_after_forward, policy.output_dtype, input_dtype)
+    state = FSDPState(members, groups, reshard, policy.output_dtype, input_dtype)
     for member in members:
         setattr(member, _STATE, state)
         member.register_forward_pre_hook(state.pre_forward, prepend=True, with_kwargs=True)
@@ -308,6 +336,34 @@ def fully_shard(
         member.__class__ = _fsdp_class(type(member))
         _record_slots(member)
     return module
+
+
+def _refuse_unsupported(
+    reshard_after_forward: object,
+    shard_placement_fn: object,
+    ignored_params: object,
+    dp_mesh_dims: object,
+) -> None:
+    """FSDP2 arguments hp-fsdp does not implement: named, never ignored.
+
+    Raises:
+        NotImplementedError: one of them is set.
+    """
+    if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
+        raise NotImplementedError(
+            f"fully_shard(reshard_after_forward={reshard_after_forward!r}): resharding to a "
+            "smaller mesh after forward is not implemented; pass True or False"
+        )
+    refused = {
+        "shard_placement_fn": (shard_placement_fn, "every parameter is sharded on dim 0"),
+        "ignored_params": (ignored_params, "leave those parameters out of the module instead"),
+        "dp_mesh_dims": (dp_mesh_dims, "pass the data-parallel (sub-)mesh as mesh="),
+    }
+    for name, (value, instead) in refused.items():
+        if value is not None:
+            raise NotImplementedError(
+                f"fully_shard({name}=...) (torch FSDP2) is not implemented; {instead}"
+            )
 
 
 def _check_unowned(params: Sequence[_Managed], owner: str) -> None:

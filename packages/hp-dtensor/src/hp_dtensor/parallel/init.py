@@ -69,7 +69,7 @@ MaterializeTarget = Callable[[torch.device], torch.Tensor]
 """Where a sharder keeps a meta tensor's local data once materialized: called with the device,
 it returns the (allocated) tensor of the local shape and dtype that materialize fills."""
 
-_TARGET = "_hp_materialize_target"
+_TARGET = "_hp_dtensor_materialize_target"
 
 # Attributes of the old tensor object that describe the old tensor itself, not the parameter.
 _OWN_ATTRIBUTES = frozenset(
