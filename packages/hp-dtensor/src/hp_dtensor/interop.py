@@ -92,6 +92,7 @@ __all__ = [
     "to_torch_dtensor",
     "to_torch_state_dict",
     "torch_device_mesh",
+    "torch_dtensor_like",
     "torch_placements",
 ]
 
@@ -123,6 +124,24 @@ def is_torch_dtensor(value: object) -> bool:
     """Whether ``value`` is a ``torch.distributed.tensor.DTensor`` (without importing torch's
     DTensor where it is not loaded yet)."""
     return _is_torch_dtensor(value)
+
+
+def torch_dtensor_like(local: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``local`` as a torch DTensor with ``like``'s mesh, placements, global shape and stride
+    (``like`` a torch DTensor; ``local`` this rank's local tensor of that layout). No
+    communication."""
+    from torch.distributed.tensor import DTensor as TorchDTensor
+
+    spec: Any = like
+    out: torch.Tensor = TorchDTensor.from_local(
+        local,
+        spec.device_mesh,
+        spec.placements,
+        run_check=False,
+        shape=like.shape,
+        stride=like.stride(),
+    )
+    return out
 
 
 # Layouts of any tensor --------------------------------------------------------------------------

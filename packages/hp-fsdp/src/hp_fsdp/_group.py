@@ -32,6 +32,7 @@ from torch import nn
 from hp_dtensor import DTensor, annotate_layout
 from hp_dtensor.contract import set_grad_layout, set_materialize_target
 from hp_dtensor.device import local_device
+from hp_dtensor.interop import torch_dtensor_like
 from hp_fsdp._lowp_comm import Deferred, WireCodec, all_gather_records, reduce_scatter_lowp
 from hp_fsdp._mesh import FSDPMesh
 from hp_fsdp._rows import as_torch_dtensor, copy_in, copy_out, local_shape, pack_rows
@@ -170,17 +171,7 @@ def repoint(param: torch.Tensor, data: torch.Tensor) -> None:
     if isinstance(param, DTensor):
         inner = DTensor(data, param.dist_layout, param.device_mesh)
     elif torch_dtensor:
-        from torch.distributed.tensor import DTensor as TorchDTensor
-
-        spec = cast(Any, param)
-        inner = TorchDTensor.from_local(
-            data,
-            spec.device_mesh,
-            spec.placements,
-            run_check=False,
-            shape=param.shape,
-            stride=param.stride(),
-        )
+        inner = torch_dtensor_like(data, param)
     new = nn.Parameter(inner, param.requires_grad)
     for key, value in vars(param).items():
         if key not in vars(new):

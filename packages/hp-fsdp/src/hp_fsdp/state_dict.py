@@ -38,7 +38,12 @@ import torch
 from torch import nn
 
 from hp_dtensor import DeviceMesh, DTensor, execute_plan, from_torch_dtensor
-from hp_dtensor.interop import InteropError, to_torch_dtensor, torch_placements
+from hp_dtensor.interop import (
+    InteropError,
+    to_torch_dtensor,
+    torch_dtensor_like,
+    torch_placements,
+)
 from hp_dtensor.redistribute import plan_for
 from hp_fsdp._group import FSDPParam, ShardedState
 from hp_layout import Layout, Replicate, Shard, plan_redistribute
@@ -392,17 +397,7 @@ def _restored(value: Any, fp: FSDPParam | None, key: str) -> Any:
         return piece
     # A state of the parameter's shape, laid out like it (a torch DTensor of its rows).
     like: Any = fp.sharded
-    local = piece.view(like.to_local().shape)
-    from torch.distributed.tensor import DTensor as TorchDTensor
-
-    return TorchDTensor.from_local(
-        local,
-        like.device_mesh,
-        like.placements,
-        run_check=False,
-        shape=like.shape,
-        stride=like.stride(),
-    )
+    return torch_dtensor_like(piece.view(like.to_local().shape), like)
 
 
 def set_optimizer_state_dict(

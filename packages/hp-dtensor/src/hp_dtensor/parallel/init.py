@@ -40,7 +40,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -48,7 +48,13 @@ from torch import nn
 
 from hp_dtensor.device_mesh import DeviceMesh
 from hp_dtensor.dtensor import DTensor
-from hp_dtensor.interop import LAYOUT_ATTRIBUTE, annotate_layout, is_torch_dtensor, layout_of
+from hp_dtensor.interop import (
+    LAYOUT_ATTRIBUTE,
+    annotate_layout,
+    is_torch_dtensor,
+    layout_of,
+    torch_dtensor_like,
+)
 from hp_dtensor.parallel._grad_reduction import install_grad_reductions
 from hp_dtensor.parallel.random import take_region
 from hp_layout import Layout
@@ -432,17 +438,7 @@ def _rebuild(slot: _Slot, value: torch.Tensor, device: torch.device) -> torch.Te
     requires_grad = bool(slot.original.requires_grad)
     new: torch.Tensor
     if is_torch_dtensor(slot.original):
-        from torch.distributed.tensor import DTensor as TorchDTensor
-
-        like: Any = slot.original
-        wrapped_torch = TorchDTensor.from_local(
-            data,
-            like.device_mesh,
-            like.placements,
-            run_check=False,
-            shape=like.shape,
-            stride=like.stride(),
-        )
+        wrapped_torch = torch_dtensor_like(data, slot.original)
         new = nn.Parameter(wrapped_torch, requires_grad) if slot.kind == "param" else wrapped_torch
     elif slot.mesh is not None:
         assert slot.layout is not None
