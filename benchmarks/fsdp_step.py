@@ -7,6 +7,9 @@ with AdamW on gloo ranks of this machine (one thread each), in these layouts:
   ``torch.distributed.fsdp.fully_shard`` on ``init_device_mesh("cpu", (2,))``);
 * ``1-d w4``: world 4, one shard axis;
 * ``HSDP 2x2``: world 4, mesh ``(replicate, shard) = (2, 2)`` for both;
+* ``per_param``: the 1-d layouts again with ``fully_shard(..., param_layout="per_param")``
+  (FSDP2's layout: torch DTensor parameters, a copy out of the all-gather and into the
+  reduce-scatter), printed under each, with its ratio to torch FSDP2 and to the flat layout;
 * ``DDP w2`` / ``DDP w4``: ``torch.nn.parallel.DistributedDataParallel`` over all ranks
   (whole parameters on every rank, one bucketed all-reduce: the reference floor).
 
@@ -53,6 +56,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -78,7 +82,7 @@ class Variant:
     """One way of training the model."""
 
     name: str  # row label
-    impl: str  # "hp" | "torch" | "ddp"
+    impl: str  # "hp" | "hp_per_param" | "torch" | "ddp"
     mesh: tuple[int, ...]  # data-parallel mesh; () for DDP
 
 
@@ -86,11 +90,13 @@ WORLDS: dict[int, tuple[Variant, ...]] = {
     2: (
         Variant("1-d w2", "hp", (2,)),
         Variant("1-d w2", "torch", (2,)),
+        Variant("1-d w2", "hp_per_param", (2,)),
         Variant("DDP w2", "ddp", ()),
     ),
     4: (
         Variant("1-d w4", "hp", (4,)),
         Variant("1-d w4", "torch", (4,)),
+        Variant("1-d w4", "hp_per_param", (4,)),
         Variant("HSDP 2x2", "hp", (2, 2)),
         Variant("HSDP 2x2", "torch", (2, 2)),
         Variant("DDP w4", "ddp", ()),
@@ -193,7 +199,7 @@ def _mesh_names(mesh: tuple[int, ...]) -> tuple[str, ...]:
     return ("shard",) if len(mesh) == 1 else ("replicate", "shard")
 
 
-def _hp(mesh_shape: tuple[int, ...]) -> nn.Module:
+def _hp(mesh_shape: tuple[int, ...], layout: str = "flat") -> nn.Module:
     from hp_dtensor import DeviceMesh
     from hp_fsdp import fully_shard
     from hp_layout import Mesh
@@ -202,8 +208,8 @@ def _hp(mesh_shape: tuple[int, ...]) -> nn.Module:
     torch.manual_seed(0)
     model = Llama(CONFIG)
     for block in model.layers:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(block, mesh=mesh, param_layout=layout)
+    fully_shard(model, mesh=mesh, param_layout=layout)
     if PREFETCH:
         model.set_implicit_prefetch(True)  # type: ignore[operator]
     return model
@@ -232,6 +238,8 @@ def _ddp() -> nn.Module:
 def _build(variant: Variant) -> nn.Module:
     if variant.impl == "hp":
         return _hp(variant.mesh)
+    if variant.impl == "hp_per_param":
+        return _hp(variant.mesh, "per_param")
     if variant.impl == "torch":
         return _torch(variant.mesh)
     return _ddp()
@@ -361,7 +369,8 @@ def _table(results: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:
     for world, result in results.items():
         by = {(r["layout"], r["impl"]): r for r in result["rows"]}
         ddp = by[(f"DDP w{world}", "ddp")]
-        for layout in dict.fromkeys(r["layout"] for r in result["rows"] if r["impl"] != "ddp"):
+        layouts = [r["layout"] for r in result["rows"] if r["impl"] not in ("ddp", "hp_per_param")]
+        for layout in dict.fromkeys(layouts):
             hp, theirs = by[(layout, "hp")], by[(layout, "torch")]
             row = {
                 "layout": layout,
@@ -397,6 +406,19 @@ def _table(results: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:
                 f"{copies:>16}  "
                 f"{_short(hp['collectives'])} | {_short(theirs['collectives'])}"
             )
+            per_param = by.get((layout, "hp_per_param"))
+            if per_param is not None:
+                row["per_param_ms"] = per_param["ms"]
+                row["per_param_vs_torch"] = per_param["ms"] / theirs["ms"]
+                row["per_param_vs_flat"] = per_param["ms"] / hp["ms"]
+                row["per_param_peak_mib"] = per_param["peak_mib"]
+                row["copies_per_param"] = per_param["copies"]
+                print(
+                    f"{'  per_param':<10}{per_param['ms']:>8.1f}{'':>10}"
+                    f"{row['per_param_vs_torch']:>10.3f}{per_param['ms'] / ddp['ms']:>8.2f}"
+                    f"{'':>10}{per_param['peak_mib']:>8.1f}{'':>10}{'':>9}"
+                    f"{per_param['copies']:>16}  {row['per_param_vs_flat']:.3f} x flat"
+                )
         print(
             f"{f'DDP w{world}':<10}{'':>8}{'':>10}{'':>10}{ddp['ms']:>8.1f}{'ms':>10}"
             f"{'':>8}{ddp['peak_mib']:>10.1f}{'MiB':>9}{ddp['copies']:>16}  "
@@ -423,12 +445,25 @@ def _short(collectives: dict[str, int]) -> str:
 PREFETCH = "--prefetch" in sys.argv
 
 
+def _cpu_model() -> str:
+    """The CPU's model name (figures from different CPUs are not comparable)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text(encoding="utf-8")
+    except OSError:
+        text = ""
+    for line in text.splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or "unknown CPU"
+
+
 def main() -> None:
     started = time.perf_counter()
     results = {world: _run_world(world) for world in WORLDS}
     c = CONFIG
     print(
         f"machine: {platform.node()} {platform.machine()} {os.cpu_count()} cpus, "
+        f"{_cpu_model()} ({torch.backends.cpu.get_cpu_capability()}), "
         f"torch {torch.__version__}, gloo ranks with 1 thread each; Llama dim {c.dim}, "
         f"{c.n_layers} layers, ffn {c.ffn_dim}, vocab {c.vocab_size}; batch {LOCAL_BATCH}x{SEQ} "
         f"per rank; {ROUNDS} interleaved rounds of {STEPS} steps"
@@ -440,6 +475,8 @@ def main() -> None:
             {
                 "benchmark": "fsdp_step",
                 "machine": platform.node(),
+                "cpu": _cpu_model(),
+                "cpu_capability": torch.backends.cpu.get_cpu_capability(),
                 "torch": torch.__version__,
                 "memory_measure": MEMORY_MEASURE,
                 "hp_prefetch": PREFETCH,
