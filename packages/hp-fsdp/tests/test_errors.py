@@ -78,3 +78,33 @@ def test_bad_input_is_named() -> None:
     assert "empty list" in empty
     assert "pin_memory=False" in pinned
     assert "from torch.float32 to torch.float64 is not supported" in cast
+
+
+def _bf16_warning(slow: bool) -> list[str]:
+    import warnings
+
+    from hp_fsdp import MixedPrecisionPolicy
+    from hp_kernels import precision
+
+    precision.warn_if_bf16_is_slow.cache_clear()
+    original = precision.bf16_matmul_is_slow
+    precision.bf16_matmul_is_slow = lambda device_type="cpu": slow  # type: ignore[assignment]
+    try:
+        mesh = DeviceMesh("cpu", Mesh((2,), ("shard",)))
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(2):
+                fully_shard(nn.Linear(3, 3), mesh=mesh, mp_policy=policy)
+        return [str(w.message) for w in caught]
+    finally:
+        precision.bf16_matmul_is_slow = original
+        precision.warn_if_bf16_is_slow.cache_clear()
+
+
+@pytest.mark.multiprocess
+def test_bf16_mixed_precision_warns_once_on_a_cpu_without_fast_bf16() -> None:
+    slow = run_on_ranks(2, _bf16_warning, True)[0]
+    assert len(slow) == 1
+    assert "MixedPrecisionPolicy(param_dtype=torch.bfloat16) asks for bf16 compute" in slow[0]
+    assert run_on_ranks(2, _bf16_warning, False)[0] == []

@@ -21,6 +21,7 @@ from hp_fsdp.policy import (
     as_offload,
 )
 from hp_fsdp.state_dict import register_state_dict_hooks
+from hp_kernels.precision import warn_if_bf16_is_slow
 from hp_layout import Topology
 
 __all__ = ["FSDPModule", "fully_shard"]
@@ -289,6 +290,8 @@ def fully_shard(
     _check_unowned(params, owner)
     device_type = _device_type(params)
     fsdp = resolve_mesh(as_hp_mesh(mesh), topology, device_type)
+    if policy.param_dtype == torch.bfloat16 and fsdp.mesh.device_type == "cpu":
+        warn_if_bf16_is_slow("cpu", "MixedPrecisionPolicy(param_dtype=torch.bfloat16)")
     if offload is not None and offload.pin_memory and fsdp.mesh.device_type == "cpu":
         raise ValueError(
             f"fully_shard({owner!r}): CPUOffloadPolicy(pin_memory=True) pins host memory for "

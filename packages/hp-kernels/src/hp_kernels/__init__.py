@@ -17,6 +17,7 @@ from hp_kernels.backends import FORCE_REFERENCE_ENV, available_backends
 from hp_kernels.comm_matmul import all_gather_matmul, matmul_reduce_scatter
 from hp_kernels.flat_buffer import offsets_of, pack, unpack
 from hp_kernels.newton_schulz import newton_schulz
+from hp_kernels.precision import bf16_matmul_is_slow, newton_schulz_dtype
 
 __version__ = "0.1.0"
 
@@ -25,8 +26,10 @@ __all__ = [
     "__version__",
     "all_gather_matmul",
     "available_backends",
+    "bf16_matmul_is_slow",
     "matmul_reduce_scatter",
     "newton_schulz",
+    "newton_schulz_dtype",
     "offsets_of",
     "pack",
     "unpack",

@@ -7,6 +7,12 @@ a 2-D input is bit-equal to ``torch.optim.Muon``. bf16 in and out; the bf16 matm
 in fp32 inside ATen's CPU and cuBLAS kernels. CUDA and NPU run the reference (no fused kernel
 yet; the first call logs that once).
 
+``dtype`` chooses the precision of the iteration: bf16 by default (``torch.optim.Muon``'s),
+``None`` for the hardware's choice (``hp_kernels.precision.newton_schulz_dtype``: fp32 on CPUs
+without fast bf16 matmuls, where bf16 runs tens of times slower), or fp32 explicitly: the same
+op sequence in fp32, closer to the exact iteration (``tests/test_newton_schulz.py`` bounds it
+against float64).
+
 Registered as ``torch.ops.hp_kernels.newton_schulz`` with a fake implementation.
 """
 
@@ -18,6 +24,7 @@ import torch
 
 from hp_kernels import reference
 from hp_kernels.backends import Native, cpu_extension_missing, pick
+from hp_kernels.precision import newton_schulz_dtype
 
 __all__ = ["MAX_STEPS", "newton_schulz"]
 
@@ -35,7 +42,17 @@ def _cpu(
 _NATIVE = {"cpu": Native("cpp-extension", cpu_extension_missing, _cpu)}
 
 
-def _check(x: torch.Tensor, a: list[float], b: list[float], c: list[float]) -> None:
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+
+
+def _check(
+    x: torch.Tensor, a: list[float], b: list[float], c: list[float], dtype: torch.dtype
+) -> None:
+    if dtype not in _DTYPES:
+        raise ValueError(
+            f"hp_kernels.newton_schulz: dtype {dtype} is not a floating-point matmul dtype; "
+            f"use one of {_DTYPES}"
+        )
     if x.dim() not in (2, 3):
         raise ValueError(
             f"hp_kernels.newton_schulz takes [m, n] or [B, m, n], got shape {tuple(x.shape)}"
@@ -51,24 +68,37 @@ def _check(x: torch.Tensor, a: list[float], b: list[float], c: list[float]) -> N
 
 @torch.library.custom_op("hp_kernels::newton_schulz", mutates_args=())
 def _newton_schulz_op(
-    x: torch.Tensor, a: list[float], b: list[float], c: list[float], eps: float
+    x: torch.Tensor,
+    a: list[float],
+    b: list[float],
+    c: list[float],
+    eps: float,
+    dtype: torch.dtype,
 ) -> torch.Tensor:
-    _check(x, a, b, c)
-    kernel = pick("newton_schulz", x.device.type, _NATIVE)
+    _check(x, a, b, c, dtype)
     # Never an alias of x: the normalization's div always makes a new tensor.
+    if dtype != torch.bfloat16:
+        # The native kernels are bf16 ones; other dtypes run the reference sequence.
+        return reference.newton_schulz(x, a, b, c, eps, dtype)
+    kernel = pick("newton_schulz", x.device.type, _NATIVE)
     out: torch.Tensor = (kernel or reference.newton_schulz)(x, a, b, c, eps)
     return out
 
 
 @_newton_schulz_op.register_fake
 def _newton_schulz_fake(
-    x: torch.Tensor, a: list[float], b: list[float], c: list[float], eps: float
+    x: torch.Tensor,
+    a: list[float],
+    b: list[float],
+    c: list[float],
+    eps: float,
+    dtype: torch.dtype,
 ) -> torch.Tensor:
-    _check(x, a, b, c)
+    _check(x, a, b, c, dtype)
     # The result keeps the input's orientation; a tall input's result is a transposed view.
-    out = x.new_empty(x.shape, dtype=torch.bfloat16)
+    out = x.new_empty(x.shape, dtype=dtype)
     if x.size(-2) > x.size(-1):
-        out = x.new_empty((*x.shape[:-2], x.size(-1), x.size(-2)), dtype=torch.bfloat16).mT
+        out = x.new_empty((*x.shape[:-2], x.size(-1), x.size(-2)), dtype=dtype).mT
     return out
 
 
@@ -98,21 +128,26 @@ def newton_schulz(
     steps: int = 5,
     coefficients: Sequence[float] | Sequence[Sequence[float]] = (3.4445, -4.7750, 2.0315),
     eps: float = 1e-7,
+    dtype: torch.dtype | None = torch.bfloat16,
 ) -> torch.Tensor:
     """Orthogonalize ``x`` (``[m, n]`` or a batch ``[B, m, n]``) by ``steps`` Newton-Schulz steps.
 
     Args:
-        x: any float dtype; it is cast to bf16 first (as ``torch.optim.Muon`` does) and is
-            not modified.
+        x: any float dtype; it is cast to ``dtype`` first and is not modified.
         steps: number of iterations (``0 <= steps < 100``).
         coefficients: one ``(a, b, c)`` for every step (default: ``torch.optim.Muon``'s), or a
             per-step schedule whose last triple repeats beyond its end.
         eps: lower clamp of each matrix's Frobenius norm before the iteration.
+        dtype: the iteration's precision: ``torch.bfloat16`` (the default; bit-equal to
+            ``torch.optim.Muon`` for a 2-D input), another float dtype, or None for
+            ``hp_kernels.precision.newton_schulz_dtype`` of ``x``'s device (bf16, or fp32 on a
+            CPU without fast bf16 matmuls).
 
     Returns:
-        A bf16 tensor of ``x``'s shape. For a tall matrix it is a transposed view (the
+        A tensor of ``dtype`` and ``x``'s shape. For a tall matrix it is a transposed view (the
         iteration runs on the wide orientation), as in ``torch.optim.Muon``.
     """
     a, b, c = _schedule(steps, coefficients)
-    out: torch.Tensor = torch.ops.hp_kernels.newton_schulz(x, a, b, c, float(eps))
+    chosen = newton_schulz_dtype(x.device) if dtype is None else dtype
+    out: torch.Tensor = torch.ops.hp_kernels.newton_schulz(x, a, b, c, float(eps), chosen)
     return out

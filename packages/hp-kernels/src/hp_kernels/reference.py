@@ -43,14 +43,15 @@ def newton_schulz(
     b: Sequence[float],
     c: Sequence[float],
     eps: float,
+    dtype: torch.dtype = torch.bfloat16,
 ) -> torch.Tensor:
-    """Newton-Schulz orthogonalization in bf16 of ``[m, n]`` or ``[B, m, n]``, one step per
-    ``(a[i], b[i], c[i])``.
+    """Newton-Schulz orthogonalization in ``dtype`` (bf16 by default) of ``[m, n]`` or
+    ``[B, m, n]``, one step per ``(a[i], b[i], c[i])``.
 
     A 2-D input runs ``torch.optim.Muon``'s op sequence (``addmm``), so it is bit-equal to it;
     a batch runs the same sequence with ``baddbmm``. Tall matrices work on their transpose.
     """
-    y = x.bfloat16()
+    y = x.to(dtype)
     tall = y.size(-2) > y.size(-1)
     if tall:
         y = y.mT

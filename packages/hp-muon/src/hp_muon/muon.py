@@ -32,7 +32,7 @@ from torch.optim.optimizer import Optimizer, ParamsT
 from hp_layout import Mesh
 from hp_muon.coefficients import KELLER, Coefficients, CoefficientSpec, coefficient_schedule
 from hp_muon.exchange import ExchangeStats, piece_view, run_program
-from hp_muon.newton_schulz import orthogonalize_many
+from hp_muon.newton_schulz import default_dtype, orthogonalize_many
 from hp_muon.plan import MatrixTensor, MuonPlan, RankProgram, plan_muon_step, rank_program
 from hp_muon.tensors import global_shape, like_param, local_data, local_grad, planning_layout
 
@@ -78,12 +78,16 @@ class MuonStepStats:
     collectives: int
 
 
+# Newton-Schulz settings of a matrix: its schedule, eps and dtype (None: the hardware's).
+_Settings = tuple[tuple[Coefficients, ...], float, torch.dtype | None]
+
+
 @dataclass
 class _Entry:
     param: torch.Tensor
     update: torch.Tensor  # flat bf16 local Newton-Schulz input
     spec: MatrixTensor
-    settings: tuple[tuple[Coefficients, ...], float]
+    settings: _Settings
     lr: float | torch.Tensor  # a tensor lr stays one: torch computes with it in its dtype
     weight_decay: float
     adjust_lr_fn: str | None
@@ -157,6 +161,14 @@ class Muon(Optimizer):
             batched bf16 products run different kernels than torch's per-matrix ones (results
             then differ from ``torch.optim.Muon`` by bf16 rounding) and save only dispatch
             overhead.
+        ns_dtype: (also a per-group option) the precision of the Newton-Schulz iteration.
+            ``torch.bfloat16`` (the default) is ``torch.optim.Muon``'s (bit-equal to it on one
+            device); ``torch.float32`` runs the iteration in fp32 (its input and result still
+            travel in bf16, the dtype torch's have); ``None``: the hardware's choice, bf16
+            where bf16 matmuls are fast (accelerators, CPUs with AVX-512 BF16 or AMX) and fp32
+            on CPUs without them, where bf16 runs tens of times slower
+            (``hp_kernels.newton_schulz_dtype``, decided once per process; bf16 when
+            hp-kernels is not installed).
 
     Raises:
         ValueError: as ``torch.optim.Muon`` for a bad ``lr``, ``momentum``, ``weight_decay`` or
@@ -183,6 +195,7 @@ class Muon(Optimizer):
         replicate_group: dist.ProcessGroup | None = None,
         bucket_cap_mb: float = 32.0,
         fuse_shapes: bool | None = None,
+        ns_dtype: torch.dtype | None = torch.bfloat16,
     ) -> None:
         if isinstance(lr, torch.Tensor) and lr.numel() != 1:
             raise ValueError(f"Tensor lr must be 1-element, got {lr.numel()} elements")
@@ -209,6 +222,7 @@ class Muon(Optimizer):
             "ns_steps": ns_steps,
             "adjust_lr_fn": adjust_lr_fn,
             "row_blocks": row_blocks,
+            "ns_dtype": ns_dtype,
         }
         self._process_group = process_group
         self._replicate_group = replicate_group
@@ -248,7 +262,7 @@ class Muon(Optimizer):
         index = 0
         for group in self.param_groups:
             schedule = coefficient_schedule(group["ns_coefficients"], group["ns_steps"])
-            settings = (schedule, float(group["eps"]))
+            settings: _Settings = (schedule, float(group["eps"]), group.get("ns_dtype"))
             momentum, nesterov = group["momentum"], group["nesterov"]
             with_grad: list[tuple[int, torch.Tensor, torch.Tensor]] = []
             for p in group["params"]:
@@ -310,14 +324,16 @@ class Muon(Optimizer):
         self, plan: MuonPlan, entries: Sequence[_Entry]
     ) -> Callable[[Sequence[int], Sequence[torch.Tensor]], list[torch.Tensor]]:
         def run(jobs: Sequence[int], matrices: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-            by_settings: dict[tuple[tuple[Coefficients, ...], float], list[int]] = {}
+            by_settings: dict[_Settings, list[int]] = {}
             for k, j in enumerate(jobs):
                 by_settings.setdefault(entries[plan.jobs[j].tensor].settings, []).append(k)
             out: list[torch.Tensor | None] = [None] * len(jobs)
-            for (schedule, eps), members in by_settings.items():
+            for (schedule, eps, ns_dtype), members in by_settings.items():
                 chosen = [matrices[k] for k in members]
-                fuse = self._fuse if self._fuse is not None else chosen[0].device.type != "cpu"
-                results = orthogonalize_many(chosen, schedule, eps, fuse=fuse)
+                device = chosen[0].device
+                fuse = self._fuse if self._fuse is not None else device.type != "cpu"
+                dtype = ns_dtype if ns_dtype is not None else default_dtype(device)
+                results = orthogonalize_many(chosen, schedule, eps, fuse=fuse, dtype=dtype)
                 for k, r in zip(members, results, strict=True):
                     out[k] = r
             return [cast(torch.Tensor, o) for o in out]

@@ -1,4 +1,6 @@
-"""Newton-Schulz orthogonalization in bf16, one matrix or a batch of same-shape matrices.
+"""Newton-Schulz orthogonalization, one matrix or a batch of same-shape matrices, in bf16 (the
+default, ``torch.optim.Muon``'s) or another ``dtype`` (``Muon(ns_dtype=None)`` picks fp32 on
+CPUs without fast bf16 matmuls, see :func:`default_dtype`).
 
 For one matrix the op sequence is ``torch.optim.Muon``'s, so results are bit-equal to it: cast
 to bf16, work on the transpose of a tall matrix (a view), divide by the Frobenius norm clamped
@@ -23,14 +25,29 @@ import torch
 from hp_muon.coefficients import Coefficients
 
 _kernel: Callable[..., torch.Tensor] | None
+_dtype_for: Callable[[torch.device], torch.dtype] | None
 try:  # optional: per-backend kernels, same results on CPU
     from hp_kernels import newton_schulz as _kernel_op
+    from hp_kernels import newton_schulz_dtype as _dtype_op
 except ImportError:  # pragma: no cover - depends on what is installed
-    _kernel = None
+    _kernel, _dtype_for = None, None
 else:
-    _kernel = _kernel_op
+    _kernel, _dtype_for = _kernel_op, _dtype_op
 
-__all__ = ["orthogonalize", "orthogonalize_batch", "orthogonalize_many", "uses_hp_kernels"]
+__all__ = [
+    "default_dtype",
+    "orthogonalize",
+    "orthogonalize_batch",
+    "orthogonalize_many",
+    "uses_hp_kernels",
+]
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    """The dtype ``Muon(ns_dtype=None)`` runs Newton-Schulz in on ``device``: with hp-kernels,
+    fp32 on a CPU without fast bf16 matmuls and bf16 elsewhere
+    (``hp_kernels.newton_schulz_dtype``); without hp-kernels, bf16 (``torch.optim.Muon``'s)."""
+    return _dtype_for(device) if _dtype_for is not None else torch.bfloat16
 
 
 def uses_hp_kernels() -> bool:
@@ -39,17 +56,20 @@ def uses_hp_kernels() -> bool:
 
 
 def orthogonalize(
-    matrix: torch.Tensor, schedule: Sequence[Coefficients], eps: float
+    matrix: torch.Tensor,
+    schedule: Sequence[Coefficients],
+    eps: float,
+    dtype: torch.dtype = torch.bfloat16,
 ) -> torch.Tensor:
-    """The bf16 Newton-Schulz orthogonalization of a 2-D ``matrix`` (same shape, bf16).
+    """The Newton-Schulz orthogonalization of a 2-D ``matrix`` in ``dtype`` (same shape).
 
     The input is not modified.
     """
     if matrix.dim() != 2:
         raise ValueError(f"orthogonalize takes a 2-D matrix, got shape {tuple(matrix.shape)}")
     if _kernel is not None:
-        return _kernel(matrix, len(schedule), list(schedule), eps)
-    x = matrix.bfloat16()
+        return _kernel(matrix, len(schedule), list(schedule), eps, dtype=dtype)
+    x = matrix.to(dtype)
     tall = x.size(0) > x.size(1)
     if tall:
         x = x.T
@@ -62,14 +82,17 @@ def orthogonalize(
 
 
 def orthogonalize_batch(
-    batch: torch.Tensor, schedule: Sequence[Coefficients], eps: float
+    batch: torch.Tensor,
+    schedule: Sequence[Coefficients],
+    eps: float,
+    dtype: torch.dtype = torch.bfloat16,
 ) -> torch.Tensor:
     """:func:`orthogonalize` of every matrix of a ``[B, m, n]`` batch, as one batched run."""
     if batch.dim() != 3:
         raise ValueError(f"orthogonalize_batch takes [B, m, n], got shape {tuple(batch.shape)}")
     if _kernel is not None:
-        return _kernel(batch, len(schedule), list(schedule), eps)
-    x = batch.bfloat16()
+        return _kernel(batch, len(schedule), list(schedule), eps, dtype=dtype)
+    x = batch.to(dtype)
     tall = x.size(1) > x.size(2)
     if tall:
         x = x.mT
@@ -87,8 +110,10 @@ def orthogonalize_many(
     eps: float,
     *,
     fuse: bool = True,
+    dtype: torch.dtype = torch.bfloat16,
 ) -> list[torch.Tensor]:
-    """Orthogonalize each of ``matrices`` (2-D); returns bf16 results in the same order.
+    """Orthogonalize each of ``matrices`` (2-D) in ``dtype``; returns the results (of
+    ``dtype``) in the same order.
 
     With ``fuse``, matrices of the same shape, or of transposed shapes, run as one batch
     (tall ones in their wide orientation); a matrix alone in its shape class runs through
@@ -98,22 +123,22 @@ def orthogonalize_many(
     classes: dict[tuple[int, int], list[int]] = {}
     for i, m in enumerate(matrices):
         if m.numel() == 0:
-            out[i] = m.bfloat16()
+            out[i] = m.to(dtype)
         elif not fuse:
-            out[i] = orthogonalize(m, schedule, eps)
+            out[i] = orthogonalize(m, schedule, eps, dtype)
         else:
             rows, cols = m.shape
             classes.setdefault((min(rows, cols), max(rows, cols)), []).append(i)
     for members in classes.values():
         if len(members) == 1:
-            out[members[0]] = orthogonalize(matrices[members[0]], schedule, eps)
+            out[members[0]] = orthogonalize(matrices[members[0]], schedule, eps, dtype)
             continue
         shapes = {tuple(matrices[i].shape) for i in members}
         if len(shapes) == 1:
             # One orientation: stack as they are (orthogonalize_batch views tall ones as wide,
             # like the single-matrix path does).
             results = orthogonalize_batch(
-                torch.stack([matrices[i].bfloat16() for i in members]), schedule, eps
+                torch.stack([matrices[i].to(dtype) for i in members]), schedule, eps, dtype
             )
             for i, r in zip(members, results, strict=True):
                 out[i] = r
@@ -122,7 +147,8 @@ def orthogonalize_many(
             matrices[i] if matrices[i].size(0) <= matrices[i].size(1) else matrices[i].T
             for i in members
         ]
-        results = orthogonalize_batch(torch.stack([w.bfloat16() for w in wide]), schedule, eps)
+        stacked = torch.stack([w.to(dtype) for w in wide])
+        results = orthogonalize_batch(stacked, schedule, eps, dtype)
         for i, r in zip(members, results, strict=True):
             out[i] = r if matrices[i].size(0) <= matrices[i].size(1) else r.T
     done = [o for o in out if o is not None]
