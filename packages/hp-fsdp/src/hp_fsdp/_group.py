@@ -32,7 +32,7 @@ from torch import nn
 from hp_dtensor import DTensor, annotate_layout
 from hp_dtensor.contract import set_grad_layout, set_materialize_target
 from hp_dtensor.device import local_device
-from hp_dtensor.interop import torch_dtensor_like
+from hp_dtensor.interop import is_torch_dtensor, torch_dtensor_like
 from hp_fsdp._lowp_comm import Deferred, WireCodec, all_gather_records, reduce_scatter_lowp
 from hp_fsdp._mesh import FSDPMesh
 from hp_fsdp._rows import as_torch_dtensor, copy_in, copy_out, local_shape, pack_rows
@@ -124,16 +124,10 @@ def _in_plan_order(params: Sequence[_Param], plan: GroupPlan) -> list[_Param]:
     return [by_name[fqn] for fqn in plan.fqns]
 
 
-def _is_torch_dtensor(t: object) -> bool:
-    from torch.distributed.tensor import DTensor as TorchDTensor
-
-    return isinstance(t, TorchDTensor)
-
-
 def _local(param: torch.Tensor) -> torch.Tensor:
     """The data FSDP packs for ``param`` (its tensor-parallel shard, or a per-parameter
     torch DTensor's rows, detached)."""
-    if isinstance(param, DTensor) or _is_torch_dtensor(param):
+    if isinstance(param, DTensor) or is_torch_dtensor(param):
         local: torch.Tensor = cast(Any, param).to_local()
         return local.detach()
     return param.detach()
@@ -159,7 +153,7 @@ def repoint(param: torch.Tensor, data: torch.Tensor) -> None:
     """Make the parameter object ``param`` hold ``data`` (a view of a flat buffer) as its
     (local) tensor, keeping the object and its attributes, so optimizers and user references
     stay valid."""
-    torch_dtensor = _is_torch_dtensor(param)
+    torch_dtensor = is_torch_dtensor(param)
     if (
         not isinstance(param, DTensor)
         and not torch_dtensor
@@ -463,8 +457,6 @@ class FSDPParamGroup:
         wire = comm.shard_reduce_dtype
         if wire is not None and wire != torch.float32:
             self.reduce_codec = WireCodec(wire, chunk, comm.block_size)
-        # The quantized shard and the version of ``sharded_flat`` it was made from.
-        self._gather_cache = None
         self.param_quantizations = 0
         """Times this rank's shard was quantized for the all-gather (once per step)."""
 
@@ -729,7 +721,7 @@ class FSDPParamGroup:
                 continue
             grad = self.local_view(index, chunk)
             if self.rows is not None:
-                grad = as_torch_dtensor(grad, self.fsdp.mesh, self.fsdp.shard_axis, p.shape)
+                grad = torch_dtensor_like(grad, p.sharded)  # the parameter's placements
             target = p.sharded.to_local() if isinstance(p.sharded, DTensor) else p.sharded
             if target.grad is None or not accumulate:
                 target.grad = grad

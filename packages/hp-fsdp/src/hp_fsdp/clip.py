@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hp_dtensor import DeviceMesh, DTensor, layout_of, redistribute_local
+from hp_dtensor.interop import is_torch_dtensor
 from hp_fsdp.state_dict import fsdp_params
 from hp_layout import Layout, Mesh, Partial, Replicate
 
@@ -41,13 +42,6 @@ class _Grad:
     layout: Layout
     counted: bool
     """This rank's piece counts for sum-based norms (first replica on every replicated axis)."""
-
-
-def _is_torch_dtensor(value: object) -> bool:
-    import sys
-
-    module = sys.modules.get("torch.distributed.tensor")
-    return module is not None and isinstance(value, module.DTensor)
 
 
 Parameters = nn.Module | torch.Tensor | Iterable[torch.Tensor]
@@ -91,7 +85,7 @@ def _reduced(local: torch.Tensor, layout: Layout, device_type: str) -> tuple[tor
 
 def _gradient(p: torch.Tensor, rank: int) -> _Grad:
     grad = p.grad
-    if isinstance(grad, DTensor) or _is_torch_dtensor(grad):
+    if isinstance(grad, DTensor) or is_torch_dtensor(grad):
         assert grad is not None
         layout = layout_of(grad)
         local: torch.Tensor | None = grad.to_local()  # type: ignore[attr-defined]

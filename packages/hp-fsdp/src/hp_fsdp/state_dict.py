@@ -40,6 +40,7 @@ from torch import nn
 from hp_dtensor import DeviceMesh, DTensor, execute_plan, from_torch_dtensor
 from hp_dtensor.interop import (
     InteropError,
+    is_torch_dtensor,
     to_torch_dtensor,
     torch_dtensor_like,
     torch_placements,
@@ -103,7 +104,7 @@ def checkpoint_layout(layout: Layout) -> Layout:
 def _local(t: torch.Tensor) -> torch.Tensor:
     """The plain local tensor of a parameter or state (our DTensor's local shard, a torch
     DTensor's local rows)."""
-    if isinstance(t, DTensor) or _is_torch_dtensor(t):
+    if isinstance(t, DTensor) or is_torch_dtensor(t):
         local: torch.Tensor = t.to_local()  # type: ignore[attr-defined]
         return local
     return t
@@ -111,7 +112,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 def _per_param(fp: FSDPParam) -> bool:
     """Whether ``fp`` is in the per-parameter layout (a torch DTensor parameter)."""
-    return _is_torch_dtensor(fp.sharded)
+    return is_torch_dtensor(fp.sharded)
 
 
 def _device_mesh(fp: FSDPParam) -> DeviceMesh:
@@ -139,19 +140,13 @@ def _to_checkpoint(local: torch.Tensor, fp: FSDPParam) -> torch.Tensor:
     return to_torch_dtensor(DTensor(_owned(out), target, mesh))
 
 
-def _is_torch_dtensor(value: object) -> bool:
-    from torch.distributed.tensor import DTensor as TorchDTensor
-
-    return isinstance(value, TorchDTensor)
-
-
 class _SizeMismatchError(ValueError):
     """A state-dict entry does not have its parameter's global shape."""
 
 
 def _source(value: torch.Tensor, fp: FSDPParam, key: str) -> tuple[torch.Tensor, Layout]:
     """``value`` as ``(this rank's local tensor, its layout on the parameter's mesh)``."""
-    if _is_torch_dtensor(value):
+    if is_torch_dtensor(value):
         value = from_torch_dtensor(value)  # type: ignore[arg-type]
     shape = fp.layout.global_shape
     if tuple(value.shape) != shape:
@@ -390,7 +385,7 @@ def _restored(value: Any, fp: FSDPParam | None, key: str) -> Any:
     if fp is None or not isinstance(value, torch.Tensor):
         return value
     whole = tuple(value.shape) == fp.layout.global_shape and value.dim() > 0
-    if not (_is_torch_dtensor(value) or isinstance(value, DTensor) or whole):
+    if not (is_torch_dtensor(value) or isinstance(value, DTensor) or whole):
         return value
     piece = _from_checkpoint(value, fp, key).clone()
     if not _per_param(fp):

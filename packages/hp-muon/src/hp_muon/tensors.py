@@ -12,7 +12,7 @@ import torch
 from torch.distributed.tensor import DTensor as TorchDTensor
 
 from hp_dtensor import DTensor, annotate_layout, layout_of
-from hp_dtensor.interop import LAYOUT_ATTRIBUTE
+from hp_dtensor.interop import LAYOUT_ATTRIBUTE, torch_dtensor_like
 from hp_layout import Layout, Mesh, Replicate
 
 __all__ = [
@@ -92,14 +92,7 @@ def like_param(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
     """``local`` (shaped like ``param``'s local data) wrapped as the same kind as ``param``,
     so that optimizer state is laid out, and checkpointed, like its parameter."""
     if isinstance(param, TorchDTensor):
-        return TorchDTensor.from_local(
-            local,
-            param.device_mesh,
-            param.placements,
-            run_check=False,
-            shape=param.shape,
-            stride=param.stride(),
-        )
+        return torch_dtensor_like(local, param)
     if isinstance(param, DTensor):
         return DTensor(local, param.dist_layout, param.device_mesh)
     if not is_plain(param):
