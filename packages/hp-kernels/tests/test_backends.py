@@ -63,7 +63,7 @@ def test_missing_backend_warns_once_per_op(
         for _ in range(3):
             out = hp_kernels.pack([t], torch.empty(30, dtype=torch.bfloat16), [0])
             hp_kernels.unpack(out, [0], [torch.empty(3, 10)])
-            hp_kernels.newton_schulz(t)
+            hp_kernels.newton_schulz(t, dtype=torch.bfloat16)
     messages = [r.getMessage() for r in caplog.records if r.name == "hp_kernels"]
     assert len(messages) == 3, messages
     for op in ("pack", "unpack", "newton_schulz"):
@@ -86,7 +86,7 @@ hp_kernels.pack(ts, torch.empty(size, dtype=torch.bfloat16), offsets)
 want = torch.empty(size, dtype=torch.bfloat16)
 reference.pack(ts, want, offsets)
 x = torch.randn(2, 8, 5)
-ns = hp_kernels.newton_schulz(x)
+ns = hp_kernels.newton_schulz(x, dtype=torch.bfloat16)
 print(json.dumps({
     "backends": hp_kernels.available_backends(),
     "pack_equal": torch.equal(got.view(torch.int16), want.view(torch.int16)),

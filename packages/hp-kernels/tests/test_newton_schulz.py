@@ -10,7 +10,7 @@ from torch.optim._muon import _zeropower_via_newtonschulz
 
 import hp_kernels
 from _util import bit_equal
-from hp_kernels import reference
+from hp_kernels import precision, reference
 from hp_kernels._extension import load_cpu_extension
 
 KELLER = (3.4445, -4.7750, 2.0315)
@@ -26,7 +26,7 @@ def _ref(x: torch.Tensor, steps: int = 5, coeffs: tuple[float, ...] = KELLER) ->
 @pytest.mark.parametrize("shape", SHAPES)
 def test_batched_bit_equal_to_reference(shape: tuple[int, ...], dtype: torch.dtype) -> None:
     x = torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(dtype)
-    got = hp_kernels.newton_schulz(x)
+    got = hp_kernels.newton_schulz(x, dtype=torch.bfloat16)
     want = _ref(x)
     assert got.dtype == torch.bfloat16
     assert bit_equal(got, want)
@@ -36,7 +36,7 @@ def test_batched_bit_equal_to_reference(shape: tuple[int, ...], dtype: torch.dty
 @pytest.mark.parametrize("shape", [(8, 8), (16, 40), (40, 16), (1, 7), (33, 17), (128, 96)])
 def test_two_d_bit_equal_to_torch_muon(shape: tuple[int, int]) -> None:
     x = torch.randn(shape, generator=torch.Generator().manual_seed(1))
-    got = hp_kernels.newton_schulz(x, steps=5, coefficients=KELLER, eps=1e-7)
+    got = hp_kernels.newton_schulz(x, steps=5, coefficients=KELLER, eps=1e-7, dtype=torch.bfloat16)
     assert bit_equal(got, _zeropower_via_newtonschulz(x, KELLER, 5, 1e-7))
 
 
@@ -47,7 +47,7 @@ def test_batch_close_to_per_matrix() -> None:
     # here; asserted within 2**-7, one bf16 rounding of an entry below 2 (the outputs are below
     # 0.7), the bound hp-muon's fused steps use for the same kernels.
     x = torch.randn(4, 32, 48, generator=torch.Generator().manual_seed(2))
-    got = hp_kernels.newton_schulz(x).float()
+    got = hp_kernels.newton_schulz(x, dtype=torch.bfloat16).float()
     for i in range(4):
         one = _zeropower_via_newtonschulz(x[i], KELLER, 5, 1e-7).float()
         torch.testing.assert_close(got[i], one, atol=2**-7, rtol=0)
@@ -56,12 +56,12 @@ def test_batch_close_to_per_matrix() -> None:
 def test_schedule_repeats_its_last_triple() -> None:
     x = torch.randn(2, 8, 12, generator=torch.Generator().manual_seed(3))
     schedule = [(4.0, -3.0, 0.5), KELLER]
-    got = hp_kernels.newton_schulz(x, steps=4, coefficients=schedule)
+    got = hp_kernels.newton_schulz(x, steps=4, coefficients=schedule, dtype=torch.bfloat16)
     want = reference.newton_schulz(
         x, [4.0] + [KELLER[0]] * 3, [-3.0] + [KELLER[1]] * 3, [0.5] + [KELLER[2]] * 3, 1e-7
     )
     assert bit_equal(got, want)
-    zero_steps = hp_kernels.newton_schulz(x, steps=0)
+    zero_steps = hp_kernels.newton_schulz(x, steps=0, dtype=torch.bfloat16)
     torch.testing.assert_close(
         zero_steps.float().norm(dim=(-2, -1)), torch.ones(2), atol=1e-2, rtol=0
     )
@@ -70,27 +70,27 @@ def test_schedule_repeats_its_last_triple() -> None:
 def test_input_is_not_modified() -> None:
     x = torch.randn(2, 6, 4).bfloat16()
     before = x.clone()
-    hp_kernels.newton_schulz(x)
+    hp_kernels.newton_schulz(x, dtype=torch.bfloat16)
     assert bit_equal(x, before)
 
 
 def test_errors() -> None:
     with pytest.raises(ValueError, match=r"takes \[m, n\] or \[B, m, n\], got shape \(5,\)"):
-        hp_kernels.newton_schulz(torch.randn(5))
+        hp_kernels.newton_schulz(torch.randn(5), dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="use fewer than 100"):
-        hp_kernels.newton_schulz(torch.randn(2, 3), steps=100)
+        hp_kernels.newton_schulz(torch.randn(2, 3), steps=100, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match=r"one \(a, b, c\) triple or a non-empty sequence"):
-        hp_kernels.newton_schulz(torch.randn(2, 3), coefficients=[(1.0, 2.0)])
+        hp_kernels.newton_schulz(torch.randn(2, 3), coefficients=[(1.0, 2.0)], dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="steps must be >= 0"):
-        hp_kernels.newton_schulz(torch.randn(2, 3), steps=-1)
+        hp_kernels.newton_schulz(torch.randn(2, 3), steps=-1, dtype=torch.bfloat16)
 
 
 def test_fake_tensors_keep_shape_and_strides() -> None:
-    real_wide = hp_kernels.newton_schulz(torch.randn(3, 4, 6))
-    real_tall = hp_kernels.newton_schulz(torch.randn(3, 6, 4))
+    real_wide = hp_kernels.newton_schulz(torch.randn(3, 4, 6), dtype=torch.bfloat16)
+    real_tall = hp_kernels.newton_schulz(torch.randn(3, 6, 4), dtype=torch.bfloat16)
     with FakeTensorMode():
-        wide = hp_kernels.newton_schulz(torch.empty(3, 4, 6))
-        tall = hp_kernels.newton_schulz(torch.empty(3, 6, 4))
+        wide = hp_kernels.newton_schulz(torch.empty(3, 4, 6), dtype=torch.bfloat16)
+        tall = hp_kernels.newton_schulz(torch.empty(3, 6, 4), dtype=torch.bfloat16)
     assert (wide.shape, wide.stride(), wide.dtype) == (
         real_wide.shape,
         real_wide.stride(),
@@ -129,7 +129,7 @@ def test_fp32_iteration_is_within_its_bound_of_float64(shape: tuple[int, ...]) -
     x = torch.randn(shape, generator=torch.Generator().manual_seed(3))
     exact = hp_kernels.newton_schulz(x.double(), dtype=torch.float64)
     got = hp_kernels.newton_schulz(x, dtype=torch.float32)
-    bf16 = hp_kernels.newton_schulz(x)
+    bf16 = hp_kernels.newton_schulz(x, dtype=torch.bfloat16)
     assert got.dtype == torch.float32
     assert bf16.dtype == torch.bfloat16
     scale = exact.abs().max().item()
@@ -144,6 +144,22 @@ def test_hardware_choice_follows_the_capability() -> None:
     expected = torch.float32 if hp_kernels.bf16_matmul_is_slow("cpu") else torch.bfloat16
     assert chosen == expected
     assert hp_kernels.newton_schulz(x, dtype=None).dtype == chosen
+
+
+@pytest.mark.parametrize(("speed", "dtype"), [("slow", torch.float32), ("fast", torch.bfloat16)])
+def test_the_default_dtype_follows_the_hardware(
+    speed: str, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    x = torch.randn(2, 8, 12, generator=torch.Generator().manual_seed(5))
+    monkeypatch.setenv(precision.ENV_VARIABLE, speed)
+    precision.bf16_matmul_is_slow.cache_clear()
+    try:
+        default = hp_kernels.newton_schulz(x)
+    finally:
+        monkeypatch.undo()
+        precision.bf16_matmul_is_slow.cache_clear()
+    assert default.dtype == dtype
+    assert bit_equal(default, hp_kernels.newton_schulz(x, dtype=dtype))
 
 
 def test_bad_dtype_is_named() -> None:

@@ -107,7 +107,7 @@ def test_chain_equals_torch_muon_and_adamw_side_by_side() -> None:
     ours_model, ref_model = _model(), _model()
     ours = muon_with_adamw(
         ours_model,
-        muon={"lr": 0.02, "weight_decay": 0.01},
+        muon={"lr": 0.02, "weight_decay": 0.01, "ns_dtype": torch.bfloat16},
         adamw={"lr": 3e-3, "weight_decay": 0.01},
     )
     split = split_params(ref_model)
@@ -189,7 +189,7 @@ def test_chain_errors() -> None:
     model = _model()
     with pytest.raises(ValueError, match="at least one optimizer"):
         ChainedOptimizer([])
-    a = Muon([_weight(model, "layers.0.ffn.w1.weight")])
+    a = Muon([_weight(model, "layers.0.ffn.w1.weight")], ns_dtype=torch.bfloat16)
     b = torch.optim.AdamW([_weight(model, "layers.0.ffn.w1.weight")])
     with pytest.raises(ValueError, match="some parameters appear in more than one parameter group"):
         ChainedOptimizer([a, b])

@@ -60,7 +60,7 @@ def _case(name: str, fuse: bool, adjust_lr_fn: str | None) -> dict[str, float]:
     kwargs = {"lr": LR, "weight_decay": 0.1, "adjust_lr_fn": adjust_lr_fn}
     ref_opt = torch.optim.Muon([p for ps in reference for p in ps], **kwargs)  # type: ignore[arg-type]
     params = sharder.make(fulls)
-    opt = Muon(params, fuse_shapes=fuse, **kwargs, **sharder.muon_kwargs())  # type: ignore[arg-type]
+    opt = Muon(params, fuse_shapes=fuse, **kwargs, ns_dtype=torch.bfloat16, **sharder.muon_kwargs())  # type: ignore[arg-type]
     worst = 0.0
     sent = orthogonalized = 0
     for step in range(STEPS):

@@ -72,7 +72,7 @@ def test_muon_step_bit_equal_to_torch_muon() -> None:
     g = torch.Generator().manual_seed(3)
     params = [torch.nn.Parameter(torch.randn(s, generator=g)) for s in [(32, 16), (16, 48)]]
     twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
-    ours = Muon(params, lr=0.02, momentum=0.95)
+    ours = Muon(params, lr=0.02, momentum=0.95, ns_dtype=torch.bfloat16)
     theirs = torch.optim.Muon(twins, lr=0.02, momentum=0.95)
     for _ in range(3):
         for p, q in zip(params, twins, strict=True):

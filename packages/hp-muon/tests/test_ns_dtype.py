@@ -1,7 +1,8 @@
-"""``Muon(ns_dtype=...)``: the Newton-Schulz precision. bf16 (the default) is torch's; fp32 equals
+"""``Muon(ns_dtype=...)``: the Newton-Schulz precision. bf16 is torch's; fp32 equals
 ``torch.optim.Muon`` with its Newton-Schulz iteration run in fp32 between bf16 input and output
 (hp-muon moves Newton-Schulz inputs and results in bf16, the dtype torch's have; the rest of the
-step unchanged), bit for bit; ``None`` follows ``hp_kernels.newton_schulz_dtype``."""
+step unchanged), bit for bit; ``None`` (the default) follows ``hp_kernels.newton_schulz_dtype``:
+fp32 where bf16 matmuls are slow, bf16 elsewhere."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 import torch
 import torch.optim._muon as torch_muon
 
+import hp_kernels.precision as precision
 import hp_muon
 from hp_muon.newton_schulz import default_dtype
 
@@ -43,12 +45,12 @@ def test_fp32_equals_torch_muon_with_fp32_newton_schulz(
     shape: tuple[int, int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     ours = _steps(lambda p: hp_muon.Muon(p, lr=0.02, ns_dtype=torch.float32), shape)
-    bf16 = _steps(lambda p: hp_muon.Muon(p, lr=0.02), shape)
+    bf16 = _steps(lambda p: hp_muon.Muon(p, lr=0.02, ns_dtype=torch.bfloat16), shape)
     torch_bf16 = _steps(lambda p: torch.optim.Muon(p, lr=0.02), shape)
     monkeypatch.setattr(torch_muon, "_zeropower_via_newtonschulz", _fp32_zeropower)
     theirs = _steps(lambda p: torch.optim.Muon(p, lr=0.02), shape)
     assert torch.equal(ours, theirs)
-    assert torch.equal(bf16, torch_bf16)  # the default stays torch's bf16
+    assert torch.equal(bf16, torch_bf16)  # an explicit bf16 is torch's on every machine
     assert not torch.equal(ours, bf16)
 
 
@@ -57,3 +59,21 @@ def test_none_follows_the_hardware() -> None:
     chosen = _steps(lambda p: hp_muon.Muon(p, lr=0.02, ns_dtype=None), (16, 24))
     explicit = _steps(lambda p: hp_muon.Muon(p, lr=0.02, ns_dtype=expected), (16, 24))
     assert torch.equal(chosen, explicit)
+
+
+@pytest.mark.parametrize(("speed", "dtype"), [("slow", torch.float32), ("fast", torch.bfloat16)])
+def test_the_default_follows_the_hardware(
+    speed: str, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(precision.ENV_VARIABLE, speed)
+    precision.bf16_matmul_is_slow.cache_clear()
+    try:
+        default = _steps(lambda p: hp_muon.Muon(p, lr=0.02), (16, 24))
+        explicit = _steps(lambda p: hp_muon.Muon(p, lr=0.02, ns_dtype=dtype), (16, 24))
+        other = torch.bfloat16 if dtype == torch.float32 else torch.float32
+        differs = _steps(lambda p: hp_muon.Muon(p, lr=0.02, ns_dtype=other), (16, 24))
+    finally:
+        monkeypatch.undo()
+        precision.bf16_matmul_is_slow.cache_clear()
+    assert torch.equal(default, explicit)
+    assert not torch.equal(default, differs)

@@ -56,7 +56,7 @@ def _step_both(ours: list[nn.Parameter], theirs: list[nn.Parameter], step: int) 
 @pytest.mark.parametrize("kwargs", TORCH_GRID, ids=lambda k: ",".join(k) or "default")
 def test_bit_equal_to_torch_muon(kwargs: dict[str, Any]) -> None:
     ours, theirs = _pair(SHAPES)
-    opt, ref = Muon(ours, **kwargs), torch.optim.Muon(theirs, **kwargs)
+    opt, ref = Muon(ours, **kwargs, ns_dtype=torch.bfloat16), torch.optim.Muon(theirs, **kwargs)
     for step in range(STEPS):
         _step_both(ours, theirs, step)
         opt.step()
@@ -82,7 +82,7 @@ def test_param_groups_named_params_and_closure() -> None:
         {"params": [("a", theirs[0]), ("b", theirs[1])], "lr": 0.05},
         {"params": [(f"p{i}", p) for i, p in enumerate(theirs[2:])], "momentum": 0.5},
     ]
-    opt, ref = Muon(groups_ours), torch.optim.Muon(groups_theirs)
+    opt, ref = Muon(groups_ours, ns_dtype=torch.bfloat16), torch.optim.Muon(groups_theirs)
     for step in range(3):
         _step_both(ours, theirs, step)
         assert opt.step(lambda: 1.5) == 1.5
@@ -93,7 +93,7 @@ def test_param_groups_named_params_and_closure() -> None:
 def test_state_dict_interchanges_with_torch() -> None:
     """State dicts use torch's keys: torch's state loads into ours (and back), steps go on equal."""
     ours, theirs = _pair(SHAPES)
-    opt, ref = Muon(ours, lr=0.02), torch.optim.Muon(theirs, lr=0.02)
+    opt, ref = Muon(ours, lr=0.02, ns_dtype=torch.bfloat16), torch.optim.Muon(theirs, lr=0.02)
     for step in range(2):
         _step_both(ours, theirs, step)
         ref.step()
@@ -102,6 +102,7 @@ def test_state_dict_interchanges_with_torch() -> None:
             a.copy_(b)
     # A copy, as from disk: loading keeps same-dtype tensors as they are (shared buffers).
     opt.load_state_dict(copy.deepcopy(ref.state_dict()))
+    assert opt.param_groups[0]["ns_dtype"] == torch.bfloat16  # torch's groups have no such key
     for step in range(2, 4):
         _step_both(ours, theirs, step)
         opt.step()
@@ -118,7 +119,10 @@ def test_mixed_orientation_batch() -> None:
     shapes = ((12, 20), (20, 12), (12, 20))
     for fuse, bound in ((False, 0.0), (True, 2**-7 * 0.02 * 3)):
         ours, theirs = _pair(shapes, seed=3)
-        opt, ref = Muon(ours, lr=0.02, fuse_shapes=fuse), torch.optim.Muon(theirs, lr=0.02)
+        opt, ref = (
+            Muon(ours, lr=0.02, fuse_shapes=fuse, ns_dtype=torch.bfloat16),
+            torch.optim.Muon(theirs, lr=0.02),
+        )
         for step in range(3):
             _step_both(ours, theirs, step)
             opt.step()
@@ -133,7 +137,7 @@ def test_expert_stack_is_per_matrix_torch_muon() -> None:
     full = torch.randn(4, 10, 6, generator=g)
     stack = nn.Parameter(full.clone())
     singles = [nn.Parameter(m.clone()) for m in full]
-    opt = Muon([stack], lr=0.02, adjust_lr_fn="match_rms_adamw")
+    opt = Muon([stack], lr=0.02, adjust_lr_fn="match_rms_adamw", ns_dtype=torch.bfloat16)
     ref = torch.optim.Muon(singles, lr=0.02, adjust_lr_fn="match_rms_adamw")
     for _step in range(3):
         grad = torch.randn(full.shape, generator=g)
@@ -151,7 +155,7 @@ def test_row_blocks_are_separate_matrices() -> None:
     full = torch.randn(16, 8, generator=g)
     fused = nn.Parameter(full.clone())
     blocks = [nn.Parameter(b.clone()) for b in full.split([8, 4, 4])]
-    opt = Muon([{"params": [fused], "row_blocks": (8, 4, 4)}], lr=0.02)
+    opt = Muon([{"params": [fused], "row_blocks": (8, 4, 4)}], lr=0.02, ns_dtype=torch.bfloat16)
     ref = torch.optim.Muon(blocks, lr=0.02)
     for _step in range(3):
         grad = torch.randn(full.shape, generator=g)
@@ -161,7 +165,7 @@ def test_row_blocks_are_separate_matrices() -> None:
         opt.step()
         ref.step()
     assert torch.equal(fused.detach(), torch.cat([b.detach() for b in blocks]))
-    heads = Muon([nn.Parameter(full.clone())], row_blocks=4)
+    heads = Muon([nn.Parameter(full.clone())], row_blocks=4, ns_dtype=torch.bfloat16)
     assert heads.param_groups[0]["row_blocks"] == 4
 
 
@@ -175,7 +179,7 @@ def test_presets_and_schedules_run() -> None:
     ):
         (p,) = _pair(((16, 8),))[0]
         p.grad = torch.randn(16, 8)
-        Muon([p], ns_coefficients=spec, ns_steps=8).step()
+        Muon([p], ns_coefficients=spec, ns_steps=8, ns_dtype=torch.bfloat16).step()
         assert torch.isfinite(p).all()
 
 
@@ -258,18 +262,20 @@ def test_complex_and_sparse_fail_at_step_like_torch() -> None:
 def test_our_own_errors() -> None:
     p = nn.Parameter(torch.randn(6, 4))
     with pytest.raises(ValueError, match="row_blocks"):
-        Muon([p], row_blocks=4)  # 4 does not divide 6
+        Muon([p], row_blocks=4, ns_dtype=torch.bfloat16)  # 4 does not divide 6
     with pytest.raises(ValueError, match="row_blocks"):
-        Muon([p], row_blocks=(2, 2))
+        Muon([p], row_blocks=(2, 2), ns_dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="bucket_cap_mb"):
-        Muon([p], bucket_cap_mb=0)
+        Muon([p], bucket_cap_mb=0, ns_dtype=torch.bfloat16)
     p.grad = torch.randn(6, 4)
     with pytest.raises(ValueError, match="unknown Newton-Schulz coefficient preset"):
-        Muon([p], ns_coefficients="nope").step()
-    opt = Muon([p])
+        Muon([p], ns_coefficients="nope", ns_dtype=torch.bfloat16).step()
+    opt = Muon([p], ns_dtype=torch.bfloat16)
     opt.state[p]["momentum_buffer"] = torch.zeros(3, 4)
     with pytest.raises(ValueError, match="momentum buffer"):
         opt.step()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        Muon([nn.Parameter(torch.randn(2, 3, 4))])  # 3-D: accepted (torch refuses it)
+        Muon(
+            [nn.Parameter(torch.randn(2, 3, 4))], ns_dtype=torch.bfloat16
+        )  # 3-D: accepted (torch refuses it)

@@ -7,9 +7,10 @@ a 2-D input is bit-equal to ``torch.optim.Muon``. bf16 in and out; the bf16 matm
 in fp32 inside ATen's CPU and cuBLAS kernels. CUDA and NPU run the reference (no fused kernel
 yet; the first call logs that once).
 
-``dtype`` chooses the precision of the iteration: bf16 by default (``torch.optim.Muon``'s),
-``None`` for the hardware's choice (``hp_kernels.precision.newton_schulz_dtype``: fp32 on CPUs
-without fast bf16 matmuls, where bf16 runs tens of times slower), or fp32 explicitly: the same
+``dtype`` chooses the precision of the iteration: by default the hardware's choice
+(``hp_kernels.precision.newton_schulz_dtype``: fp32 on CPUs without fast bf16 matmuls, where
+bf16 runs tens of times slower; bf16 elsewhere), bf16 explicitly (``torch.optim.Muon``'s on
+every machine), or fp32 explicitly: the same
 op sequence in fp32, closer to the exact iteration (``tests/test_newton_schulz.py`` bounds it
 against float64).
 
@@ -128,7 +129,7 @@ def newton_schulz(
     steps: int = 5,
     coefficients: Sequence[float] | Sequence[Sequence[float]] = (3.4445, -4.7750, 2.0315),
     eps: float = 1e-7,
-    dtype: torch.dtype | None = torch.bfloat16,
+    dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Orthogonalize ``x`` (``[m, n]`` or a batch ``[B, m, n]``) by ``steps`` Newton-Schulz steps.
 
@@ -138,10 +139,10 @@ def newton_schulz(
         coefficients: one ``(a, b, c)`` for every step (default: ``torch.optim.Muon``'s), or a
             per-step schedule whose last triple repeats beyond its end.
         eps: lower clamp of each matrix's Frobenius norm before the iteration.
-        dtype: the iteration's precision: ``torch.bfloat16`` (the default; bit-equal to
-            ``torch.optim.Muon`` for a 2-D input), another float dtype, or None for
+        dtype: the iteration's precision: None (the default) for
             ``hp_kernels.precision.newton_schulz_dtype`` of ``x``'s device (bf16, or fp32 on a
-            CPU without fast bf16 matmuls).
+            CPU without fast bf16 matmuls), ``torch.bfloat16`` (on every machine; bit-equal to
+            ``torch.optim.Muon`` for a 2-D input), or another float dtype.
 
     Returns:
         A tensor of ``dtype`` and ``x``'s shape. For a tall matrix it is a transposed view (the

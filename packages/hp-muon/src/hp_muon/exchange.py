@@ -56,9 +56,11 @@ def _matrix_view(matrix: torch.Tensor, piece: Piece) -> torch.Tensor:
 
 
 def _pack(parts: list[torch.Tensor], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    if not parts:
-        return torch.empty(0, dtype=dtype, device=device)
-    return torch.cat([p.reshape(-1) for p in parts])
+    """``parts`` flattened into one send buffer of ``dtype`` (the wire dtype: fp32
+    Newton-Schulz results are cast on the way in, in the same kernel)."""
+    flat = [p.reshape(-1) for p in parts]
+    out = torch.empty(sum(f.numel() for f in flat), dtype=dtype, device=device)
+    return torch.cat(flat, out=out) if flat else out
 
 
 class _Pending:

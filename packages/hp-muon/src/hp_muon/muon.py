@@ -125,6 +125,10 @@ def _row_blocks(option: int | Sequence[int] | None, shape: Sequence[int]) -> tup
     return blocks
 
 
+# Per-group options of hp-muon's Muon that torch.optim.Muon has no key for.
+_HP_GROUP_OPTIONS = ("row_blocks", "ns_dtype")
+
+
 class Muon(Optimizer):
     """Muon (momentum orthogonalized by Newton-Schulz) for parameters of any layout.
 
@@ -162,13 +166,13 @@ class Muon(Optimizer):
             then differ from ``torch.optim.Muon`` by bf16 rounding) and save only dispatch
             overhead.
         ns_dtype: (also a per-group option) the precision of the Newton-Schulz iteration.
-            ``torch.bfloat16`` (the default) is ``torch.optim.Muon``'s (bit-equal to it on one
-            device); ``torch.float32`` runs the iteration in fp32 (its input and result still
-            travel in bf16, the dtype torch's have); ``None``: the hardware's choice, bf16
-            where bf16 matmuls are fast (accelerators, CPUs with AVX-512 BF16 or AMX) and fp32
-            on CPUs without them, where bf16 runs tens of times slower
-            (``hp_kernels.newton_schulz_dtype``, decided once per process; bf16 when
-            hp-kernels is not installed).
+            ``None`` (the default): the hardware's choice, bf16 where bf16 matmuls are fast
+            (accelerators, CPUs with AVX-512 BF16 or AMX) and fp32 on CPUs without them, where
+            bf16 runs tens of times slower (``hp_kernels.newton_schulz_dtype``, decided once
+            per process; bf16 when hp-kernels is not installed). ``torch.bfloat16`` is
+            ``torch.optim.Muon``'s on every machine (bit-equal to it on one device);
+            ``torch.float32`` runs the iteration in fp32 (its input and result still travel in
+            bf16, the dtype torch's have).
 
     Raises:
         ValueError: as ``torch.optim.Muon`` for a bad ``lr``, ``momentum``, ``weight_decay`` or
@@ -195,7 +199,7 @@ class Muon(Optimizer):
         replicate_group: dist.ProcessGroup | None = None,
         bucket_cap_mb: float = 32.0,
         fuse_shapes: bool | None = None,
-        ns_dtype: torch.dtype | None = torch.bfloat16,
+        ns_dtype: torch.dtype | None = None,
     ) -> None:
         if isinstance(lr, torch.Tensor) and lr.numel() != 1:
             raise ValueError(f"Tensor lr must be 1-element, got {lr.numel()} elements")
@@ -232,6 +236,16 @@ class Muon(Optimizer):
         self._prepared: dict[tuple[Any, ...], _Prepared] = {}
         self.last_step_stats: MuonStepStats | None = None
         super().__init__(params, defaults)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state dict (``torch.optim.Muon``'s loads too). Group options torch's Muon does
+        not have (``row_blocks``, ``ns_dtype``) keep this optimizer's values where the loaded
+        groups lack them, so loading torch's state never changes what was constructed here."""
+        own = [{k: g[k] for k in _HP_GROUP_OPTIONS if k in g} for g in self.param_groups]
+        super().load_state_dict(state_dict)
+        for group, options in zip(self.param_groups, own, strict=True):
+            for key, value in options.items():
+                group.setdefault(key, value)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group (checked: every parameter at least 2-D, row blocks fitting)."""
