@@ -13,6 +13,7 @@ from hp_dtensor import DeviceMesh
 from hp_dtensor.parallel.equivalence import full_value
 from hp_fsdp import MixedPrecisionPolicy, fully_shard
 from hp_fsdp._state import FSDPState
+from hp_fsdp.counting import CountingMode
 from hp_layout import Mesh
 from hp_testing import run_on_ranks
 
@@ -23,7 +24,16 @@ def _model() -> nn.Sequential:
     return nn.Sequential(nn.Linear(5, 7), nn.ReLU(), nn.Linear(7, 3), nn.ReLU(), nn.Linear(3, 2))
 
 
-def _train(mesh_shape: tuple[int, ...], accumulate: int) -> dict[str, float]:
+# How the micro-steps before an optimizer step's last one skip reduction: "gradient_sync"
+# (set_requires_gradient_sync(False): no reduction at all, unsharded gradients kept),
+# "all_reduce" (set_requires_all_reduce(False): reduce-scatter every micro-step, the HSDP
+# replicate-axis all-reduce once per optimizer step), "none" (reduce every micro-step).
+SYNC_MODES = ("gradient_sync", "all_reduce", "none")
+
+
+def _train(
+    mesh_shape: tuple[int, ...], accumulate: int, skip: str = "gradient_sync"
+) -> dict[str, float]:
     torch.set_num_threads(1)
     world, rank = dist.get_world_size(), dist.get_rank()
     names = ("shard",) if len(mesh_shape) == 1 else ("replicate", "shard")
@@ -34,6 +44,7 @@ def _train(mesh_shape: tuple[int, ...], accumulate: int) -> dict[str, float]:
     fully_shard(model, mesh=mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=0.05)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.05)
+    calls: dict[str, int] = {}
     for step in range(3):
         ref_opt.zero_grad()
         opt.zero_grad()
@@ -42,8 +53,17 @@ def _train(mesh_shape: tuple[int, ...], accumulate: int) -> dict[str, float]:
                 4 * world, 5, generator=torch.Generator().manual_seed(10 * step + micro)
             )
             (ref(x).pow(2).mean() / accumulate).backward()
-            model.set_requires_gradient_sync(micro == accumulate - 1)  # type: ignore[operator]
-            (model(x.chunk(world)[rank]).pow(2).mean() / accumulate).backward()
+            last = micro == accumulate - 1
+            if skip == "gradient_sync":
+                model.set_requires_gradient_sync(last)  # type: ignore[operator]
+            elif skip == "all_reduce":
+                model.set_requires_all_reduce(last)  # type: ignore[operator]
+            with CountingMode() as counts:
+                (model(x.chunk(world)[rank]).pow(2).mean() / accumulate).backward()
+            for call in counts.collectives:
+                if call.purpose is not None:
+                    key = f"{call.purpose}_{'last' if last else 'early'}"
+                    calls[key] = calls.get(key, 0) + 1
         ref_opt.step()
         opt.step()
     errors = {}
@@ -53,19 +73,21 @@ def _train(mesh_shape: tuple[int, ...], accumulate: int) -> dict[str, float]:
     assert state.root is not None
     assert state.root.arena is not None
     errors["slow_collectives"] = float(state.root.arena.slow_collectives)
-    return errors
+    return {**errors, **{f"calls.{k}": float(v) for k, v in calls.items()}}
 
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(
     ("world", "mesh_shape", "accumulate"),
-    [(2, (2,), 1), (4, (4,), 1), (4, (2, 2), 1), (4, (2, 2), 3)],
+    # Accumulation under HSDP: test_hsdp_accumulation_all_reduces_once_per_optimizer_step.
+    [(2, (2,), 1), (4, (4,), 1), (4, (2, 2), 1)],
 )
 def test_fsdp_matches_single_device(
     world: int, mesh_shape: tuple[int, ...], accumulate: int
 ) -> None:
     for errors in run_on_ranks(world, _train, mesh_shape, accumulate):
         slow = errors.pop("slow_collectives")
+        errors = {k: v for k, v in errors.items() if not k.startswith("calls.")}
         # fp32, 3 AdamW steps: parameters equal to rounding. Measured (torch 2.13 CPU): at most
         # 5.0e-8 (world 2) and 3.7e-8 (world 4), about one fp32 ulp of the largest weights
         # (~0.5); bound 4x that.
@@ -73,6 +95,30 @@ def test_fsdp_matches_single_device(
         if len(mesh_shape) == 2:
             # Four groups, one fused slow-tier all-reduce per step.
             assert slow == 3
+
+
+@pytest.mark.multiprocess
+def test_hsdp_accumulation_all_reduces_once_per_optimizer_step() -> None:
+    """HSDP 2x2, 3 micro-steps per optimizer step, 3 steps: with set_requires_all_reduce the
+    shard-axis reduce-scatters run every micro-step and the slow-tier all-reduce only in the
+    last; the parameters still equal the single-device run's."""
+    by_mode = {mode: run_on_ranks(4, _train, (2, 2), 3, mode) for mode in SYNC_MODES}
+    for mode, results in by_mode.items():
+        for result in results:
+            errors = {k: v for k, v in result.items() if k[0].isupper() or k[0].isdigit()}
+            # As test_fsdp_matches_single_device (fp32, 3 AdamW steps): within 2e-7.
+            assert max(errors.values()) < 2e-7, (mode, errors)
+    calls = {mode: results[0] for mode, results in by_mode.items()}
+    # Three groups (the root holds no parameters) in one fused all-reduce bucket per backward.
+    assert calls["all_reduce"]["slow_collectives"] == 3  # one per optimizer step
+    assert calls["none"]["slow_collectives"] == 9  # one per micro-step
+    assert calls["gradient_sync"]["slow_collectives"] == 3
+    # Reduce-scatters: 3 groups x 3 steps, every micro-step unless gradient sync is off.
+    assert calls["all_reduce"]["calls.grad_reduce_scatter_early"] == 2 * 9
+    assert calls["all_reduce"]["calls.grad_reduce_scatter_last"] == 9
+    assert "calls.grad_all_reduce_early" not in calls["all_reduce"]
+    assert calls["none"]["calls.grad_all_reduce_early"] == 2 * 3
+    assert "calls.grad_reduce_scatter_early" not in calls["gradient_sync"]
 
 
 def _mixed_precision() -> dict[str, Any]:

@@ -271,3 +271,38 @@ def test_split_boundaries() -> None:
         balanced_boundaries([1.0, 1.0], 3)
     with pytest.raises(SplitError, match=r"nn\.Sequential"):
         layers_of(nn.Linear(2, 2))
+
+
+def _weight_gradient_calls(name: str) -> list[tuple[int, bool, bool]]:
+    """(stage, last, whether the stage's gradients were already complete) for every call of
+    the hook on this rank, over one step."""
+    torch.set_num_threads(1)
+    world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+    plan = _plan(name, world, 4)
+    all_modules = _stage_modules(plan.num_stages)
+    stages = [PipelineStage(all_modules[s], s, plan.num_stages) for s in plan.stages_of(rank)]
+    calls: list[tuple[int, bool, bool]] = []
+
+    def hook(stage: PipelineStage, last: bool) -> None:
+        first = next(iter(stage.module.parameters()))
+        calls.append((stage.stage_index, last, first.grad is not None))
+
+    schedule = PipelineSchedule(plan, stages, _loss, before_weight_gradients=hook)
+    schedule.step(*_data(0))
+    return calls
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_weight_gradient_hook_marks_each_stages_last_backward(name: str) -> None:
+    """The hook runs before each microbatch's weight-gradient pass of each local stage (4
+    microbatches: 4 calls per stage), ``last`` on the final one only."""
+    for rank, calls in enumerate(run_on_ranks(2, _weight_gradient_calls, name, timeout=60)):
+        by_stage: dict[int, list[tuple[bool, bool]]] = {}
+        for stage, last, had_grad in calls:
+            by_stage.setdefault(stage, []).append((last, had_grad))
+        assert by_stage, rank
+        for stage, marks in by_stage.items():
+            assert [last for last, _ in marks] == [False, False, False, True], (stage, marks)
+            # Called before the pass: the first microbatch finds no gradient yet.
+            assert [had for _, had in marks] == [False, True, True, True], (stage, marks)

@@ -7,6 +7,7 @@ is collective and uses the pool's process group.
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -262,3 +263,31 @@ def test_zero_bubble_schedule_is_refused_under_fsdp() -> None:
     assert set(PIPELINE_SCHEDULES) == set(PIPELINE_SCHEDULE_NAMES)
     with pytest.raises(ConfigError, match=r"zbh1.*input and weight"):
         TrainConfig(pp_schedule="zbh1")
+
+
+def _run_counted(
+    model: ModelConfig, dims: tuple[int, ...], config: TrainConfig, out: str
+) -> dict[str, Any]:
+    """:func:`_run`, also counting hp-fsdp's gradient collectives by purpose."""
+    from hp_fsdp.counting import CountingMode
+
+    with CountingMode() as counts:
+        result = _run(model, dims, config, out)
+    purposes = Counter(c.purpose for c in counts.collectives if c.purpose is not None)
+    return {**result, "calls": dict(purposes)}
+
+
+@pytest.mark.multiprocess
+def test_pipeline_under_hsdp_all_reduces_once_per_step(tmp_path: Path) -> None:
+    """pp 2 x HSDP (2 replicas of each stage), 4 microbatches: the replicate-axis all-reduce
+    runs once per step (not once per microbatch), and training still matches one rank."""
+    steps, microbatches = 3, 4
+    config = _config(steps=steps, microbatches=microbatches, pp_schedule="1f1b", optimizer="adamw")
+    single = _config(steps=steps, optimizer="adamw")
+    (one,) = run_on_ranks(1, _run, PP_MODEL, (1, 1, 1), single, str(tmp_path / "1"))
+    four = run_on_ranks(4, _run_counted, PP_MODEL, (2, 1, 1, 2), config, str(tmp_path / "4"))
+    for result in four:
+        calls = result["calls"]
+        assert calls["grad_all_reduce"] == steps, calls  # one fused bucket per step
+        worst = max(abs(result["losses"][s] - one["losses"][s]) for s in one["losses"])
+        assert worst <= ADAMW_LOSS_TOLERANCE, worst

@@ -10,7 +10,15 @@ For HSDP, groups form buckets (runs in backward order of about ``bucket_bytes``)
 reduce-scatters of all groups of a bucket are in, ONE asynchronous all-reduce over the replicate
 (slow) axis is issued for all their chunks (a coalesced collective: NCCL groups it, gloo
 flattens it internally), so the slow link works while the backward of earlier layers runs. All
-of them are waited for once, at the end of backward. With a low-precision replicate wire dtype
+of them are waited for once, at the end of backward.
+
+Gradient accumulation under HSDP (``FSDPModule.set_requires_all_reduce(False)`` on the
+micro-steps before the last): each micro-step still reduce-scatters over the shard axis (the
+unsharded gradients are freed every time), but a group whose state skips the all-reduce keeps
+its reduced chunk here as a *pending* sum instead of handing it to the gradients; the next
+backward that all-reduces adds the pending sum into its chunk first, so the slow link carries
+one all-reduce per optimizer step. The pending chunk is this rank's, summed over the shard axis
+and over the micro-steps, not yet divided. With a low-precision replicate wire dtype
 (``LowPrecisionCommPolicy.replicate_reduce_dtype``) the bucket's all-reduce is
 ``_lowp_comm.all_reduce_lowp``: its reduce-scatter part is issued then, its all-gather part when
 it is waited for.
@@ -43,6 +51,8 @@ class _Entry:
     release: Callable[[], None] | None = None
     accumulate: torch.Tensor | None = None
     submitted: bool = False
+    all_reduce: bool = True
+    pending: torch.Tensor | None = None
 
 
 @dataclass
@@ -120,14 +130,18 @@ class GradArena:
         work: Any,
         release: Callable[[], None],
         accumulate: torch.Tensor | None = None,
+        all_reduce: bool = True,
     ) -> None:
         """Group ``index``'s reduce-scatter was issued (``work``) into its chunk, or into
         ``accumulate`` when its sharded parameters already have gradients; ``release`` frees
-        the reduce-scatter's input once it is done."""
+        the reduce-scatter's input once it is done. ``all_reduce=False`` (HSDP gradient
+        accumulation) keeps the result pending instead of reducing it over the replicate axis
+        and handing it over."""
         for earlier in self._in_flight:
             self._complete(earlier)
         entry = self.entries[index]
         entry.work, entry.release, entry.accumulate = work, release, accumulate
+        entry.all_reduce = all_reduce or self.replicate_size == 1
         entry.submitted = True
         self._in_flight = [entry]
         bucket = self.buckets[entry.bucket]
@@ -149,9 +163,15 @@ class GradArena:
         members = [self.entries[i] for i in bucket.members if self.entries[i].submitted]
         for entry in members:
             self._complete(entry)
+        members = [e for e in members if e.all_reduce]
         if self.replicate_size == 1 or not members:
             return
         targets = [e.accumulate if e.accumulate is not None else e.chunk for e in members]
+        for entry, target in zip(members, targets, strict=True):
+            if entry.pending is not None:
+                assert target is not None
+                target.add_(entry.pending)
+                entry.pending = None
         if self.replicate_wire is not None:
             wire, block = self.replicate_wire
             present = [t for t in targets if t is not None]
@@ -172,7 +192,8 @@ class GradArena:
 
     def finish(self, divide_factor: float | None = None) -> list[Reduced]:
         """Fire what is left, wait for everything, divide by ``divide_factor`` (default: the
-        number of data-parallel ranks, i.e. average), and hand the chunks over."""
+        number of data-parallel ranks, i.e. average), and hand the chunks over (all but the
+        pending ones, see :meth:`submit`)."""
         for bucket in self.buckets:
             if any(self.entries[i].submitted for i in bucket.members):
                 self._fire(bucket)
@@ -187,7 +208,11 @@ class GradArena:
                 entry = self.entries[i]
                 if not entry.submitted:
                     continue
-                if entry.accumulate is not None:
+                if not entry.all_reduce:
+                    result = entry.accumulate if entry.accumulate is not None else entry.chunk
+                    assert result is not None
+                    entry.pending = result if entry.pending is None else entry.pending.add_(result)
+                elif entry.accumulate is not None:
                     out.append(Reduced(i, entry.accumulate.mul_(scale), True))
                 else:
                     assert entry.chunk is not None

@@ -74,6 +74,7 @@ class FSDPState:
         self.reshard_after_forward = reshard_after_forward
         self.reshard_after_backward = True
         self.requires_gradient_sync = True
+        self.requires_all_reduce = True
         self.output_dtype = output_dtype
         self.input_dtype = input_dtype
         self.training = TrainingState.IDLE
@@ -297,7 +298,9 @@ class FSDPState:
                 else:
                     target_for_rs = target
                 work = group.reduce_scatter(target_for_rs)
-                root.arena.submit(index, work, group.release_gradients, accumulate)
+                root.arena.submit(
+                    index, work, group.release_gradients, accumulate, self.requires_all_reduce
+                )
             if self.reshard_after_backward and not self.is_root:
                 group.reshard()
 

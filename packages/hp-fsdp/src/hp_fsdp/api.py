@@ -97,6 +97,16 @@ class FSDPModule:
         for state in self._states(recurse):
             state.requires_gradient_sync = requires_gradient_sync
 
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        """HSDP gradient accumulation: with False, backward still reduce-scatters over the
+        shard axis every micro-step (the unsharded gradients are freed) but skips the
+        all-reduce over the replicate (slow) axis, keeping the shard-reduced sum aside; the
+        sharded gradients are not updated until a backward with True all-reduces the sum of
+        every micro-step since, once. Without a replicate axis it changes nothing. As in
+        FSDP2, set True again before the last micro-step of each optimizer step."""
+        for state in self._states(recurse):
+            state.requires_all_reduce = requires_all_reduce
+
     def set_reshard_after_forward(
         self, reshard_after_forward: bool, *, recurse: bool = True
     ) -> None:

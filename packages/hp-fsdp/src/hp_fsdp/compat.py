@@ -35,8 +35,6 @@ REFUSED_METHODS: dict[str, str] = {
     "flat gradient buffers (one in flight at a time)",
     "set_reduce_scatter_unused_params": "parameters without gradients reduce zeros in their "
     "group's flat buffer; there is nothing to configure",
-    "set_requires_all_reduce": "skipping only the HSDP all-reduce is not supported; use "
-    "set_requires_gradient_sync(False) to accumulate without any reduction",
     "set_separate_reduce_scatter_group": "a second process group for reduce-scatters is not "
     "supported",
     "set_symm_mem_for_comm": "symmetric-memory collectives are not supported",

@@ -52,6 +52,9 @@ __all__ = [
 ]
 
 _V = TypeVar("_V")
+
+# The actions that compute a stage's weight gradients.
+_WEIGHT_GRADIENT_KINDS = frozenset({ActionKind.BACKWARD, ActionKind.BACKWARD_WEIGHT})
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 _META_BYTES = 1024
@@ -149,6 +152,13 @@ class PipelineSchedule:
         placement: the global ranks of each plan rank (default: one rank each, plan rank ``i``
             = rank ``i`` of the stages' group).
         timeout: the limit for every send, receive and collective of the runtime.
+        before_weight_gradients: called as ``before_weight_gradients(stage, last)`` right
+            before each action that computes a stage's weight gradients (``BACKWARD``, or
+            ``BACKWARD_WEIGHT`` in split-backward plans), ``last`` True for the stage's final
+            one of the step (read off the plan once). A data-parallel sharder hooks in here:
+            e.g. hp-fsdp's ``set_requires_all_reduce(last)`` keeps HSDP's slow-tier
+            all-reduce to once per step while every microbatch reduce-scatters (torch
+            pipelining's ``backward_maybe_with_nosync`` plays this role for FSDP2).
 
     Raises:
         StageError: the plan, the placement and the stages do not fit together (each message
@@ -163,6 +173,7 @@ class PipelineSchedule:
         *,
         placement: StagePlacement | None = None,
         timeout: timedelta = DEFAULT_TIMEOUT,
+        before_weight_gradients: Callable[[PipelineStage, bool], None] | None = None,
     ) -> None:
         if not stages:
             raise StageError("PipelineSchedule needs this rank's stages, got none")
@@ -206,6 +217,10 @@ class PipelineSchedule:
         self.out_meta: dict[int, TensorMeta] = {}
         self._exchanged = False
         self._program = self._group(plan.actions[plan_rank])
+        self.before_weight_gradients = before_weight_gradients
+        self._last_weight_action = {
+            a.stage: a for a in plan.actions[plan_rank] if a.kind in _WEIGHT_GRADIENT_KINDS
+        }
         self._reset()
 
     # ---------------------------------------------------------------- plan structure
@@ -428,6 +443,7 @@ class PipelineSchedule:
         if a.kind is ActionKind.FORWARD:
             self._forward(a.stage, a.microbatch)
         elif a.kind is ActionKind.BACKWARD:
+            self._before_weight_gradients(a)
             x, out = self._pop(self._saved, key, a, "its forward")
             grad = self._output_grad(a)
             torch.autograd.backward(out, grad)
@@ -442,11 +458,17 @@ class PipelineSchedule:
             self._weight_pending[key] = (out, grad)
         elif a.kind is ActionKind.BACKWARD_WEIGHT:
             out, grad = self._pop(self._weight_pending, key, a, "its BACKWARD_INPUT")
+            self._before_weight_gradients(a)
             params = self.stages[a.stage].parameters()
             if params:
                 torch.autograd.backward(out, grad, inputs=params)
         else:  # pragma: no cover - COMPUTE_KINDS are exhausted above
             raise PipelineError(f"unknown compute action {a}")
+
+    def _before_weight_gradients(self, a: Action) -> None:
+        if self.before_weight_gradients is not None:
+            last = self._last_weight_action.get(a.stage) == a
+            self.before_weight_gradients(self.stages[a.stage], last)
 
     @staticmethod
     def _pop(store: dict[tuple[int, int], _V], key: tuple[int, int], a: Action, what: str) -> _V:

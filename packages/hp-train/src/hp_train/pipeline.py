@@ -9,7 +9,9 @@ the blocks' parameter counts (an MoE block weighs more than a dense one).
 Each pipeline stage is a group of ``dp_replicate x dp_shard x tp`` ranks: tensor parallelism
 and FSDP run inside the stage exactly as without pipelining; every data-parallel replica runs
 its own pipeline (the stage's ``tp`` ranks form one plan rank of hp-mpmd's
-:class:`~hp_mpmd.StagePlacement`), and FSDP reduces the gradients over the data axes.
+:class:`~hp_mpmd.StagePlacement`), and FSDP reduces the gradients over the data axes: a
+reduce-scatter over ``dp_shard`` after every microbatch, the HSDP all-reduce over
+``dp_replicate`` once per step (after the last microbatch).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from hp_dtensor import DeviceMesh
+from hp_fsdp import FSDPModule
 from hp_mpmd import (
     PipelineSchedule,
     PipelineStage,
@@ -112,6 +115,13 @@ class PipelineRunner:
         return sum(losses) / len(losses)
 
 
+def _all_reduce_on_the_last_microbatch(stage: PipelineStage, last: bool) -> None:
+    """Under HSDP, every microbatch's backward reduce-scatters over the shard axis, and only
+    the step's last one all-reduces over the replicate (slow) axis, on the sum."""
+    if isinstance(stage.module, FSDPModule):
+        stage.module.set_requires_all_reduce(last)
+
+
 def build_pipeline(
     module: Transformer,
     mesh: DeviceMesh,
@@ -148,5 +158,6 @@ def build_pipeline(
         [PipelineStage(module, stage, pp, device=device)],
         lm_loss,
         placement=placement,
+        before_weight_gradients=_all_reduce_on_the_last_microbatch,
     )
     return PipelineRunner(runner, stage, pp, mesh.get_group("pp"))
