@@ -32,6 +32,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from _machine import machine_line
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -173,6 +174,7 @@ def _bench() -> dict[str, Any]:
 
 
 def main() -> None:
+    print(machine_line())
     started = time.perf_counter()
     result = _bench()
     med, mem = result["median_s"], result["memory"]

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from _machine import machine_line
 from _ranks import run_local_ranks
 
 from hp_dtensor import DeviceMesh
@@ -145,6 +146,7 @@ def _run(world: int) -> dict[str, Any]:
 
 
 def main() -> None:
+    print(machine_line())
     started = time.perf_counter()
     results = {world: _run(world) for world in WORLDS}
     print(

@@ -23,6 +23,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from _machine import machine_line
 from _ranks import run_local_ranks
 
 ROUNDS, ITERS = 7, 300
@@ -97,6 +98,7 @@ def _rank() -> dict[str, dict[str, float]]:
 
 
 def main() -> None:
+    print(machine_line())
     world = 2
     medians = run_local_ranks(world, _rank)
     print(

@@ -54,6 +54,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from _machine import machine_line
 from _ranks import run_local_ranks
 from torch import nn
 
@@ -299,6 +300,7 @@ def _table(results: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def main() -> None:
+    print(machine_line())
     started = time.perf_counter()
     results = {world: _run_world(world) for world in (2, 4)}
     c = CONFIG

@@ -48,20 +48,18 @@ import ctypes
 import ctypes.util
 import gc
 import json
-import os
-import platform
 import resource
 import statistics
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from _machine import machine_info, machine_line
 from _ranks import run_local_ranks
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -445,26 +443,12 @@ def _short(collectives: dict[str, int]) -> str:
 PREFETCH = "--prefetch" in sys.argv
 
 
-def _cpu_model() -> str:
-    """The CPU's model name (figures from different CPUs are not comparable)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text(encoding="utf-8")
-    except OSError:
-        text = ""
-    for line in text.splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or "unknown CPU"
-
-
 def main() -> None:
     started = time.perf_counter()
     results = {world: _run_world(world) for world in WORLDS}
     c = CONFIG
     print(
-        f"machine: {platform.node()} {platform.machine()} {os.cpu_count()} cpus, "
-        f"{_cpu_model()} ({torch.backends.cpu.get_cpu_capability()}), "
-        f"torch {torch.__version__}, gloo ranks with 1 thread each; Llama dim {c.dim}, "
+        f"{machine_line()}; gloo ranks with 1 thread each; Llama dim {c.dim}, "
         f"{c.n_layers} layers, ffn {c.ffn_dim}, vocab {c.vocab_size}; batch {LOCAL_BATCH}x{SEQ} "
         f"per rank; {ROUNDS} interleaved rounds of {STEPS} steps"
     )
@@ -474,10 +458,7 @@ def main() -> None:
         json.dumps(
             {
                 "benchmark": "fsdp_step",
-                "machine": platform.node(),
-                "cpu": _cpu_model(),
-                "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-                "torch": torch.__version__,
+                "machine": machine_info(),
                 "memory_measure": MEMORY_MEASURE,
                 "hp_prefetch": PREFETCH,
                 "config": {

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
+from _machine import machine_line
 from _ranks import run_local_ranks
 
 import hp_kernels
@@ -187,6 +188,7 @@ def _comm_body() -> list[dict[str, Any]]:
 
 
 def main() -> None:
+    print(machine_line())
     started = time.perf_counter()
     cores = os.cpu_count() or 1
     thread_counts = sorted({1, cores})

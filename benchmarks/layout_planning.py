@@ -15,6 +15,8 @@ import platform
 import statistics
 import time
 
+from _machine import machine_line
+
 from hp_layout import (
     Layout,
     Mesh,
@@ -70,6 +72,7 @@ def _cases() -> list[tuple[str, Layout, Layout, Topology]]:
 
 
 def main() -> None:
+    print(machine_line())
     rows = []
     for name, src, dst, topo in _cases():
         cold = []

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from _machine import machine_line
 from _ranks import run_local_ranks
 
 from hp_dtensor import DeviceMesh
@@ -126,6 +127,7 @@ def _rank() -> dict[str, Any]:
 
 
 def main() -> None:
+    print(machine_line())
     started = time.perf_counter()
     result = run_local_ranks(WORLD, _rank)
     med, sent = result["median_s"], result["max_bytes_sent_per_rank"]

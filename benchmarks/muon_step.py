@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from _machine import machine_line
 from _ranks import run_local_ranks
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
@@ -175,6 +176,7 @@ def _kernel() -> dict[str, float]:
 
 
 def main() -> None:
+    print(machine_line())
     started = time.perf_counter()
     result = run_local_ranks(WORLD, _bench)
     kernel = _kernel()

@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from _machine import machine_line
 from torch import nn
 
 from hp_offload import OffloadedOptimizer, offload_parameters
@@ -141,6 +142,7 @@ def _bench(kind: str, device: torch.device) -> dict[str, Any]:
 
 
 def main() -> None:
+    print(machine_line())
     torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
     device = default_device()
     nparams = sum(p.numel() for p in Llama(CONFIG).parameters())

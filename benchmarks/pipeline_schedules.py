@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from _machine import machine_line
 from torch import nn
 from torch.distributed import pipelining as pp
 
@@ -164,6 +165,7 @@ def _worker(rank: int, port: int, queue: Any) -> None:
 
 
 def main() -> None:
+    print(machine_line())
     started = time.perf_counter()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
