@@ -184,3 +184,27 @@ def _freed() -> bool:
 def test_a_sharded_model_is_freed() -> None:
     # Autograd keeps parameter hooks in C++; they must not keep the model alive.
     assert all(run_on_ranks(2, _freed))
+
+
+def _train_by(primitive: str, mesh_shape: tuple[int, ...]) -> dict[str, float]:
+    from hp_fsdp._collectives import ReduceScatterPrimitive, reduce_scatter_by
+
+    with reduce_scatter_by(ReduceScatterPrimitive(primitive)):
+        return _train(mesh_shape, 1, "none")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(("world", "mesh_shape"), [(2, (2,)), (4, (4,)), (4, (2, 2))])
+def test_all_to_all_reduce_scatter_equals_the_native_one(
+    world: int, mesh_shape: tuple[int, ...]
+) -> None:
+    """The all-to-all reduce-scatter (``HP_FSDP_REDUCE_SCATTER=all_to_all``) trains like the
+    backend's: within the single-device bound, and bit for bit at two ranks (a + b == b + a)."""
+    native = run_on_ranks(world, _train_by, "native", mesh_shape)
+    a2a = run_on_ranks(world, _train_by, "all_to_all", mesh_shape)
+    for ours, theirs in zip(a2a, native, strict=True):
+        assert ours["calls.grad_reduce_scatter_last"] == theirs["calls.grad_reduce_scatter_last"]
+        errors = {k: v for k, v in ours.items() if not k.startswith(("calls.", "slow"))}
+        assert max(errors.values()) < 2e-7, errors  # as test_fsdp_matches_single_device
+        if world == 2:
+            assert ours == theirs  # the same errors against the same reference: equal weights

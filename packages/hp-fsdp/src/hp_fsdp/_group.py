@@ -33,6 +33,7 @@ from hp_dtensor import DTensor, annotate_layout
 from hp_dtensor.contract import set_grad_layout, set_materialize_target
 from hp_dtensor.device import local_device
 from hp_dtensor.interop import is_torch_dtensor, torch_dtensor_like
+from hp_fsdp._collectives import ReduceScatterPrimitive, reduce_scatter, reduce_scatter_primitive
 from hp_fsdp._lowp_comm import Deferred, WireCodec, all_gather_records, reduce_scatter_lowp
 from hp_fsdp._mesh import FSDPMesh
 from hp_fsdp._rows import as_torch_dtensor, copy_in, copy_out, local_shape, pack_rows
@@ -454,6 +455,9 @@ class FSDPParamGroup:
                 )
             self.gather_codec = WireCodec(comm.param_all_gather_dtype, chunk, comm.block_size)
         self.reduce_codec: WireCodec | None = None
+        # Chosen at the first reduce-scatter (the process group exists by then, not always at
+        # construction, e.g. for meta-device planning).
+        self._reduce_scatter_primitive: ReduceScatterPrimitive | None = None
         wire = comm.shard_reduce_dtype
         if wire is not None and wire != torch.float32:
             self.reduce_codec = WireCodec(wire, chunk, comm.block_size)
@@ -693,8 +697,12 @@ class FSDPParamGroup:
             output.copy_(source)
             return None
         group = self.fsdp.mesh.get_group(self.fsdp.shard_axis)
+        if self._reduce_scatter_primitive is None:
+            self._reduce_scatter_primitive = reduce_scatter_primitive(group)
         with collective_purpose("grad_reduce_scatter"):
-            work = dist.reduce_scatter_single(output, source, group=group, async_op=True)
+            work = reduce_scatter(
+                output, source, group, self.fsdp.shard_size, self._reduce_scatter_primitive
+            )
         self._keep_alive = source
         return work
 
