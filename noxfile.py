@@ -638,6 +638,10 @@ def bench(session: nox.Session) -> None:
     """
     for dist in _dag_order():
         install_closure(session, dist, test_extra=False)
+    # train_vs_torchtitan.py runs torchtitan 0.3.0 beside hp-train: installed as hp-fsdp's
+    # tests install it (pinned, without its deps), with the tokenizers transformers brings.
+    session.install(*PIP_ARGS, "transformers", env=PIP_ENV)
+    install_no_deps_test_tools(session, ["hp-fsdp"])
     scripts = sorted((ROOT / "benchmarks").glob("*.py"))
     chosen = [s for s in scripts if not session.posargs or s.name in session.posargs]
     if not chosen:
