@@ -45,6 +45,7 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from _machine import machine_line
 from _ranks import run_local_ranks
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -490,6 +491,7 @@ def _print(results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def main() -> None:
+    print(machine_line())
     profile = "--profile" in sys.argv[1:]
     results, profile_text = run_local_ranks(WORLD, _rank, profile)
     print(
