@@ -1,21 +1,11 @@
 """torchtitan 0.3.0's Trainer on local CPU gloo ranks, for the benchmarks.
 
 torchtitan is written for accelerators; nothing of it is edited on disk. Inside each rank
-process this module changes it at run time, where a CPU-only, offline run needs it:
-
-* imports: ``triton`` (its MoE expert-parallel kernels import it at module level) and Hugging
-  Face ``datasets`` (its pins conflict with ``constraints/ci.txt``) are not installed: modules
-  that raise when used stand in for them, for the import of torchtitan only;
-* device: ``torchtitan.tools.utils`` picks ``"cuda"`` when no accelerator exists, and several
-  modules copy ``device_type`` / ``device_module`` / ``get_local_device``; every copy is
-  pointed at the CPU (``device_module`` at a ``torch.cpu`` wrapper with the ``torch.cuda``
-  calls the Trainer makes);
-* gloo has no ``ReduceOp.PREMUL_SUM``: torchtitan sets every FSDP module's gradient divide
-  factor to 1, which makes FSDP2 reduce-scatter with it; the modules are then also told
-  ``set_force_sum_reduction_for_comms(True)`` (plain SUM: the same sums);
-* ``torch.distributed.set_timeout`` (called after the first step) is missing in torch 2.13:
-  the barrier around it is kept, the call skipped;
-* the ``time.sleep(2)`` at the end of ``Trainer.train`` is skipped.
+process it is changed at run time by :mod:`hp_testing.torchtitan_cpu` (shared with hp-fsdp's
+torchtitan acceptance harness; its docstring says what each patch does and why): stand-ins
+for the uninstalled ``triton`` and ``datasets`` while torchtitan imports, the CPU for its
+``"cuda"`` device names, SUM instead of gloo's missing ``PREMUL_SUM`` reduce-scatter, no call
+to torch 2.13's missing ``torch.distributed.set_timeout``, no final ``time.sleep(2)``.
 
 Config overrides of the registry's ``llama3_debugmodel`` (not patches), see
 :func:`build_config`: SDPA instead of compiled FlexAttention (inductor on a CPU takes
@@ -31,23 +21,23 @@ import what is needed, then :func:`run_trainer`.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import gc
-import importlib
-import importlib.machinery
-import importlib.util
 import os
-import sys
 import time
-import types
-from collections.abc import Callable, Iterator
-from datetime import timedelta
-from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
-import torch
 import torch.distributed as dist
+
+from hp_testing.torchtitan_cpu import (
+    TORCHTITAN_VERSION,
+    import_any,
+    patch_for_cpu,
+    synthetic_components,
+    torchtitan_imports,
+    unavailable_reason,
+    use_sdpa,
+)
 
 __all__ = [
     "TORCHTITAN_VERSION",
@@ -57,180 +47,6 @@ __all__ = [
     "torchtitan_imports",
     "unavailable_reason",
 ]
-
-TORCHTITAN_VERSION = "0.3.0"
-
-#: Modules torchtitan's training path imports besides torch (distribution names).
-_NEEDED = {
-    "torchtitan": "torchtitan",
-    "spmd_types": "spmd-types",
-    "tyro": "tyro",
-    "docstring_parser": "docstring-parser",
-    "torchdata": "torchdata",
-    "tensorboard": "tensorboard",
-    "google.protobuf": "protobuf",
-    "absl": "absl-py",
-    "tokenizers": "tokenizers",
-}
-_TRITON_KERNELS = "torchtitan.distributed.minimal_async_ep.kernels"
-
-
-def unavailable_reason() -> str | None:
-    """Why torchtitan cannot run here (None when the pinned version and its imports are
-    installed). Imports nothing of torchtitan."""
-    try:
-        found = version("torchtitan")
-    except PackageNotFoundError:
-        return "torchtitan is not installed"
-    if found != TORCHTITAN_VERSION:
-        return f"torchtitan {found} is installed, this benchmark targets {TORCHTITAN_VERSION}"
-    missing = []
-    for module, dist_name in _NEEDED.items():
-        try:
-            if importlib.util.find_spec(module) is None:
-                missing.append(dist_name)
-        except (ImportError, ValueError):
-            missing.append(dist_name)
-    return f"torchtitan needs {', '.join(missing)} (not installed)" if missing else None
-
-
-def _mod(name: str) -> Any:
-    """A module typed ``Any`` (torchtitan has no type information)."""
-    return importlib.import_module(name)
-
-
-def _raising_module(name: str, *, package: bool = False) -> types.ModuleType:
-    """A module whose public attributes are functions raising when called."""
-    module = types.ModuleType(name)
-    module.__spec__ = importlib.machinery.ModuleSpec(name, None, is_package=package)
-    if package:
-        module.__path__ = []
-
-    def missing(attr: str) -> Any:
-        if attr.startswith("__"):
-            raise AttributeError(attr)
-
-        def unavailable(*args: object, **kwargs: object) -> Any:
-            raise RuntimeError(f"{name}.{attr} is not installed (benchmark stand-in)")
-
-        return unavailable
-
-    vars(module)["__getattr__"] = missing  # a module-level __getattr__ (PEP 562)
-    return module
-
-
-@contextlib.contextmanager
-def torchtitan_imports() -> Iterator[None]:
-    """Import torchtitan inside this context (see the module docstring). The ``datasets``
-    stand-in is removed on exit (torch and transformers probe for it); the triton kernel
-    module of torchtitan stays replaced."""
-    added: list[str] = []
-    if importlib.util.find_spec("triton") is None and _TRITON_KERNELS not in sys.modules:
-        sys.modules[_TRITON_KERNELS] = _raising_module(_TRITON_KERNELS)
-    if importlib.util.find_spec("datasets") is None:
-        datasets: Any = _raising_module("datasets", package=True)
-        datasets.Dataset = type("Dataset", (), {})
-        datasets.IterableDataset = type("IterableDataset", (), {})
-        datasets.distributed = _raising_module("datasets.distributed")
-        sys.modules["datasets"] = datasets
-        sys.modules["datasets.distributed"] = datasets.distributed
-        added += ["datasets", "datasets.distributed"]
-    try:
-        yield
-    finally:
-        for name in added:
-            sys.modules.pop(name, None)
-
-
-class _CpuAsCuda:
-    """The ``torch.cuda`` calls torchtitan's Trainer makes, answered for the CPU; anything
-    else is ``torch.cpu``'s."""
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(torch.cpu, name)
-
-    def set_device(self, device: object) -> None:
-        return None
-
-    def current_device(self) -> int:
-        return 0
-
-    def device_count(self) -> int:
-        return 1
-
-    def synchronize(self, device: object = None) -> None:
-        return None
-
-    def get_device_name(self, device: object = None) -> str:
-        return "cpu"
-
-    def get_device_properties(self, device: object = None) -> types.SimpleNamespace:
-        total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        return types.SimpleNamespace(name="cpu", total_memory=total)
-
-    def memory_stats(self, device: object = None) -> dict[str, int]:
-        return {}
-
-    def reset_peak_memory_stats(self, device: object = None) -> None:
-        return None
-
-    def empty_cache(self) -> None:
-        return None
-
-
-_PATCHED: list[str] = []
-
-
-def _patch_for_cpu() -> list[str]:
-    """Apply the run-time patches of the module docstring (once per process); returns what
-    was patched."""
-    if _PATCHED:
-        return list(_PATCHED)
-    patched = _PATCHED
-    shim = _CpuAsCuda()
-    for name, loaded in list(sys.modules.items()):
-        if not name.startswith("torchtitan") or not getattr(loaded, "__file__", None):
-            continue
-        module: Any = loaded
-        if getattr(module, "device_type", None) == "cuda":
-            module.device_type = "cpu"
-            patched.append(f"{name}.device_type")
-        if getattr(module, "device_module", None) is torch.cuda:
-            module.device_module = shim
-            patched.append(f"{name}.device_module")
-        if callable(getattr(module, "get_local_device", None)):
-            module.get_local_device = lambda: torch.device("cpu")
-            patched.append(f"{name}.get_local_device")
-
-    fsdp = _mod("torchtitan.distributed.fsdp")
-    divide_once: Callable[[torch.nn.Module], None] = fsdp.disable_fsdp_gradient_division
-
-    def disable_fsdp_gradient_division(model: torch.nn.Module) -> None:
-        divide_once(model)
-        for sub in model.modules():
-            force_sum = getattr(sub, "set_force_sum_reduction_for_comms", None)
-            if callable(force_sum):
-                force_sum(True)
-
-    fsdp.disable_fsdp_gradient_division = disable_fsdp_gradient_division
-    patched.append("torchtitan.distributed.fsdp.disable_fsdp_gradient_division")
-
-    utils = _mod("torchtitan.distributed.utils")
-    set_timeouts = utils.set_pg_timeouts
-
-    def set_pg_timeouts(timeout: timedelta, parallel_dims: Any) -> None:
-        if hasattr(dist, "set_timeout"):
-            set_timeouts(timeout, parallel_dims)
-        else:
-            dist.barrier()
-
-    utils.set_pg_timeouts = set_pg_timeouts
-    patched.append("torchtitan.distributed.utils.set_pg_timeouts")
-
-    trainer = _mod("torchtitan.trainer")
-    trainer.time = types.SimpleNamespace(perf_counter=time.perf_counter, sleep=lambda s: None)
-    patched.append("torchtitan.trainer.time.sleep")
-    return list(patched)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -262,81 +78,14 @@ class TorchtitanShape:
     seed: int = 0
 
 
-def _synthetic(vocab: int, default_seed: int) -> tuple[Any, Any]:
-    """A tokenizer stand-in and a dataloader of fixed random batches (torchtitan components:
-    the Trainer builds them from their configs)."""
-    tokenizer_base = _mod("torchtitan.components.tokenizer").BaseTokenizer
-    loader_base = _mod("torchtitan.components.dataloader").BaseDataLoader
-
-    class BenchTokenizer(tokenizer_base):  # type: ignore[misc, valid-type]
-        @dataclasses.dataclass(kw_only=True, slots=True)
-        class Config(tokenizer_base.Config):  # type: ignore[misc, name-defined]
-            vocab_size: int = vocab
-
-        def __init__(self, config: Any, **kwargs: Any) -> None:
-            super().__init__()
-            self.vocab_size = config.vocab_size
-            self.bos_id, self.eos_id = 0, 1
-
-        def encode(self, text: str, *args: Any, **kwargs: Any) -> list[int]:
-            return [b % self.vocab_size for b in text.encode()]
-
-        def decode(self, ids: list[int], *args: Any, **kwargs: Any) -> str:
-            return ",".join(map(str, ids))
-
-        def get_vocab_size(self) -> int:
-            return int(self.vocab_size)
-
-    class BenchDataLoader(loader_base):  # type: ignore[misc, valid-type]
-        """Batch ``i`` is this rank's slice of a global batch drawn from ``(seed, i % 4)``."""
-
-        @dataclasses.dataclass(kw_only=True, slots=True)
-        class Config(loader_base.Config):  # type: ignore[misc, name-defined]
-            seed: int = default_seed
-
-        def __init__(
-            self,
-            config: Any,
-            *,
-            dp_world_size: int,
-            dp_rank: int,
-            tokenizer: Any,
-            seq_len: int,
-            local_batch_size: int,
-            **kwargs: Any,
-        ) -> None:
-            self.seed = config.seed
-            self.world, self.rank = dp_world_size, dp_rank
-            self.vocab = tokenizer.get_vocab_size()
-            self.shape = (local_batch_size * dp_world_size, seq_len + 1)
-            self.served = 0
-
-        def __iter__(self) -> Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]:
-            while True:
-                g = torch.Generator().manual_seed(self.seed * 7919 + self.served % 4)
-                tokens = torch.randint(0, self.vocab, self.shape, generator=g)
-                mine = tokens.chunk(self.world)[self.rank]
-                self.served += 1
-                yield {"input": mine[:, :-1].contiguous()}, mine[:, 1:].contiguous()
-
-        def state_dict(self) -> dict[str, Any]:
-            return {f"served_{self.rank}": self.served}
-
-        def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-            self.served = int(state_dict.get(f"served_{self.rank}", 0))
-
-    return BenchTokenizer, BenchDataLoader
-
-
 def build_config(shape: TorchtitanShape, dump_folder: str) -> Any:
     """The registry's ``llama3_debugmodel`` with the overrides of the module docstring.
 
     Raises:
         ValueError: the registry's model is not the size ``shape`` names.
     """
-    registry = _mod("torchtitan.models.llama3.config_registry")
-    attention = _mod("torchtitan.models.common.attention")
-    checkpointer = _mod("torchtitan.components.checkpointer")
+    registry = import_any("torchtitan.models.llama3.config_registry")
+    checkpointer = import_any("torchtitan.components.checkpointer")
 
     config = registry.llama3_debugmodel()
     model = config.model_spec.model
@@ -351,14 +100,12 @@ def build_config(shape: TorchtitanShape, dump_folder: str) -> Any:
     wanted = {k: getattr(shape, k) for k in found}
     if found != wanted:
         raise ValueError(f"torchtitan's debugmodel is {found}, the benchmark wants {wanted}")
-    for _, _, parent, attr in list(model.traverse(attention.FlexAttention.Config)):
-        sdpa = attention.ScaledDotProductAttention.Config()
-        if isinstance(parent, list):
-            parent[attr] = sdpa
-        else:
-            setattr(parent, attr, sdpa)
+    use_sdpa(model)
 
-    tokenizer_cls, loader_cls = _synthetic(shape.vocab_size, shape.seed)
+    # Batch i is this rank's slice of a global batch drawn from (seed, i % 4).
+    tokenizer_cls, loader_cls = synthetic_components(
+        shape.vocab_size, seed=shape.seed, distinct_batches=4, seed_stride=7919
+    )
     config.dump_folder = dump_folder
     config.hf_assets_path = dump_folder
     config.tokenizer = tokenizer_cls.Config()
@@ -411,10 +158,10 @@ def run_trainer(shape: TorchtitanShape, dump_folder: str) -> dict[str, Any]:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
     os.environ.update(LOCAL_WORLD_SIZE=str(world))
     with torchtitan_imports():
-        _mod("torchtitan.trainer")
-        _mod("torchtitan.models.llama3.config_registry")
+        import_any("torchtitan.trainer")
+        import_any("torchtitan.models.llama3.config_registry")
         config = build_config(shape, dump_folder)
-    patched = _patch_for_cpu()
+    patched = patch_for_cpu()
 
     gc_was_enabled = gc.isenabled()
     trainer = config.build()

@@ -7,20 +7,12 @@ calls ``fully_shard`` from ``torchtitan.distributed.fsdp``), ``to_empty`` + ``in
 its chunked loss (which drives ``lm_head``'s FSDP state by hand), gradient clipping, AdamW, LR
 schedule and DCP checkpointer. Nothing of torchtitan is edited on disk; this module changes it
 only at run time, inside each rank process, and only where a CPU-only, offline, deterministic
-run needs it (the ``_patch_*`` functions say why, one patch each):
+run needs it, with the patches of :mod:`hp_testing.torchtitan_cpu` (shared with the benchmarks;
+each function there says why, one patch each):
 
-* imports: ``triton`` (a GPU compiler; torchtitan imports it at module level for MoE expert
-  parallel kernels) and ``datasets`` (its pins -- ``fsspec<=2026.2``, ``huggingface-hub<2`` --
-  conflict with ``constraints/ci.txt``) are not installed; stand-ins are put in
-  ``sys.modules`` for the import only, and are never called on this path;
-* device: torchtitan picks ``"cuda"`` when no accelerator is present; its ``device_type`` and
-  ``device_module`` names are pointed at ``"cpu"`` and a small ``torch.cpu`` shim;
-* gloo: torchtitan sets ``set_gradient_divide_factor(1.0)`` on every FSDP module, which makes
-  torch FSDP2 reduce-scatter with ``ReduceOp.PREMUL_SUM`` -- gloo refuses it; every FSDP module
-  is also given ``set_force_sum_reduction_for_comms(True)`` (plain SUM, same numbers);
-* torch 2.13: torchtitan calls ``torch.distributed.set_timeout`` after the first step, which
-  this torch lacks (the timeouts are set at ``init_process_group`` instead);
-* speed only: the ``time.sleep(2)`` at the end of ``Trainer.train`` is skipped.
+stand-ins for the uninstalled ``triton`` and ``datasets`` while torchtitan imports, the CPU for
+its ``"cuda"`` device names, SUM instead of gloo's missing ``PREMUL_SUM`` reduce-scatter, no
+call to torch 2.13's missing ``torch.distributed.set_timeout``, no final ``time.sleep(2)``.
 
 And config overrides of the registry's config (not patches): ``spmd_backend="partial_dtensor"``
 (the default ``"spmd_types"`` needs a newer torch's FSDP2 at world size > 1), SDPA instead of
@@ -52,15 +44,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib
-import importlib.machinery
-import importlib.util
 import json
 import os
-import sys
 import tempfile
 import time
-import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -68,7 +56,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-TORCHTITAN_VERSION = "0.3.0"
+from hp_testing import torchtitan_cpu as tt_cpu
+
+TORCHTITAN_VERSION = tt_cpu.TORCHTITAN_VERSION
 
 #: The registry's debugmodel is dim 256, 16 heads, vocab 2048, 6 layers, 8 x 2048 tokens a rank
 #: and step; these defaults (2 layers, 2 x 64 tokens) take ~0.3 s a step on a 2-core CPU.
@@ -85,211 +75,18 @@ DEFAULT_DISTINCT_BATCHES = 4
 FSDP_MODULE = "torchtitan.distributed.fsdp"
 
 
-#: What torchtitan 0.3.0's training path imports (module level) beyond torch and the repository's
-#: constraints (tokenizers, safetensors, numpy, jinja2, fsspec come with transformers / torch).
-REQUIRED_MODULES = {
-    "torchtitan": "torchtitan",
-    "spmd_types": "spmd-types",
-    "tyro": "tyro",
-    "docstring_parser": "docstring-parser",
-    "torchdata": "torchdata",
-    "tensorboard": "tensorboard",
-    "google.protobuf": "protobuf",
-    "absl": "absl-py",
-    "tokenizers": "tokenizers",
-}
-
-
-def torchtitan_unavailable_reason() -> str | None:
-    """None when torchtitan (the pinned version) and what it imports are installed; else why
-    not. Cheap (no import of torchtitan): meant for a pytest skip at collection."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        found = version("torchtitan")
-    except PackageNotFoundError:
-        return "torchtitan is not installed"
-    if found != TORCHTITAN_VERSION:
-        return f"torchtitan {found} is installed; the harness targets {TORCHTITAN_VERSION}"
-    missing = []
-    for module, dist_name in REQUIRED_MODULES.items():
-        try:
-            present = importlib.util.find_spec(module) is not None
-        except (ImportError, ValueError):
-            present = False
-        if not present:
-            missing.append(dist_name)
-    if missing:
-        return f"torchtitan {TORCHTITAN_VERSION} needs {', '.join(missing)} (not installed)"
-    return None
+#: Why torchtitan cannot run here, or None (cheap: meant for a pytest skip at collection).
+torchtitan_unavailable_reason = tt_cpu.unavailable_reason
 
 
 def _module(name: str) -> Any:
     """A module, typed ``Any``: torchtitan ships no type information."""
-    return importlib.import_module(name)
+    return tt_cpu.import_any(name)
 
 
 # ---------------------------------------------------------------------------------------------
-# Import-time stand-ins
+# fully_shard / FSDPModule replacement (worker process only)
 # ---------------------------------------------------------------------------------------------
-
-
-def _stand_in_module(name: str, *, package: bool = False) -> types.ModuleType:
-    """A module whose every public attribute is a function that raises when called."""
-    module = types.ModuleType(name)
-    module.__spec__ = importlib.machinery.ModuleSpec(name, None, is_package=package)
-    if package:
-        module.__path__ = []
-
-    def missing(attr: str) -> Any:
-        if attr.startswith("__"):
-            raise AttributeError(attr)
-
-        def unavailable(*args: Any, **kwargs: Any) -> Any:
-            raise RuntimeError(f"{name}.{attr} is a stand-in of the torchtitan harness")
-
-        return unavailable
-
-    vars(module)["__getattr__"] = missing  # module-level __getattr__ (PEP 562)
-    return module
-
-
-@contextlib.contextmanager
-def _import_stand_ins() -> Iterator[None]:
-    """Let torchtitan import without ``triton`` and ``datasets`` (see the module docstring).
-
-    ``datasets`` stands in only while this context is open (torch and transformers probe for
-    it, and must keep seeing it absent); torchtitan's own triton-kernel module stays replaced,
-    so no ``triton`` is ever visible to torch.
-    """
-    added: list[str] = []
-    kernels = "torchtitan.distributed.minimal_async_ep.kernels"
-    if importlib.util.find_spec("triton") is None and kernels not in sys.modules:
-        sys.modules[kernels] = _stand_in_module(kernels)
-    if importlib.util.find_spec("datasets") is None:
-        datasets: Any = _stand_in_module("datasets", package=True)
-        datasets.Dataset = type("Dataset", (), {})
-        datasets.IterableDataset = type("IterableDataset", (), {})
-        distributed = _stand_in_module("datasets.distributed")
-        datasets.distributed = distributed
-        sys.modules["datasets"] = datasets
-        sys.modules["datasets.distributed"] = distributed
-        added += ["datasets", "datasets.distributed"]
-    try:
-        yield
-    finally:
-        for name in added:
-            sys.modules.pop(name, None)
-
-
-# ---------------------------------------------------------------------------------------------
-# Run-time patches (worker process only)
-# ---------------------------------------------------------------------------------------------
-
-
-class _CpuDeviceModule:
-    """What torchtitan calls on its ``device_module`` (``torch.cuda`` API), for the CPU."""
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(torch.cpu, name)
-
-    def set_device(self, device: object) -> None:
-        pass
-
-    def current_device(self) -> int:
-        return 0
-
-    def device_count(self) -> int:
-        return 1
-
-    def synchronize(self, device: object = None) -> None:
-        pass
-
-    def get_device_name(self, device: object = None) -> str:
-        return "cpu"
-
-    def get_device_properties(self, device: object = None) -> types.SimpleNamespace:
-        pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        return types.SimpleNamespace(name="cpu", total_memory=pages)
-
-    def memory_stats(self, device: object = None) -> dict[str, int]:
-        return {}  # torchtitan reads .get(key, -1)
-
-    def reset_peak_memory_stats(self, device: object = None) -> None:
-        pass
-
-    def empty_cache(self) -> None:
-        pass
-
-
-def _torchtitan_modules() -> list[Any]:
-    """torchtitan's loaded modules (not the stand-ins, which have no ``__file__``)."""
-    return [
-        module
-        for name, module in list(sys.modules.items())
-        if name.startswith("torchtitan") and getattr(module, "__file__", None)
-    ]
-
-
-def _patch_device() -> list[str]:
-    """torchtitan.tools.utils sets ``device_type = ... or "cuda"`` at import time, and several
-    modules copy it (and ``device_module``, ``torch.cuda``) into their own globals: re-point
-    every copy at the CPU. ``get_local_device`` would return ``cpu:0``; plain ``cpu`` is what
-    the meshes and tensors use."""
-    shim = _CpuDeviceModule()
-    patched: list[str] = []
-    for module in _torchtitan_modules():
-        if getattr(module, "device_type", None) == "cuda":
-            module.device_type = "cpu"
-            patched.append(f"{module.__name__}.device_type")
-        if getattr(module, "device_module", None) is torch.cuda:
-            module.device_module = shim
-            patched.append(f"{module.__name__}.device_module")
-        if hasattr(module, "get_local_device"):
-            module.get_local_device = lambda: torch.device("cpu")
-            patched.append(f"{module.__name__}.get_local_device")
-    return patched
-
-
-def _patch_sum_reduction() -> None:
-    """Gloo has no ``PREMUL_SUM``: after torchtitan's ``disable_fsdp_gradient_division`` (its
-    ``set_gradient_divide_factor(1.0)``), ask every module that offers it for SUM-only
-    reductions. Divide factor 1: the gradients are the same sums either way."""
-    fsdp = _module(FSDP_MODULE)
-    original: Callable[[torch.nn.Module], None] = fsdp.disable_fsdp_gradient_division
-
-    def disable_fsdp_gradient_division(model: torch.nn.Module) -> None:
-        original(model)
-        for module in model.modules():
-            setter = getattr(module, "set_force_sum_reduction_for_comms", None)
-            if callable(setter):
-                setter(True)
-
-    fsdp.disable_fsdp_gradient_division = disable_fsdp_gradient_division
-
-
-def _patch_pg_timeouts() -> None:
-    """After the first step torchtitan calls ``torch.distributed.set_timeout``, which torch
-    2.13 does not have (torchtitan 0.3.0 targets a newer torch). The harness gives every
-    collective its timeout at ``init_process_group`` already (``comm`` timeouts set equal):
-    keep the barrier, skip the missing call."""
-    utils = _module("torchtitan.distributed.utils")
-    original = utils.set_pg_timeouts
-
-    def set_pg_timeouts(timeout: timedelta, parallel_dims: Any) -> None:
-        if hasattr(dist, "set_timeout"):
-            original(timeout, parallel_dims)
-        else:
-            dist.barrier()
-
-    utils.set_pg_timeouts = set_pg_timeouts
-
-
-def _patch_final_sleep() -> None:
-    """``Trainer.train`` ends with ``time.sleep(2)`` on rank 0 ("for other ranks to
-    complete"); the harness synchronizes with a barrier instead, so skip the two seconds."""
-    trainer = _module("torchtitan.trainer")
-    trainer.time = types.SimpleNamespace(perf_counter=time.perf_counter, sleep=lambda s: None)
 
 
 def _resolve(spec: str) -> Any:
@@ -343,7 +140,7 @@ def _patch_fully_shard(
         return impl(module, *args, **kwargs)
 
     patched: list[str] = []
-    for mod in _torchtitan_modules():
+    for mod in tt_cpu.torchtitan_modules():
         if getattr(mod, "fully_shard", None) is torch_fully_shard:
             mod.fully_shard = fully_shard
             patched.append(f"{mod.__name__}.fully_shard")
@@ -368,90 +165,6 @@ def _patch_fsdp_module(spec: str | None) -> list[str]:
 
 
 # ---------------------------------------------------------------------------------------------
-# Synthetic data and tokenizer (torchtitan Configurables, built by the Trainer)
-# ---------------------------------------------------------------------------------------------
-
-
-def _synthetic_components(vocab: int) -> tuple[Any, Any]:
-    """A tokenizer stand-in and a deterministic dataloader, as torchtitan components.
-
-    The dataloader yields ``({"input": ids}, labels)`` for this data-parallel rank's slice of
-    global batch ``i % distinct`` (``i`` counts batches served, and is its checkpoint state),
-    drawn from a generator seeded with ``(seed, i % distinct)``: the same numbers whatever
-    the FSDP implementation, and after a resume. No ``positions``: SDPA is causal.
-    """
-    base_tokenizer = _module("torchtitan.components.tokenizer").BaseTokenizer
-    base_dataloader = _module("torchtitan.components.dataloader").BaseDataLoader
-
-    class SyntheticTokenizer(base_tokenizer):  # type: ignore[misc, valid-type]
-        @dataclasses.dataclass(kw_only=True, slots=True)
-        class Config(base_tokenizer.Config):  # type: ignore[misc, name-defined]
-            vocab_size: int = vocab
-
-        def __init__(self, config: Any, **kwargs: Any) -> None:
-            super().__init__()
-            self.vocab_size = config.vocab_size
-            self.bos_id, self.eos_id = 0, 1
-
-        def encode(self, text: str, *args: Any, **kwargs: Any) -> list[int]:
-            return [b % self.vocab_size for b in text.encode()]
-
-        def decode(self, ids: list[int], *args: Any, **kwargs: Any) -> str:
-            return " ".join(str(i) for i in ids)
-
-        def get_vocab_size(self) -> int:
-            return int(self.vocab_size)
-
-    class SyntheticDataLoader(base_dataloader):  # type: ignore[misc, valid-type]
-        @dataclasses.dataclass(kw_only=True, slots=True)
-        class Config(base_dataloader.Config):  # type: ignore[misc, name-defined]
-            seed: int = DEFAULT_SEED
-            distinct_batches: int = DEFAULT_DISTINCT_BATCHES
-
-        def __init__(
-            self,
-            config: Any,
-            *,
-            dp_world_size: int,
-            dp_rank: int,
-            tokenizer: Any,
-            seq_len: int,
-            local_batch_size: int,
-            **kwargs: Any,
-        ) -> None:
-            self.config = config
-            self.dp_world_size, self.dp_rank = dp_world_size, dp_rank
-            self.vocab_size = tokenizer.get_vocab_size()
-            self.seq_len, self.local_batch_size = seq_len, local_batch_size
-            self.served = 0
-
-        def _batch(self, index: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-            which = index % self.config.distinct_batches
-            generator = torch.Generator().manual_seed(self.config.seed * 100_003 + which)
-            shape = (self.local_batch_size * self.dp_world_size, self.seq_len + 1)
-            tokens = torch.randint(0, self.vocab_size, shape, generator=generator)
-            mine = tokens.chunk(self.dp_world_size)[self.dp_rank]
-            return {"input": mine[:, :-1].contiguous()}, mine[:, 1:].contiguous()
-
-        def __iter__(self) -> Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]:
-            while True:
-                batch = self._batch(self.served)
-                self.served += 1
-                yield batch
-
-        # One key per rank: DCP keeps one copy of equal non-tensor keys across ranks.
-        def state_dict(self) -> dict[str, Any]:
-            return {f"served_rank_{self.dp_rank}": self.served, "world": self.dp_world_size}
-
-        def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-            if state_dict:
-                assert state_dict["world"] == self.dp_world_size
-                self.served = int(state_dict[f"served_rank_{self.dp_rank}"])
-
-    return SyntheticTokenizer, SyntheticDataLoader
-
-
-# ---------------------------------------------------------------------------------------------
 # Config
 # ---------------------------------------------------------------------------------------------
 
@@ -471,24 +184,20 @@ def _build_config(
     timeout_s: int,
 ) -> Any:
     registry = _module("torchtitan.models.llama3.config_registry")
-    attention = _module("torchtitan.models.common.attention")
     checkpoint = _module("torchtitan.components.checkpointer")
 
     config = registry.llama3_debugmodel()
     model = config.model_spec.model
-    tokenizer_cls, dataloader_cls = _synthetic_components(model.vocab_size)
+    tokenizer_cls, dataloader_cls = tt_cpu.synthetic_components(
+        model.vocab_size, seed=DEFAULT_SEED, distinct_batches=DEFAULT_DISTINCT_BATCHES
+    )
 
     # Model: fewer layers (each keeps its depth-scaled init); SDPA (causal) for the compiled
     # FlexAttention, which needs inductor (minutes on CPU) and document masks.
     if not 1 <= n_layers <= len(model.layers):
         raise ValueError(f"n_layers must be in [1, {len(model.layers)}], got {n_layers}")
     del model.layers[n_layers:]
-    for _, _, parent, attr in list(model.traverse(attention.FlexAttention.Config)):
-        new = attention.ScaledDotProductAttention.Config()
-        if isinstance(parent, list):
-            parent[attr] = new
-        else:
-            setattr(parent, attr, new)
+    tt_cpu.use_sdpa(model)
 
     config.dump_folder = dump_folder
     config.hf_assets_path = dump_folder  # no tokenizer files: the synthetic one ignores it
@@ -644,7 +353,7 @@ def _train(
     timeout_s: int,
     verbose: bool,
 ) -> dict[str, Any]:
-    with _import_stand_ins():
+    with tt_cpu.torchtitan_imports():
         _module("torchtitan.trainer")
         _module("torchtitan.models.llama3.config_registry")
         if verbose:
@@ -662,10 +371,10 @@ def _train(
             load_model_only=load_model_only,
             timeout_s=timeout_s,
         )
-    patched = _patch_device()
-    _patch_sum_reduction()
-    _patch_pg_timeouts()
-    _patch_final_sleep()
+    patched = tt_cpu.patch_device()
+    tt_cpu.patch_sum_reduction()
+    tt_cpu.patch_pg_timeouts()
+    tt_cpu.patch_final_sleep()
     root: list[torch.nn.Module] = []
     calls: list[dict[str, Any]] = []
     patched += _patch_fully_shard(fully_shard_impl, root, calls)
