@@ -105,7 +105,7 @@ def test_hsdp_accumulation_all_reduces_once_per_optimizer_step() -> None:
     by_mode = {mode: run_on_ranks(4, _train, (2, 2), 3, mode) for mode in SYNC_MODES}
     for mode, results in by_mode.items():
         for result in results:
-            errors = {k: v for k, v in result.items() if k[0].isupper() or k[0].isdigit()}
+            errors = {k: v for k, v in result.items() if not k.startswith(("calls.", "slow"))}
             # As test_fsdp_matches_single_device (fp32, 3 AdamW steps): within 2e-7.
             assert max(errors.values()) < 2e-7, (mode, errors)
     calls = {mode: results[0] for mode, results in by_mode.items()}

@@ -200,8 +200,6 @@ class GradArena:
         for bucket in self.buckets:
             if any(self.entries[i].submitted for i in bucket.members):
                 self._fire(bucket)
-        for entry in self._in_flight:
-            self._complete(entry)
         self._in_flight = []
         scale = 1.0 / (divide_factor or float(self.shard_size * self.replicate_size))
         out: list[Reduced] = []
