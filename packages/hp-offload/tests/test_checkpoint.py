@@ -7,6 +7,7 @@ same kernels on the same inputs, so no tolerance is needed.
 from __future__ import annotations
 
 import functools
+import types
 from collections.abc import Callable
 
 import pytest
@@ -18,7 +19,7 @@ from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_conte
 from hp_offload.checkpoint import checkpoint_wrapper
 from hp_offload.memory import ActivationMeter
 from hp_offload.policy import ATTENTION_OPS, MATMUL_OPS, ActivationPolicy, BudgetPolicy, op_kind
-from hp_offload.swap import Swapper, unwrap
+from hp_offload.swap import Swapper, swap_wrapper, unwrap
 from hp_testing import run_on_ranks
 from hp_testing.llama import Llama, LlamaConfig
 
@@ -153,6 +154,22 @@ def test_no_grad_runs_unwrapped() -> None:
     ids = torch.zeros(1, 4, dtype=torch.long)
     with torch.no_grad():
         assert torch.equal(model(ids), _model()(ids))
+
+
+def test_unwrap_brings_back_a_forward_set_on_the_instance() -> None:
+    # A tensor-parallel style replaces a module's forward on the instance; wrapping and
+    # unwrapping must leave that forward, not the class's.
+    layer = nn.Linear(4, 4)
+    layer.forward = types.MethodType(lambda self, x: x * 3.0, layer)  # type: ignore[method-assign]
+    x = torch.ones(2, 4)
+    for wrap in (checkpoint_wrapper, swap_wrapper):
+        wrap(layer)
+        unwrap(layer)
+        assert torch.equal(layer(x), x * 3.0), wrap.__name__
+    plain = nn.Linear(4, 4)
+    checkpoint_wrapper(plain)
+    unwrap(plain)
+    assert "forward" not in plain.__dict__
 
 
 def test_errors() -> None:

@@ -83,16 +83,20 @@ def all_gather_dim(
             f"sizes[{group.index}] = {sizes[group.index]}"
         )
     longest = max(sizes)
+    if all(n == longest for n in sizes):
+        # Equal pieces travel as they are, stacked ([p, *shape]), and one reshape puts the
+        # stack axis in place: one copy, none when ``dim`` is 0 (a transposed send buffer
+        # would cost a second).
+        send = x.contiguous()
+        blocks = send.new_empty((group.size, *send.shape))
+        flat = blocks.view(group.size * send.shape[0], *send.shape[1:])
+        dist.all_gather_single(flat, send, group=group.process_group)
+        shape = list(x.shape)
+        shape[dim] = group.size * longest
+        return blocks.movedim(0, dim).reshape(shape)
     send = _pad_dim(x, dim, longest).movedim(dim, 0).contiguous()
     out = send.new_empty((group.size * longest, *send.shape[1:]))
     dist.all_gather_single(out, send, group=group.process_group)
-    if all(n == longest for n in sizes):
-        # [p * n, rest] -> [p, n, rest] -> rest with (p, n) at ``dim``: one contiguous copy.
-        blocks = out.view(group.size, longest, *send.shape[1:])
-        order = [*range(2, dim + 2), 0, 1, *range(dim + 2, blocks.dim())]
-        shape = list(x.shape)
-        shape[dim] = group.size * longest
-        return blocks.permute(order).reshape(shape)
     pieces = [out.narrow(0, i * longest, n) for i, n in enumerate(sizes)]
     return torch.cat(pieces, dim=0).movedim(0, dim).contiguous()
 

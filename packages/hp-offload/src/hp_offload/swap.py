@@ -397,7 +397,10 @@ def mark_wrapped(module: nn.Module, kind: str, forward: Callable[..., Any]) -> N
             f"{type(module).__name__} is already wrapped ({getattr(module, _WRAPPED_ATTR)[0]}); "
             f"call hp_offload.unwrap(module) first"
         )
-    setattr(module, _WRAPPED_ATTR, (kind, module.forward))
+    # A forward set on the instance (e.g. a tensor-parallel style's production forward) is
+    # what unwrap must bring back; otherwise the class's forward is.
+    own = module.__dict__.get("forward")
+    setattr(module, _WRAPPED_ATTR, (kind, own))
     module.forward = types.MethodType(lambda self, *a, **k: forward(*a, **k), module)
 
 
@@ -406,7 +409,11 @@ def unwrap(module: nn.Module) -> nn.Module:
     wrapped = getattr(module, _WRAPPED_ATTR, None)
     if wrapped is None:
         raise ValueError(f"{type(module).__name__} is not wrapped by hp_offload")
-    del module.forward
+    own = wrapped[1]
+    if own is None:
+        del module.forward
+    else:
+        module.forward = own
     delattr(module, _WRAPPED_ATTR)
     return module
 

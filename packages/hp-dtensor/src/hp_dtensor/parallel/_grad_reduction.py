@@ -56,24 +56,50 @@ class GradReduction:
     axes: tuple[tuple[str, ReduceOp], ...]
 
 
+class _Kind:
+    """One distinct reduction of a bucket, interned when hooks are installed: pending
+    contributions are keyed by it (an identity hash, not the reduction's field-by-field one),
+    and whether it may ride on a sum all-reduce is decided once."""
+
+    __slots__ = ("ride_axis", "spec")
+
+    def __init__(self, spec: GradReduction) -> None:
+        self.spec = spec
+        # A single sum over one axis may join a sum all-reduce over that axis's group.
+        single_sum = len(spec.axes) == 1 and spec.axes[0][1] is ReduceOp.SUM
+        self.ride_axis: str | None = spec.axes[0][0] if single_sum else None
+
+
 @dataclass
 class _Bucket:
     """Fresh gradient contributions of one backward pass, per reduction kind."""
 
-    pending: dict[GradReduction, list[tuple[torch.Tensor, torch.Tensor, bool]]] = field(
+    pending: dict[_Kind, list[tuple[torch.Tensor, torch.Tensor, bool]]] = field(
         default_factory=dict
     )
     queued: bool = False
+    kinds: dict[GradReduction, _Kind] = field(default_factory=dict)
 
-    def add(self, spec: GradReduction, leaf: torch.Tensor, grad: torch.Tensor) -> None:
-        self.pending.setdefault(spec, []).append((leaf, grad, leaf.grad is not None))
+    def kind(self, spec: GradReduction) -> _Kind:
+        """The interned kind of ``spec`` (made on first use)."""
+        found = self.kinds.get(spec)
+        if found is None:
+            found = self.kinds[spec] = _Kind(spec)
+        return found
+
+    def add(self, kind: _Kind, leaf: torch.Tensor, grad: torch.Tensor) -> None:
+        entries = self.pending.get(kind)
+        if entries is None:
+            entries = self.pending[kind] = []
+        entries.append((leaf, grad, leaf.grad is not None))
         if not self.queued:
             self.queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self.flush)
 
     def flush(self) -> None:
         pending, self.pending, self.queued = self.pending, {}, False
-        for spec, entries in pending.items():
+        for kind, entries in pending.items():
+            spec = kind.spec
             flat = torch.cat([grad.reshape(-1) for _, grad, _ in entries])
             for axis, op in spec.axes:
                 flat = _comm.all_reduce(flat, op, _comm.AxisGroup.of(spec.mesh, axis))
@@ -85,16 +111,16 @@ class _Bucket:
     def riders(self, group: _comm.AxisGroup, dtype: torch.dtype) -> list[_comm.Rider]:
         """Pending single-axis sums over ``group`` (they leave the bucket and ride along)."""
         out: list[_comm.Rider] = []
-        for spec in list(self.pending):
-            if len(spec.axes) != 1 or spec.axes[0][1] is not ReduceOp.SUM:
+        for kind in list(self.pending):
+            if kind.ride_axis is None:
                 continue
-            own = _comm.AxisGroup.of(spec.mesh, spec.axes[0][0])
+            own = _comm.AxisGroup.of(kind.spec.mesh, kind.ride_axis)
             if own.process_group is not group.process_group:
                 continue
-            entries = self.pending[spec]
+            entries = self.pending[kind]
             if any(grad.dtype != dtype for _, grad, _ in entries):
                 continue
-            del self.pending[spec]
+            del self.pending[kind]
             out.extend((grad, _delivery(leaf, had_grad)) for leaf, grad, had_grad in entries)
         return out
 
@@ -127,11 +153,12 @@ def _bucket_of(root: nn.Module) -> _Bucket:
 
 
 def _hook(
-    bucket: _Bucket, spec: GradReduction, leaf: torch.Tensor
+    bucket: _Bucket, kind: _Kind, leaf: torch.Tensor
 ) -> Callable[[torch.Tensor], torch.Tensor]:
     def stash(grad: torch.Tensor) -> torch.Tensor:
-        bucket.add(spec, leaf, grad)
-        return grad.new_zeros(()).expand_as(grad)
+        bucket.add(kind, leaf, grad)
+        # Dense zeros: ``.grad`` takes them as they are (an expanded zero would be copied).
+        return torch.zeros_like(grad)
 
     return stash
 
@@ -160,5 +187,5 @@ def install_grad_reductions(module: nn.Module) -> None:
         if not param.requires_grad:
             continue
         leaf = param.to_local() if isinstance(param, DTensor) else param
-        leaf.register_hook(_hook(bucket, spec, leaf))
+        leaf.register_hook(_hook(bucket, bucket.kind(spec), leaf))
         setattr(param, _OWNER, id(param))

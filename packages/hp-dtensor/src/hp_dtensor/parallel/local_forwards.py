@@ -16,7 +16,7 @@ from torch import nn
 from hp_dtensor.device_mesh import DeviceMesh
 from hp_dtensor.parallel._boundary import BoundaryConverter
 from hp_dtensor.parallel.plan import ShardingPlan
-from hp_layout import Layout, Replicate
+from hp_layout import Replicate
 
 __all__ = [
     "rowwise_linear_forward",
@@ -65,11 +65,14 @@ def sequence_parallel_dropout_forward(
     placement = boundary.target
     converter = BoundaryConverter(axis_mesh)
 
+    placement = placement or Replicate()
+    rank = axis_mesh.get_rank()
+
     def forward(self: nn.Dropout, x: torch.Tensor) -> torch.Tensor:
         if not self.training or self.p == 0.0:
             return x
-        shape = converter.global_shape(x, placement or Replicate())
-        layout = Layout(shape, axis_mesh.mesh, [placement or Replicate()])
-        return parallel_random.parallel_dropout_forward(self, x, layout, axis_mesh.get_rank())
+        # The layout is learned once per local shape (one tiny all-gather), not per call.
+        layout = converter.layout(x, placement)
+        return parallel_random.parallel_dropout_forward(self, x, layout, rank)
 
     return forward

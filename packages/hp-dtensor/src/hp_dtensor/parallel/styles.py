@@ -64,6 +64,13 @@ class ParallelStyle(ABC):
         is the 1-d mesh of the parallel axis; ``coordinate`` this rank's place on it."""
         return None
 
+    def production_output_is_fresh(self, module: nn.Module) -> bool:
+        """Whether the production forward returns tensors that nothing else holds (results
+        of its own last op, not an input, a parameter or a view): the output boundary may then
+        reduce them in place, as Megatron's hand-written ``g`` does. False by default."""
+        del module  # the default claims nothing about any module
+        return False
+
     def install_validation_forward(
         self, module: nn.Module, sharding: ShardingPlan, mesh: DeviceMesh, axis: str
     ) -> None:
@@ -161,6 +168,10 @@ class RowwiseParallel(ParallelStyle):
         layout = Layout(shape, axis_mesh.mesh, [Shard(0)])
         (start, stop), _ = layout.local_region(axis_mesh.get_rank()).box
         return local_forwards.vocab_parallel_embedding_forward(start, stop)
+
+    def production_output_is_fresh(self, module: nn.Module) -> bool:
+        # Both production forwards end in an op of their own (a linear, a masked fill).
+        return True
 
 
 @dataclass(frozen=True)
