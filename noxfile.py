@@ -286,11 +286,11 @@ def _pytest(session: nox.Session, pkg: Package) -> None:
     _run_pytest(session, pkg.path / "tests")
 
 
-def _run_pytest(session: nox.Session, tests: Path) -> None:
-    """pytest on one tests folder with the root configuration (extra arguments passed on)."""
+def _run_pytest(session: nox.Session, *tests: Path) -> None:
+    """pytest on tests folders with the root configuration (extra arguments passed on)."""
     session.run(
-        "pytest", "-c", str(PYPROJECT), "--rootdir", str(ROOT), str(tests), *session.posargs,
-        env=TEST_ENV,
+        "pytest", "-c", str(PYPROJECT), "--rootdir", str(ROOT), *map(str, tests),
+        *session.posargs, env=TEST_ENV,
     )  # fmt: skip
 
 
@@ -572,7 +572,8 @@ def integration(session: nox.Session) -> None:
 def tests_all(session: nox.Session) -> None:
     """Every package's tests, tests/integration and mypy --strict over every package, in one
     environment holding all packages (non-editable, with their test extras): one install of
-    torch and the test tools, and one mypy cache, instead of one per package. Each package's
+    torch and the test tools, one pytest process (one torch import, one rank pool per world
+    size) and one mypy cache, instead of one per package. Each package's
     isolated install (only its DAG closure) is checked by build-<dist>; check-<dist> runs a
     package's tests in such an environment. Every step runs even when one fails."""
     names = _install_order()
@@ -584,14 +585,14 @@ def tests_all(session: nox.Session) -> None:
     install_no_deps_test_tools(session, names)
     failed: list[str] = []
     for name in names:
-        try:
-            _pytest(session, PACKAGES[name])
-        except CommandFailed:
-            failed.append(f"tests {name}")
+        _check_installed_copy(session, PACKAGES[name].import_name)
+    # One pytest process for every package's tests: torch is imported and the rank pools are
+    # spawned once for the whole run, not once per package (test module names are unique
+    # across packages; tools/tests checks it).
     try:
-        _run_pytest(session, INTEGRATION_TESTS)
+        _run_pytest(session, *[PACKAGES[n].path / "tests" for n in names], INTEGRATION_TESTS)
     except CommandFailed:
-        failed.append("tests integration")
+        failed.append("tests")
     # One cache for every package: torch's stubs are analysed once, not once per package.
     cache = Path(session.create_tmp()) / "mypy_cache"
     for name in names:
