@@ -21,7 +21,7 @@ from hp_dtensor import _comm, collectives
 from hp_dtensor._comm import AxisGroup
 from hp_dtensor.collectives import _apply
 from hp_dtensor.device_mesh import DeviceMesh
-from hp_dtensor.redistribute import _KeepOnFirst
+from hp_dtensor.redistribute import _KeepOnFirst, _piece_extents
 from hp_layout import (
     Layout,
     Placement,
@@ -119,12 +119,6 @@ def _compile_slice(step: Step, rank: int) -> Run | None:
     return run
 
 
-def _extents(layout: Layout, group: tuple[int, ...], dim: int | None) -> tuple[int, ...]:
-    if dim is None:
-        return tuple(layout.local_numel(r) for r in group)
-    return tuple(layout.local_shape(r)[dim] for r in group)
-
-
 def _compile_step(step: Step, mesh: DeviceMesh, owned: bool) -> Run | None:
     """One step as a function of the local tensor, everything about it decided now (None: it
     leaves the tensor as it is). ``owned``: the tensor it gets is held by nothing else."""
@@ -142,14 +136,14 @@ def _compile_step(step: Step, mesh: DeviceMesh, owned: bool) -> Run | None:
     ndim = len(step.before.global_shape)
     if kind is StepKind.ALL_GATHER:
         if isinstance(src, RaggedShard):
-            numels = _extents(step.before, group, None)
+            numels = _piece_extents(step.before, group, None)
             after = step.after.local_shape(rank)
             return lambda x: collectives.all_gather(x.reshape(-1), 0, mesh, axis, numels).reshape(
                 after
             )
         assert isinstance(src, Shard)
         dim = src.dim % ndim
-        sizes = _extents(step.before, group, dim)
+        sizes = _piece_extents(step.before, group, dim)
         return lambda x: collectives.all_gather(x, dim, mesh, axis, sizes)
     op = step.reduce_op
     if kind is StepKind.ALL_REDUCE:
@@ -164,14 +158,14 @@ def _compile_step(step: Step, mesh: DeviceMesh, owned: bool) -> Run | None:
             return lambda x: collectives.reduce_scatter(x.reshape(-1), 0, mesh, axis, op, numels)
         assert isinstance(dst, Shard)
         dim = dst.dim % ndim
-        sizes = _extents(step.after, group, dim)
+        sizes = _piece_extents(step.after, group, dim)
         return lambda x: collectives.reduce_scatter(x, dim, mesh, axis, op, sizes)
     assert kind is StepKind.ALL_TO_ALL
     assert isinstance(src, Shard)
     assert isinstance(dst, Shard)
     split, concat = dst.dim % ndim, src.dim % ndim
-    split_sizes = _extents(step.after, group, split)
-    concat_sizes = _extents(step.before, group, concat)
+    split_sizes = _piece_extents(step.after, group, split)
+    concat_sizes = _piece_extents(step.before, group, concat)
     return lambda x: collectives.all_to_all(x, split, concat, mesh, axis, split_sizes, concat_sizes)
 
 
