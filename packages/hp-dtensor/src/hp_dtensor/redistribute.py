@@ -1,123 +1,27 @@
 """Run ``hp_layout`` redistribution plans on this rank's torch tensor, differentiably.
 
-Planning is ``hp_layout.plan_redistribute`` (pure, cached); this module only executes the
-steps with the autograd-aware collectives of :mod:`hp_dtensor.collectives`, so the backward
-of a redistribution is the true adjoint of its forward.
+Planning is ``hp_layout.plan_redistribute`` (pure, cached); this module checks the local
+shape and runs the plan compiled by :mod:`hp_dtensor._moves`, whose steps are the
+autograd-aware collectives of :mod:`hp_dtensor.collectives`, so the backward of a
+redistribution is the true adjoint of its forward.
 """
 
 from __future__ import annotations
 
-from functools import lru_cache
-from typing import Any
-
 import torch
 
-from hp_dtensor import collectives
-from hp_dtensor.collectives import _apply
+from hp_dtensor._moves import compile_plan
 from hp_dtensor.device_mesh import DeviceMesh
 from hp_layout import (
     Layout,
     Partial,
-    RaggedShard,
     RedistributePlan,
-    ReduceOp,
     Replicate,
-    Shard,
-    Step,
-    StepKind,
     Topology,
     plan_redistribute,
 )
 
 __all__ = ["execute_plan", "plan_for", "redistribute_local"]
-
-
-class _KeepOnFirst(torch.autograd.Function):
-    """Replicate -> Partial(sum): coordinate 0 keeps the value, the others hold zeros."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, keep: bool) -> torch.Tensor:
-        ctx.keep = keep
-        return x.clone() if keep else torch.zeros_like(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None]:
-        return (grad if ctx.keep else torch.zeros_like(grad)), None
-
-
-@lru_cache(maxsize=65536)
-def _piece_extents(layout: Layout, group: tuple[int, ...], dim: int | None) -> tuple[int, ...]:
-    """Each group member's local extent along ``dim`` (numel when ``dim`` is None)."""
-    if dim is None:
-        return tuple(layout.local_numel(r) for r in group)
-    return tuple(layout.local_shape(r)[dim] for r in group)
-
-
-def _local_slice(x: torch.Tensor, step: Step, rank: int) -> torch.Tensor:
-    before = step.before.local_region(rank)
-    after = step.after.local_region(rank)
-    out = x
-    for d, ((a, b), (base, _)) in enumerate(zip(after.box, before.box, strict=True)):
-        if (a - base, b - base) != (0, out.shape[d]):
-            out = out.narrow(d, a - base, b - a)
-    if after.flat is not None:
-        out = out.reshape(-1).narrow(0, after.flat[0], after.flat[1] - after.flat[0])
-    return out
-
-
-def _run_step(x: torch.Tensor, step: Step, mesh: DeviceMesh) -> torch.Tensor:
-    rank = mesh.get_rank()
-    kind = step.kind
-    if kind is StepKind.LOCAL_SLICE:
-        return _local_slice(x, step, rank)
-    if kind is StepKind.LOCAL_PARTITION:
-        if step.reduce_op is ReduceOp.SUM:
-            keep = mesh.get_local_rank(step.axis) == 0
-            out: torch.Tensor = _apply(_KeepOnFirst)(x, keep)
-            return out
-        return x
-    group = mesh.group_ranks(step.axis)
-    src, dst = step.src_placement, step.dst_placement
-    if kind is StepKind.ALL_GATHER:
-        if isinstance(src, RaggedShard):
-            flat = collectives.all_gather(
-                x.reshape(-1), 0, mesh, step.axis, _piece_extents(step.before, group, None)
-            )
-            return flat.reshape(step.after.local_shape(rank))
-        assert isinstance(src, Shard)
-        return collectives.all_gather(
-            x, src.dim, mesh, step.axis, _piece_extents(step.before, group, src.dim)
-        )
-    if kind is StepKind.ALL_REDUCE:
-        assert step.reduce_op is not None
-        return collectives.all_reduce(x, mesh, step.axis, step.reduce_op)
-    if kind is StepKind.REDUCE_SCATTER:
-        assert step.reduce_op is not None
-        if isinstance(dst, RaggedShard):
-            return collectives.reduce_scatter(
-                x.reshape(-1), 0, mesh, step.axis, step.reduce_op, dst.local_numels
-            )
-        assert isinstance(dst, Shard)
-        return collectives.reduce_scatter(
-            x,
-            dst.dim,
-            mesh,
-            step.axis,
-            step.reduce_op,
-            _piece_extents(step.after, group, dst.dim),
-        )
-    assert kind is StepKind.ALL_TO_ALL
-    assert isinstance(src, Shard)
-    assert isinstance(dst, Shard)
-    return collectives.all_to_all(
-        x,
-        dst.dim,
-        src.dim,
-        mesh,
-        step.axis,
-        _piece_extents(step.after, group, dst.dim),
-        _piece_extents(step.before, group, src.dim),
-    )
 
 
 def execute_plan(x: torch.Tensor, plan: RedistributePlan, mesh: DeviceMesh) -> torch.Tensor:
@@ -134,9 +38,7 @@ def execute_plan(x: torch.Tensor, plan: RedistributePlan, mesh: DeviceMesh) -> t
             f"rank {rank} holds a local tensor of shape {tuple(x.shape)}, but {plan.src!r} "
             f"gives it {expected}"
         )
-    for step in plan.steps:
-        x = _run_step(x, step, mesh)
-    return x
+    return compile_plan(plan, mesh)(x)
 
 
 def _repartition_midpoint(src: Layout, dst: Layout) -> Layout | None:
