@@ -35,8 +35,9 @@ Measured per variant besides time, outside the timed rounds:
 
 This machine is noisy: compare the ratios of one run. Prints a table and one JSON line.
 
-hp-fsdp prefetches the next group only on accelerators by default; ``--prefetch`` turns it on
-here too (faster, one more group's unsharded parameters of memory).
+hp-fsdp prefetches in forward only on CPU by default (``hp_fsdp.policy.default_prefetch``);
+``--prefetch`` turns backward prefetch on too, the accelerator default (one more group's
+unsharded parameters at the peak).
 
 Run: ``nox -s bench -- fsdp_step.py`` (or ``python benchmarks/fsdp_step.py`` with the packages
 importable, e.g. ``PYTHONPATH=packages/hp-layout/src:packages/hp-dtensor/src:...``).

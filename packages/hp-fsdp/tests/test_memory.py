@@ -22,9 +22,12 @@ Measured (torch 2.13 CPU, both ranks, deterministic from run to run), peak incre
   state for both) hp-fsdp holds 281,984 B against torch FSDP2's 281,992 B: the sharded
   parameters, padded differently. Bound: within 1 % of the model's 558,848 B of each other
   (unsharded parameters kept between steps would add all of them).
-* hp-fsdp with implicit prefetch (the accelerator default, forced here): 1,208,712 B, exactly
-  one block's unsharded parameters more (the next block is gathered while one computes).
-  Bound: between 0.98 and 1.02 blocks more than the default.
+* The default on CPU prefetches in forward only (``hp_fsdp.policy.default_prefetch``); with no
+  prefetch at all the peak is the same 1,044,360 B: the peak comes at the start of backward,
+  where forward prefetch holds nothing more. Bound: equal.
+* hp-fsdp with implicit prefetch in both directions (the accelerator default, forced here):
+  1,208,712 B, exactly one block's unsharded parameters more (in backward the previous block
+  is gathered while one computes). Bound: between 0.98 and 1.02 blocks more than the default.
 * ``reshard_after_forward=False`` on the blocks: hp-fsdp 1,373,064 B, exactly two blocks more
   (the other two blocks stay unsharded while the third runs; bound: 1.98 to 2.02 blocks);
   torch FSDP2 1,208,960 B, so here hp-fsdp peaks 164,104 B (0.9985 blocks) above torch FSDP2:
@@ -73,10 +76,13 @@ def _model(kind: str, reshard_after_forward: bool) -> nn.Module:
     return model
 
 
-def _peak(kind: str, reshard_after_forward: bool = True, prefetch: bool = False) -> dict[str, Any]:
+def _peak(
+    kind: str, reshard_after_forward: bool = True, prefetch: bool | None = None
+) -> dict[str, Any]:
+    """``prefetch``: None keeps the default, else ``set_implicit_prefetch(prefetch)``."""
     model = _model(kind, reshard_after_forward)
-    if prefetch:
-        cast(Any, model).set_implicit_prefetch(True)
+    if prefetch is not None:
+        cast(Any, model).set_implicit_prefetch(prefetch)
     g = torch.Generator().manual_seed(dist.get_rank())
     ids = torch.randint(0, CONFIG.vocab_size, (2, 16), generator=g)
     targets = torch.randint(0, CONFIG.vocab_size, (2, 16), generator=g)
@@ -103,6 +109,7 @@ def _measure() -> dict[str, Any]:
     out: dict[str, Any] = {
         "hp": _peak("hp"),
         "hp_prefetch": _peak("hp", prefetch=True),
+        "hp_no_prefetch": _peak("hp", prefetch=False),
         "hp_no_reshard": _peak("hp", reshard_after_forward=False),
         "torch": _peak("torch"),
         "torch_no_reshard": _peak("torch", reshard_after_forward=False),
@@ -132,10 +139,12 @@ def test_peak_memory_at_most_torch_fsdp2() -> None:
 
 @pytest.mark.multiprocess
 def test_prefetch_and_keeping_parameters_cost_whole_blocks() -> None:
-    """Implicit prefetch costs one block's unsharded parameters at the peak, not resharding
-    after forward two (the other blocks); the latter stays within a block of torch FSDP2's."""
+    """The default forward-only prefetch costs nothing at the peak, prefetch in both directions
+    one block's unsharded parameters, not resharding after forward two (the other blocks); the
+    latter stays within a block of torch FSDP2's."""
     for out in _results():
         block = out["block_bytes"]
+        assert out["hp"]["peak"] == out["hp_no_prefetch"]["peak"], out
         prefetch = (out["hp_prefetch"]["peak"] - out["hp"]["peak"]) / block
         kept = (out["hp_no_reshard"]["peak"] - out["hp"]["peak"]) / block
         assert 0.98 <= prefetch <= 1.02, (prefetch, out)

@@ -7,8 +7,10 @@ output buffer, and the other groups unsharded at that moment), between markers l
 group's forward starts and when its outputs' gradient arrives (its backward starts). Logged
 steps come after a warm-up step, which records the forward order implicit prefetch follows.
 
-* Default on CPU (implicit prefetch off): each group is gathered when its own forward or
-  backward starts, and only the root stays unsharded beside it.
+* ``set_implicit_prefetch(False)``: each group is gathered when its own forward or backward
+  starts, and only the root stays unsharded beside it.
+* Default on CPU (``hp_fsdp.policy.default_prefetch``: forward only): each group's forward start
+  issues the next group's all-gather; backward gathers as without prefetch.
 * ``set_implicit_prefetch(True)`` (the accelerator default, forced here): each group's forward
   and backward start issue the next group's all-gather, so two blocks are unsharded at a time.
 * ``set_modules_to_forward_prefetch`` / ``set_modules_to_backward_prefetch``: the listed
@@ -18,9 +20,9 @@ steps come after a warm-up step, which records the forward order implicit prefet
 * ``set_reshard_after_backward(False)`` during gradient accumulation: the parameters stay
   unsharded between micro-batches, so the later micro-batches gather less (nothing at all with
   ``reshard_after_forward=False``); set back to True on the last one, everything is freed.
-* Numerics: every variant's losses, gradients and AdamW-updated parameters equal the default
-  path's bit for bit (fp32 on CPU; they only move when an all-gather is issued or a buffer is
-  freed, never what is computed).
+* Numerics: every variant's losses, gradients and AdamW-updated parameters equal those of the
+  run without prefetch bit for bit (fp32 on CPU; they only move when an all-gather is issued or
+  a buffer is freed, never what is computed).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from hp_fsdp.counting import op_name
+from hp_fsdp.policy import PrefetchPolicy
 from hp_testing import run_on_ranks
 from hp_testing.llama import Llama, LlamaConfig
 
@@ -169,13 +172,15 @@ def _snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _prefetch_run(variant: str) -> dict[str, Any]:
-    """A warm-up AdamW step, then a logged one, under ``variant`` ("default", "implicit",
-    "explicit"); the log, and the losses, gradients and parameters for the numerics."""
+    """A warm-up AdamW step, then a logged one, under ``variant`` ("none", "default",
+    "implicit", "explicit"); the log, and the losses, gradients and parameters for the numerics."""
     model = _model()
     modules = _modules(model)
     states = [_state(m) for m in modules.values()]
     default_flags = [s.implicit_prefetch for s in states]
-    if variant == "implicit":
+    if variant == "none":
+        model.set_implicit_prefetch(False)  # type: ignore[operator]
+    elif variant == "implicit":
         model.set_implicit_prefetch(True)  # type: ignore[operator]
     elif variant == "explicit":
         layers: Any = model.layers
@@ -207,7 +212,7 @@ def _prefetch_run(variant: str) -> dict[str, Any]:
 
 def _prefetch() -> dict[str, dict[str, Any]]:
     torch.set_num_threads(1)
-    return {v: _prefetch_run(v) for v in ("default", "implicit", "explicit")}
+    return {v: _prefetch_run(v) for v in ("none", "default", "implicit", "explicit")}
 
 
 def _reshard_run(reshard_after_forward: bool, keep_between_micro_batches: bool) -> dict[str, Any]:
@@ -268,14 +273,35 @@ def _backward(log: list[str]) -> list[str]:
     return log[log.index("backward root") :]
 
 
+_FORWARD_PREFETCHED = [
+    "forward root",
+    "gather root [+]",
+    "gather layers.0 [+root]",
+    "forward layers.0",
+    "gather layers.1 [+root,layers.0]",
+    "forward layers.1",
+    "gather layers.2 [+root,layers.1]",
+    "forward layers.2",
+]
+_BACKWARD_UNPREFETCHED = [
+    "backward root",
+    "backward layers.2",
+    "gather layers.2 [+root]",
+    "backward layers.1",
+    "gather layers.1 [+root]",
+    "backward layers.0",
+    "gather layers.0 [+root]",
+]
+
+
 @pytest.mark.multiprocess
-def test_default_cpu_path_gathers_each_group_when_it_starts() -> None:
-    """Implicit prefetch is off by default on CPU; each group is all-gathered when its own
-    forward or backward starts, beside the root only (the root keeps its parameters)."""
+def test_without_prefetch_each_group_gathers_when_it_starts() -> None:
+    """With implicit prefetch off, each group is all-gathered when its own forward or backward
+    starts, beside the root only (the root keeps its parameters)."""
     for result in _prefetch_results():
-        run = result["default"]
+        run = result["none"]
         print(run["log"])
-        assert run["default_flags"] == [False] * len(GROUPS)
+        assert run["flags"] == [PrefetchPolicy(False, False)] * len(GROUPS)
         assert _forward(run["log"]) == [
             "forward root",
             "gather root [+]",
@@ -299,14 +325,31 @@ def test_default_cpu_path_gathers_each_group_when_it_starts() -> None:
 
 
 @pytest.mark.multiprocess
+def test_default_cpu_prefetch_is_forward_only() -> None:
+    """On CPU the default (``default_prefetch``, decided by measurement) prefetches in forward
+    only: each group's forward start issues the next group's all-gather, and backward gathers
+    each group when it starts, as without prefetch; the numbers are those without prefetch."""
+    for result in _prefetch_results():
+        run, none = result["default"], result["none"]
+        print(run["log"])
+        assert run["default_flags"] == [PrefetchPolicy(True, False)] * len(GROUPS)
+        assert _forward(run["log"]) == _FORWARD_PREFETCHED
+        assert _backward(run["log"]) == _BACKWARD_UNPREFETCHED
+        assert run["after"] == dict.fromkeys(GROUPS, False)
+        assert run["losses"] == none["losses"]
+        assert _same(run["grads"], none["grads"])
+        assert _same(run["params"], none["params"])
+
+
+@pytest.mark.multiprocess
 def test_implicit_prefetch_gathers_the_next_group_early() -> None:
     """Forced on CPU, implicit prefetch (the accelerator default) issues the next group's
     all-gather, in forward order and in reverse, when a group starts: two blocks are unsharded
-    at once; the losses, gradients and updated parameters are those of the default path."""
+    at once; the losses, gradients and updated parameters are those without prefetch."""
     for result in _prefetch_results():
-        run, default = result["implicit"], result["default"]
+        run, default = result["implicit"], result["none"]
         print(run["log"])
-        assert run["flags"] == [True] * len(GROUPS)
+        assert run["flags"] == [PrefetchPolicy(True, True)] * len(GROUPS)
         assert _forward(run["log"]) == [
             "forward root",
             "gather root [+]",
@@ -337,15 +380,16 @@ def test_explicit_prefetch_lists_set_the_gather_order() -> None:
     """``layers[0]`` prefetches ``[layers[2], layers[1]]`` in forward and ``layers[2]``
     prefetches ``[layers[0], layers[1]]`` in backward: those all-gathers are issued, in list
     order, when that block starts; the prefetched blocks gather nothing when they start. The
-    numbers are the default path's."""
+    modules without a list keep the default (the root prefetches ``layers[0]`` in forward). The
+    numbers are those without prefetch."""
     for result in _prefetch_results():
-        run, default = result["explicit"], result["default"]
+        run, default = result["explicit"], result["none"]
         print(run["log"])
         assert _forward(run["log"]) == [
             "forward root",
             "gather root [+]",
-            "forward layers.0",
             "gather layers.0 [+root]",
+            "forward layers.0",
             "gather layers.2 [+root,layers.0]",
             "gather layers.1 [+root,layers.0,layers.2]",
             "forward layers.1",

@@ -9,6 +9,7 @@ from hp_fsdp.policy import (
     LowPrecisionCommPolicy,
     MixedPrecisionPolicy,
     OffloadPolicy,
+    PrefetchPolicy,
 )
 from hp_fsdp.state_dict import (
     get_model_state_dict,
@@ -27,6 +28,7 @@ __all__ = [
     "MixedPrecisionPolicy",
     "OffloadPolicy",
     "ParamSpec",
+    "PrefetchPolicy",
     "UnshardHandle",
     "__version__",
     "clip_grad_norm_",

@@ -25,6 +25,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from hp_fsdp._arena import GradArena
 from hp_fsdp._group import FSDPParamGroup
+from hp_fsdp.policy import PrefetchPolicy, default_prefetch
 
 __all__ = ["FSDPState", "TrainingState"]
 
@@ -81,10 +82,9 @@ class FSDPState:
         self.root: _RootContext | None = None
         self.is_root: bool | None = None
         self.gradient_divide_factor: float | None = None
-        # Prefetch the next group in forward/backward order: on accelerators by default, where
-        # communication runs beside compute; on CPU it would keep one more group unsharded for
-        # little gain, so it is opt-in there (set_implicit_prefetch or the explicit setters).
-        self.implicit_prefetch = bool(groups) and groups[0].device.type != "cpu"
+        self.implicit_prefetch = (
+            default_prefetch(groups[0].device) if groups else PrefetchPolicy(False, False)
+        )
         self.forward_prefetch: list[FSDPState] | None = None
         self.backward_prefetch: list[FSDPState] | None = None
         self._backward_started = False
@@ -228,7 +228,8 @@ class FSDPState:
     ) -> list[FSDPState]:
         if explicit is not None:
             return explicit
-        if not self.implicit_prefetch or self not in order:
+        implicit = self.implicit_prefetch.forward if step > 0 else self.implicit_prefetch.backward
+        if not implicit or self not in order:
             return []
         index = order.index(self) + step
         return [order[index]] if 0 <= index < len(order) else []

@@ -17,6 +17,7 @@ from hp_fsdp.compat import REFUSED_METHODS, UnshardHandle, refusal
 from hp_fsdp.policy import (
     LowPrecisionCommPolicy,
     MixedPrecisionPolicy,
+    PrefetchPolicy,
     as_mixed_precision,
     as_offload,
 )
@@ -136,12 +137,17 @@ class FSDPModule:
         for state in self._states(recurse=True):
             state.gradient_divide_factor = factor
 
-    def set_implicit_prefetch(self, enabled: bool, *, recurse: bool = True) -> None:
-        """Prefetch the next module in forward and backward order (the order of the first
-        forward). On by default for accelerators, off on CPU (it costs one group's unsharded
-        parameters of memory)."""
+    def set_implicit_prefetch(
+        self, forward: bool, backward: bool | None = None, *, recurse: bool = True
+    ) -> None:
+        """Prefetch the next module in forward order (``forward``) and the previous one in
+        backward order (``backward``, the same as ``forward`` when not given), in the order of
+        the first forward. The default is :func:`hp_fsdp.policy.default_prefetch` of the
+        groups' device: both on accelerators, forward only on CPU (backward prefetch costs one
+        group's unsharded parameters at the peak)."""
+        policy = PrefetchPolicy(forward, forward if backward is None else backward)
         for state in self._states(recurse):
-            state.implicit_prefetch = enabled
+            state.implicit_prefetch = policy
 
     def set_reduce_scatter_divide_factor(self, factor: float) -> None:
         """FSDP2's older name of :meth:`set_gradient_divide_factor`."""
