@@ -11,7 +11,11 @@ with AdamW on gloo ranks of this machine (one thread each), in these layouts:
   (FSDP2's layout: torch DTensor parameters, a copy out of the all-gather and into the
   reduce-scatter), printed under each, with its ratio to torch FSDP2 and to the flat layout;
 * ``DDP w2`` / ``DDP w4``: ``torch.nn.parallel.DistributedDataParallel`` over all ranks
-  (whole parameters on every rank, one bucketed all-reduce: the reference floor).
+  (whole parameters on every rank, one bucketed all-reduce: the reference floor);
+* ``floor w2`` / ``floor w4``: every rank trains its own whole copy on its batch with no
+  communication at all, the ranks sharing the machine's cores as in the other variants: the
+  compute floor of a step (what a data-parallel step costs if communication were free). Its
+  first loss must equal the others'; later ones differ (no gradient averaging).
 
 A step is zero_grad, forward, cross-entropy, backward and ``AdamW.step`` on this rank's batch.
 The first losses of the variants of one world must agree (same weights, same batches). After a
@@ -81,7 +85,7 @@ class Variant:
     """One way of training the model."""
 
     name: str  # row label
-    impl: str  # "hp" | "hp_per_param" | "torch" | "ddp"
+    impl: str  # "hp" | "hp_per_param" | "torch" | "ddp" | "local"
     mesh: tuple[int, ...]  # data-parallel mesh; () for DDP
 
 
@@ -91,6 +95,7 @@ WORLDS: dict[int, tuple[Variant, ...]] = {
         Variant("1-d w2", "torch", (2,)),
         Variant("1-d w2", "hp_per_param", (2,)),
         Variant("DDP w2", "ddp", ()),
+        Variant("floor w2", "local", ()),
     ),
     4: (
         Variant("1-d w4", "hp", (4,)),
@@ -99,6 +104,7 @@ WORLDS: dict[int, tuple[Variant, ...]] = {
         Variant("HSDP 2x2", "hp", (2, 2)),
         Variant("HSDP 2x2", "torch", (2, 2)),
         Variant("DDP w4", "ddp", ()),
+        Variant("floor w4", "local", ()),
     ),
 }
 
@@ -241,6 +247,9 @@ def _build(variant: Variant) -> nn.Module:
         return _hp(variant.mesh, "per_param")
     if variant.impl == "torch":
         return _torch(variant.mesh)
+    if variant.impl == "local":
+        torch.manual_seed(0)
+        return Llama(CONFIG)
     return _ddp()
 
 
@@ -313,9 +322,11 @@ def _bench_world(variants: tuple[Variant, ...]) -> dict[str, Any]:
         rests.append(_in_use() - before)
         counts.append(_counts(train))
         trainers.append(train)
+    synced = [run for run, v in zip(losses, variants, strict=True) if v.impl != "local"]
     drift = max(
-        abs(a - b) for run in losses for other in losses for a, b in zip(run, other, strict=True)
+        abs(a - b) for run in synced for other in synced for a, b in zip(run, other, strict=True)
     )
+    drift = max(drift, *(abs(run[0] - losses[0][0]) for run in losses))
     if drift > LOSS_TOLERANCE:
         raise AssertionError(f"warm-up losses of {variants} differ by {drift:.2e}: {losses}")
     times: list[list[float]] = [[] for _ in variants]
@@ -368,7 +379,10 @@ def _table(results: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:
     for world, result in results.items():
         by = {(r["layout"], r["impl"]): r for r in result["rows"]}
         ddp = by[(f"DDP w{world}", "ddp")]
-        layouts = [r["layout"] for r in result["rows"] if r["impl"] not in ("ddp", "hp_per_param")]
+        floor = by[(f"floor w{world}", "local")]
+        layouts = [
+            r["layout"] for r in result["rows"] if r["impl"] not in ("ddp", "hp_per_param", "local")
+        ]
         for layout in dict.fromkeys(layouts):
             hp, theirs = by[(layout, "hp")], by[(layout, "torch")]
             row = {
@@ -377,6 +391,10 @@ def _table(results: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:
                 "hp_ms": hp["ms"],
                 "torch_ms": theirs["ms"],
                 "ddp_ms": ddp["ms"],
+                "floor_ms": floor["ms"],
+                "hp_vs_floor": hp["ms"] / floor["ms"],
+                "torch_vs_floor": theirs["ms"] / floor["ms"],
+                "ddp_vs_floor": ddp["ms"] / floor["ms"],
                 "hp_vs_torch": hp["ms"] / theirs["ms"],
                 "hp_vs_ddp": hp["ms"] / ddp["ms"],
                 "torch_vs_ddp": theirs["ms"] / ddp["ms"],
@@ -422,6 +440,16 @@ def _table(results: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:
             f"{f'DDP w{world}':<10}{'':>8}{'':>10}{'':>10}{ddp['ms']:>8.1f}{'ms':>10}"
             f"{'':>8}{ddp['peak_mib']:>10.1f}{'MiB':>9}{ddp['copies']:>16}  "
             f"{_short(ddp['collectives'])}"
+        )
+        print(
+            f"{f'floor w{world}':<10}{'':>8}{'':>10}{'':>10}{floor['ms']:>8.1f}{'ms':>10}  "
+            "each rank alone, no communication; over it: "
+            + ", ".join(
+                f"{r['layout']} hp {r['hp_vs_floor']:.2f} torch {r['torch_vs_floor']:.2f}"
+                for r in rows
+                if r["world"] == world
+            )
+            + f", DDP {ddp['ms'] / floor['ms']:.2f}"
         )
     print(
         "ms: median over rounds of the mean step time (forward + backward + AdamW); hp/DDP and "

@@ -19,7 +19,9 @@ the same local batch, is the baseline: the model's own math runs copy kernels (r
   of the all-gather output (``fsdp.split_with_sizes_copy``), and gradients into its
   reduce-scatter input (``fsdp.chunk_cat``): one copy kernel per collective.
 * Both run on gloo, whose reduce-scatter copies the reduced chunk into the output when waited
-  (a backend internal, counted apart: ``CountingMode.backend_ops``).
+  (a backend internal, counted apart: ``CountingMode.backend_ops``). hp-fsdp's reduce-scatter
+  on gloo is an all-to-all and a local sum into the arena (``hp_fsdp._collectives``): no copy
+  there either.
 * HSDP (2, 2) with four groups: the slow tier all-reduces the gradient arena in fewer
   collectives than there are groups (one, here), counted both by the arena and by the mode;
   torch FSDP2 issues one all-reduce per group.
@@ -233,9 +235,12 @@ def test_fsdp_step_adds_no_copy_kernels(mesh_shape: tuple[int, ...]) -> None:
         assert r["hp"]["fills"] == {"aten.zeros": GROUPS}, r["hp"]["fills"]
         assert r["hp"]["inplace_adds"] == {"aten.add_": PARAMS}, r["hp"]["inplace_adds"]
         assert r["single"]["inplace_adds"] == {}
-        # gloo's reduce-scatter copies into its output inside Work.wait: one per reduce-scatter.
-        reduce_scatters = r["hp"]["collectives"]["reduce_scatter/2"]
-        assert r["hp"]["backend_ops"].get("aten.copy_", 0) == reduce_scatters
+        # On gloo a gradient reduce-scatter is an all-to-all and a local sum (hp_fsdp._collectives),
+        # one per group, with no copy inside the backend's wait (gloo's own reduce-scatter copies
+        # into its output there).
+        assert "reduce_scatter/2" not in r["hp"]["collectives"], r["hp"]["collectives"]
+        assert r["hp"]["collectives"]["all_to_all/2"] == GROUPS, r["hp"]["collectives"]
+        assert r["hp"]["backend_ops"].get("aten.copy_", 0) == 0, r["hp"]["backend_ops"]
 
     # torch FSDP2: one copy-in per all-gather, one copy-out per all-gather, one copy-in per
     # reduce-scatter.
@@ -251,7 +256,7 @@ def test_fsdp_step_adds_no_copy_kernels(mesh_shape: tuple[int, ...]) -> None:
     # backward (the root keeps its parameters), reduce-scatter per group.
     hp = result["hp"]["collectives"]
     assert hp["all_gather/2"] == gathers == GROUPS + CONFIG.n_layers
-    assert hp["reduce_scatter/2"] == scatters == GROUPS
+    assert hp["all_to_all/2"] == scatters == GROUPS
 
 
 @pytest.mark.multiprocess
@@ -261,9 +266,10 @@ def test_hsdp_slow_tier_collectives_fewer_than_groups() -> None:
         by_axis = result["hp_collectives_by_axis"]
         assert 0 < slow < GROUPS, result
         # The arena's counter is what was issued: the replicate group saw exactly those
-        # all-reduces, the shard group only all-gathers and reduce-scatters.
+        # all-reduces, the shard group only all-gathers and reduce-scatters (all-to-alls on
+        # gloo).
         assert by_axis["replicate"] == {"all_reduce": slow}, by_axis
-        assert set(by_axis["shard"]) == {"all_gather", "reduce_scatter"}, by_axis
+        assert set(by_axis["shard"]) == {"all_gather", "all_to_all"}, by_axis
         # torch FSDP2 all-reduces each group's gradient across replicas separately.
         assert slow < result["torch"]["collectives"]["all_reduce/2"]
 

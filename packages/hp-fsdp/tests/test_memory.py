@@ -2,7 +2,7 @@
 
 Model: ``hp_testing.llama.Llama`` (dim 64, three blocks, SwiGLU 128, vocab 128), fp32, blocks
 sharded, then the root, one 1-d mesh of 2 ranks (gloo); each rank's batch is 2 sequences of 16
-tokens. One warm-up step, then the measured one: forward, cross-entropy, backward and
+tokens. One warm-up step, then the measured ones: forward, cross-entropy, backward and
 ``zero_grad(set_to_none=True)``, the optimizer excluded.
 
 Method (``hp_fsdp.counting.PeakMemoryMode``): the bytes of live tensor storage, summed after
@@ -12,28 +12,34 @@ resizes both FSDPs use to free and re-allocate unsharded parameters count when t
 figure is the peak increase over what was live when the step started (every tensor reachable
 from Python then: parameters, sharded buffers, FSDP state): activations, unsharded parameters,
 gradients and communication buffers, whichever coexist at the worst moment. Not counted: what a
-kernel allocates and frees inside itself and gloo's internal buffers, the same for both.
+kernel allocates and frees inside itself and gloo's internal buffers, the same for both. A
+storage a collective used can stay live a few operators past its last Python reference (gloo's
+worker thread lets go of it a moment after the wait returns), which adds up to 0.6 of a block
+to one step's figure at random (seen on both FSDPs in 1 run of 6); each variant's figure is the
+least over MEASURED_STEPS steps, the step's own.
 
-Measured (torch 2.13 CPU, both ranks, deterministic from run to run), peak increase of the step:
+Measured (torch 2.13 CPU, both ranks, the same in 6 runs), peak increase of the step:
 
-* hp-fsdp 1,044,360 B; torch FSDP2 1,060,616 B (hp/torch 0.985). Bound: hp-fsdp's peak is at
-  most torch FSDP2's (1.5 % headroom; one more block's unsharded parameters, 164,352 B, kept
-  anywhere in the step would break it by 14 %). Between steps (live on entry, the same process
+* hp-fsdp 978,696 B; torch FSDP2 1,060,616 B (hp/torch 0.923). hp-fsdp frees a block's
+  unsharded parameters before its reduce-scatter allocates anything (as FSDP2 does), which also
+  makes room for gloo's default reduce-scatter primitive, an all-to-all whose receive buffer is
+  as large as the unsharded gradient (``hp_fsdp._collectives``). Bound: hp-fsdp's peak is at
+  most torch FSDP2's (7.7 % headroom; one more block's unsharded parameters, 164,352 B, kept
+  anywhere in the step would break it by 8 %). Between steps (live on entry, the same process
   state for both) hp-fsdp holds 281,984 B against torch FSDP2's 281,992 B: the sharded
   parameters, padded differently. Bound: within 1 % of the model's 558,848 B of each other
   (unsharded parameters kept between steps would add all of them).
 * The default on CPU prefetches in forward only (``hp_fsdp.policy.default_prefetch``); with no
-  prefetch at all the peak is the same 1,044,360 B: the peak comes at the start of backward,
-  where forward prefetch holds nothing more. Bound: equal.
+  prefetch at all the peak is the same 978,696 B: the peak comes in backward, where forward
+  prefetch holds nothing more. Bound: equal.
 * hp-fsdp with implicit prefetch in both directions (the accelerator default, forced here):
-  1,208,712 B, exactly one block's unsharded parameters more (in backward the previous block
+  1,143,048 B, exactly one block's unsharded parameters more (in backward the previous block
   is gathered while one computes). Bound: between 0.98 and 1.02 blocks more than the default.
-* ``reshard_after_forward=False`` on the blocks: hp-fsdp 1,373,064 B, exactly two blocks more
+* ``reshard_after_forward=False`` on the blocks: hp-fsdp 1,307,400 B, exactly two blocks more
   (the other two blocks stay unsharded while the third runs; bound: 1.98 to 2.02 blocks);
-  torch FSDP2 1,208,960 B, so here hp-fsdp peaks 164,104 B (0.9985 blocks) above torch FSDP2:
-  at its peak, where the last block's reduce-scatter is issued, that block's unsharded
-  parameters are still allocated beside its flat gradient (hp-fsdp reshards after issuing the
-  reduce-scatter; torch FSDP2 reshards before). Bound: at most 1.05 blocks above torch FSDP2's.
+  torch FSDP2 1,208,960 B, so here hp-fsdp peaks 98,440 B (0.599 blocks) above torch FSDP2:
+  the all-to-all's receive buffer, a block's gradient, beside the unsharded parameters of the
+  blocks not yet reduced. Bound: at most 0.65 blocks above torch FSDP2's.
 """
 
 from __future__ import annotations
@@ -51,6 +57,7 @@ from hp_fsdp.counting import PeakMemoryMode
 from hp_testing import run_on_ranks
 from hp_testing.llama import Llama, LlamaConfig
 
+MEASURED_STEPS = 5
 CONFIG = LlamaConfig(vocab_size=128, dim=64, n_layers=3, n_heads=4, ffn_dim=128, max_seq_len=16)
 
 
@@ -94,13 +101,20 @@ def _peak(
         model.zero_grad(set_to_none=True)
 
     step()  # warm-up: lazy initialization, forward order
-    with PeakMemoryMode() as memory:
-        step()
+    # gloo's worker thread drops its reference to a collective's tensors a moment after the
+    # wait returns, so a storage can outlive its last Python reference by a few operators:
+    # lingering only adds, so the least of MEASURED_STEPS peaks is the step's own.
+    runs = []
+    for _ in range(MEASURED_STEPS):
+        with PeakMemoryMode() as memory:
+            step()
+        runs.append(memory)
+    least = min(runs, key=lambda m: m.peak_increase)
     return {
-        "peak": memory.peak_increase,
-        "start": memory.start_bytes,
-        "op": memory.peak_op,
-        "left": memory.end_bytes - memory.start_bytes,
+        "peak": least.peak_increase,
+        "start": least.start_bytes,
+        "op": least.peak_op,
+        "left": min(m.end_bytes - m.start_bytes for m in runs),
     }
 
 
@@ -141,7 +155,7 @@ def test_peak_memory_at_most_torch_fsdp2() -> None:
 def test_prefetch_and_keeping_parameters_cost_whole_blocks() -> None:
     """The default forward-only prefetch costs nothing at the peak, prefetch in both directions
     one block's unsharded parameters, not resharding after forward two (the other blocks); the
-    latter stays within a block of torch FSDP2's."""
+    latter stays within 0.65 blocks of torch FSDP2's."""
     for out in _results():
         block = out["block_bytes"]
         assert out["hp"]["peak"] == out["hp_no_prefetch"]["peak"], out
@@ -150,4 +164,4 @@ def test_prefetch_and_keeping_parameters_cost_whole_blocks() -> None:
         assert 0.98 <= prefetch <= 1.02, (prefetch, out)
         assert 1.98 <= kept <= 2.02, (kept, out)
         above_torch = (out["hp_no_reshard"]["peak"] - out["torch_no_reshard"]["peak"]) / block
-        assert above_torch <= 1.05, (above_torch, out)
+        assert above_torch <= 0.65, (above_torch, out)

@@ -31,6 +31,9 @@ TOLERANCE = 0.05
 
 def _kind(call: Any, layout: Any) -> str:
     ranks = frozenset(call.ranks)
+    if call.purpose == "grad_reduce_scatter":
+        # On gloo hp-fsdp carries it as an all-to-all (hp_fsdp._collectives): same bytes.
+        return "fsdp_reduce_scatter"
     if call.kind == "all_to_all":
         return "muon"
     mesh = layout.mesh.mesh

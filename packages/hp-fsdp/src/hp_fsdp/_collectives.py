@@ -7,14 +7,21 @@ additions (bit-equal at two ranks, where ``a + b == b + a``; tested). Which is b
 the backend, so the choice is a per-backend table, from ``benchmarks/collectives.py``'s
 measurements and the memory bound, made once per group at its first reduce-scatter:
 
-* gloo: the backend's own, for memory. The all-to-all is faster there (gloo's reduce-scatter
-  is built on an all-reduce and moves about twice the bytes): measured by
-  ``benchmarks/collectives.py`` on a 2-core AMD EPYC, fp32, one thread per rank, median of 15,
-  at world 4 with 16 MiB of gradient per rank: native 47.8 ms, all-to-all 17.8 ms (2.7x); at
-  world 2, 8 MiB: 17.5 ms and 8.5 ms. But it needs a receive buffer as large as the unsharded
-  gradient while it runs, one block's gradient above torch FSDP2's peak memory, which
-  hp-fsdp's default promises not to exceed (``tests/test_memory.py``). Choose it with
-  ``HP_FSDP_REDUCE_SCATTER=all_to_all`` where memory allows.
+* gloo, over two ranks: the all-to-all. gloo's reduce-scatter is built on an all-reduce and
+  moves about twice the bytes: measured by ``benchmarks/collectives.py`` on a 2-core AMD EPYC,
+  fp32, one thread per rank, median of 15, at world 2 with 8 MiB of gradient per rank: native
+  17.5 ms, all-to-all 8.5 ms; in a whole training step (``benchmarks/fsdp_step.py``, 20
+  interleaved rounds) 0.94x the step time of the native one at world 2 (HSDP 2x2, whose shard
+  groups have two ranks: unchanged). Over two ranks the sums are bit-equal to the native
+  ones, so nothing but the time changes. Its receive buffer is as large as the unsharded
+  gradient, but the group's unsharded parameters are freed before it is allocated, so the
+  step's peak stays below torch FSDP2's (``tests/test_memory.py``).
+* gloo, over more ranks: the backend's own. The all-to-all is faster there too (world 4, 16 MiB
+  per rank: native 47.8 ms, all-to-all 17.8 ms; the step 0.915x), but its rank-order sum
+  rounds differently from gloo's ring: after 5 AdamW steps the parameters drift 1.3e-5 from
+  torch FSDP2's (relative to each tensor's largest entry), past the 1e-5 the side-by-side
+  tests hold (``tests/test_module_list.py``). Choose it with
+  ``HP_FSDP_REDUCE_SCATTER=all_to_all``.
 * NCCL, HCCL and anything else: the backend's reduce-scatter (a ring that reduces in flight).
 
 All-gathers stay the backend's own everywhere: on gloo an all-to-all all-gather needs the shard
@@ -61,8 +68,10 @@ class ReduceScatterPrimitive(enum.Enum):
     ALL_TO_ALL = "all_to_all"
 
 
-# Backends whose default is not NATIVE (none today: see the module docstring for gloo).
-_BY_BACKEND: dict[str, ReduceScatterPrimitive] = {}
+# (backend, group size) pairs whose default is not NATIVE (see the module docstring).
+_BY_BACKEND: dict[tuple[str, int], ReduceScatterPrimitive] = {
+    ("gloo", 2): ReduceScatterPrimitive.ALL_TO_ALL
+}
 _forced: list[ReduceScatterPrimitive] = []
 
 
@@ -78,7 +87,8 @@ def reduce_scatter_by(primitive: ReduceScatterPrimitive) -> Iterator[None]:
 
 
 def reduce_scatter_primitive(group: Any) -> ReduceScatterPrimitive:
-    """The primitive for reduce-scatters over ``group`` (the table above, or the override).
+    """The primitive for reduce-scatters over ``group``: the table above (by backend and group
+    size), or the override.
 
     Raises:
         ValueError: ``HP_FSDP_REDUCE_SCATTER`` names no primitive.
@@ -93,7 +103,8 @@ def reduce_scatter_primitive(group: Any) -> ReduceScatterPrimitive:
             choices = [p.value for p in ReduceScatterPrimitive]
             raise ValueError(f"{ENV_VARIABLE}={forced!r}: use one of {choices}") from None
     backend = str(dist.get_backend(group)).lower()
-    return _BY_BACKEND.get(backend, ReduceScatterPrimitive.NATIVE)
+    size = dist.get_world_size(group)
+    return _BY_BACKEND.get((backend, size), ReduceScatterPrimitive.NATIVE)
 
 
 def reduce_scatter(

@@ -286,6 +286,10 @@ class FSDPState:
         self._post_backward_done = True
         self.training = TrainingState.POST_BACKWARD
         for group in self.groups:
+            # Free the unsharded parameters before the reduce-scatter allocates anything (as
+            # FSDP2 does): the gradient no longer needs them.
+            if self.reshard_after_backward and not self.is_root:
+                group.reshard()
             if self.requires_gradient_sync and group.unsharded_grad is not None:
                 root = self.root
                 assert root is not None
@@ -302,8 +306,6 @@ class FSDPState:
                 root.arena.submit(
                     index, work, group.release_gradients, accumulate, self.requires_all_reduce
                 )
-            if self.reshard_after_backward and not self.is_root:
-                group.reshard()
 
     def _final_callback_root(self) -> None:
         root = self.root
