@@ -42,6 +42,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
+from hp_kernels.precision import bf16_matmul_is_slow, newton_schulz_dtype
 from hp_muon import Muon, coefficient_schedule, orthogonalize_many
 from hp_muon.newton_schulz import orthogonalize
 
@@ -49,6 +50,11 @@ WORLD = 4
 LAYERS, DIM, FFN = 4, 384, 1024
 ROUNDS, WARMUP = 5, 1
 LR, MOMENTUM, EPS, NS_STEPS = 0.02, 0.95, 1e-7, 5
+# Newton-Schulz runs in what hp-muon picks on this CPU (fp32 where bf16 matmuls are slow) for
+# hp, gather-all and the kernel table alike; torch.optim.Muon has only bf16, which costs tens
+# of seconds a step on such a CPU, so there it is timed in one round, without a warm-up.
+NS_DTYPE = newton_schulz_dtype("cpu")
+TORCH_ROUNDS = 1 if bf16_matmul_is_slow("cpu") else ROUNDS
 
 
 def _shapes() -> list[tuple[int, int]]:
@@ -82,7 +88,7 @@ class _GatherAll:
             update = DTensor.from_local(local, p.device_mesh, p.placements)
             whole = update.redistribute(p.device_mesh, [Replicate()]).to_local()
             sent += local.numel() * 2 * (dist.get_world_size() - 1)
-            ortho = orthogonalize(whole, self.schedule, EPS)
+            ortho = orthogonalize(whole, self.schedule, EPS, dtype=NS_DTYPE)
             rows, cols = whole.shape
             rate = LR * max(1, rows / cols) ** 0.5
             start = dist.get_rank() * -(-rows // dist.get_world_size())
@@ -144,13 +150,15 @@ def _timed(step: Callable[[], object]) -> float:
 def _bench() -> dict[str, Any]:
     variants = _variants(_fulls(0))
     names = list(variants)
+    rounds = {n: TORCH_ROUNDS if n == "torch 1 rank" else ROUNDS for n in names}
     for name in names:
-        for _ in range(WARMUP):
+        for _ in range(WARMUP if rounds[name] == ROUNDS else 0):
             _timed(variants[name][0])
     times: dict[str, list[float]] = {n: [] for n in names}
     for r in range(ROUNDS):
         for name in names[r % len(names) :] + names[: r % len(names)]:
-            times[name].append(_timed(variants[name][0]))
+            if len(times[name]) < rounds[name]:
+                times[name].append(_timed(variants[name][0]))
     sent = {n: variants[n][1]() for n in names}
     totals = torch.tensor([float(sent[n]) for n in names])
     dist.all_reduce(totals, op=dist.ReduceOp.MAX)
@@ -169,7 +177,7 @@ def _kernel() -> dict[str, float]:
     for r in range(ROUNDS + WARMUP):
         for label, fuse in (("one by one", False), ("batched", True))[:: 1 if r % 2 else -1]:
             start = time.perf_counter()
-            orthogonalize_many(mats, schedule, EPS, fuse=fuse)
+            orthogonalize_many(mats, schedule, EPS, fuse=fuse, dtype=NS_DTYPE)
             if r >= WARMUP:
                 times[label].append(time.perf_counter() - start)
     return {k: statistics.median(v) for k, v in times.items()}
@@ -185,7 +193,8 @@ def main() -> None:
         f"machine: {platform.node()} {platform.machine()} {os.cpu_count()} cpus, torch "
         f"{torch.__version__}; {WORLD} gloo ranks, 1 thread each; {len(shapes)} matrices "
         f"({LAYERS} blocks, dim {DIM}, ffn {FFN}), {NS_STEPS} Newton-Schulz steps; median of "
-        f"{ROUNDS} interleaved rounds"
+        f"{ROUNDS} interleaved rounds ({TORCH_ROUNDS} of torch 1 rank); Newton-Schulz in "
+        f"{str(NS_DTYPE).removeprefix('torch.')} (torch.optim.Muon: bf16)"
     )
     med, sent = result["median_s"], result["max_bytes_sent_per_rank"]
     print(

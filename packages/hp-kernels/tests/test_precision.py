@@ -56,3 +56,15 @@ def test_the_warning_comes_once_where_bf16_is_slow() -> None:
     assert out.stdout.strip() == "True True"  # cached: the second call does not warn again
     assert out.stderr.count("X asks for bf16 compute") == 1
     assert _ask("fast", "p.warn_if_bf16_is_slow('cpu', 'X')").stdout.strip() == "False"
+
+
+def test_the_calibration_runs_on_one_thread_whatever_the_process_uses() -> None:
+    # A fresh process on every thread of the machine (at least 2): the verdict equals that of
+    # a process on one thread, and the process keeps its thread count.
+    expression = "torch.set_num_threads(max(2, torch.get_num_threads())) or "
+    expression += "(p.bf16_matmul_is_slow('cpu'), torch.get_num_threads())"
+    many = _ask(None, expression)
+    one = _ask(None, "torch.set_num_threads(1) or p.bf16_matmul_is_slow('cpu')")
+    verdict, threads = many.stdout.strip().strip("()").split(", ")
+    assert verdict == one.stdout.strip(), (many.stderr, one.stderr)
+    assert int(threads) >= 2

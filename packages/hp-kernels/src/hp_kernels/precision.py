@@ -4,8 +4,8 @@ Some CPUs have no native bf16 matmul (no AVX-512 BF16 and no AMX): there a bf16 
 tens of times slower than fp32 (measured 49x on an AVX2 EPYC), so Newton-Schulz in bf16, as
 ``torch.optim.Muon`` runs it, costs far more than in fp32. :func:`bf16_matmul_is_slow` tells,
 once per process and device type: accelerators are taken as fast; on the CPU a one-off
-calibration times a 128 x 128 matmul in both dtypes (best of 3) and calls bf16 slow when it
-takes more than :data:`SLOW_RATIO` times fp32. The environment variable
+calibration times a 128 x 128 matmul in both dtypes on one thread (best of 3) and calls bf16
+slow when it takes more than :data:`SLOW_RATIO` times fp32. The environment variable
 ``HP_KERNELS_BF16_MATMUL=fast|slow`` states the answer instead (no calibration).
 """
 
@@ -45,7 +45,15 @@ def bf16_matmul_is_slow(device_type: str = "cpu") -> bool:
         return forced == "slow"
     if device_type != "cpu":
         return False
-    return _best_time(torch.bfloat16) > SLOW_RATIO * _best_time(torch.float32)
+    # On one thread: the verdict is about a core's matmul units, and a small fp32 matmul
+    # split over threads of a busy machine can take longer than bf16's (measured 9x longer on
+    # a loaded 2-core AVX2 VM, which called bf16 fast there).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _best_time(torch.bfloat16) > SLOW_RATIO * _best_time(torch.float32)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _best_time(dtype: torch.dtype) -> float:
