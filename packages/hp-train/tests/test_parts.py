@@ -13,11 +13,14 @@ import torch
 from hp_train.checkpoint import latest_checkpoint
 from hp_train.cli import parse
 from hp_train.config import ConfigError, ModelConfig, MoEConfig, ParallelConfig, TrainConfig
-from hp_train.data import corpus_bytes, make_source
+from hp_train.data import DataSpec, TrainData, build_data
+from hp_train.documents import corpus_documents
 from hp_train.model import Transformer, moe_feed_forward
 from hp_train.monitor import divergent_ranks, layer_of
 from hp_train.optim import build_optimizer, build_schedule, lr_factor
 from hp_train.parallelize import check_model_fits, tp_plan
+from hp_train.tokenizer import ByteTokenizer
+from hp_train.trainer import check_vocabulary
 
 
 @pytest.mark.parametrize(
@@ -85,27 +88,30 @@ def test_pipeline_stages_keep_global_names_and_balance_blocks() -> None:
 
 
 def test_corpus_is_the_installed_packages_text() -> None:
-    data = corpus_bytes()
-    assert b"hp_train/model.py" in data
-    assert b"class Transformer" in data
-    assert corpus_bytes() == data  # the same bytes every time
+    texts = corpus_documents().texts
+    assert any("class Transformer" in text for text in texts)
+    assert corpus_documents().texts == texts  # the same documents every time
 
 
-@pytest.mark.parametrize("kind", ["corpus", "synthetic"])
+@pytest.mark.parametrize("kind", ["corpus", "synthetic", "pydoc"])
 def test_batches_depend_on_seed_and_step_only(kind: str) -> None:
-    source = make_source(kind, vocab_size=256, seq_len=16, seed=3)
-    a, b = source.global_batch(5, 8), source.global_batch(5, 8)
+    def data() -> TrainData:
+        return build_data(DataSpec(source=kind), ByteTokenizer(), seq_len=16, seed=3)
+
+    source = data()
+    a, b = source.batch(5, 8, 0, 1), data().batch(5, 8, 0, 1)
     assert torch.equal(a.inputs, b.inputs)
     assert torch.equal(a.inputs[:, 1:], a.targets[:, :-1])  # next-token targets
-    assert not torch.equal(a.inputs, source.global_batch(6, 8).inputs)
-    halves = [source.local_batch(5, 8, r, 2).inputs for r in range(2)]
+    assert not torch.equal(a.inputs, source.batch(6, 8, 0, 1).inputs)
+    halves = [source.batch(5, 8, r, 2).inputs for r in range(2)]
     assert torch.equal(torch.cat(halves), a.inputs)
     assert int(a.inputs.max()) < 256
 
 
-def test_corpus_needs_a_byte_vocabulary() -> None:
-    with pytest.raises(ValueError, match="vocab_size >= 256"):
-        make_source("corpus", vocab_size=100, seq_len=8, seed=0)
+def test_the_tokenizer_must_fit_the_model_vocabulary() -> None:
+    with pytest.raises(ConfigError, match="has 256 tokens and the model's vocabulary only 100"):
+        check_vocabulary(ModelConfig(vocab_size=100), ByteTokenizer())
+    check_vocabulary(ModelConfig(vocab_size=256), ByteTokenizer())
 
 
 def test_lr_schedule_warms_up_then_decays_to_the_floor() -> None:

@@ -1,338 +1,285 @@
-"""Tests for hp_train.plot: the PNG container, the drawing and the edge cases.
+"""Tests for hp_train.plot: the PNG matplotlib writes, read back through PIL.
 
-The PNG is decoded here independently (chunks, CRCs, zlib, scanline filters) so the tests
-check the file a viewer would see, not the encoder's internals.
+Where a line should be, the test asks the figure itself (the same figure ``curves_figure``
+builds for the same arguments) for the pixel of a data point, then looks at that pixel of the
+written file: the checks are about the file a viewer sees.
 """
 
 from __future__ import annotations
 
+import logging
 import math
-import struct
-import zlib
+import subprocess
+import sys
+import textwrap
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import numpy as np
+import numpy.typing as npt
 import pytest
+from matplotlib.figure import Figure
+from matplotlib.legend import Legend
+from PIL import Image
 
-from hp_train.plot import PALETTE, read_png_size, write_line_plot_png
+import hp_train.plot as plot
+from hp_train.plot import (
+    MISSING_MATPLOTLIB,
+    PALETTE,
+    curves_figure,
+    plot_available,
+    write_curves,
+)
 
-SIGNATURE = b"\x89PNG\r\n\x1a\n"
-BLACK = (0, 0, 0)
-WHITE = (255, 255, 255)
+Points = list[tuple[float, float]]
+
+# Lines are antialiased: a pixel on a line is within this distance (per channel, 0..255) of
+# its colour. Measured at 640x400: every sampled point of a line has a pixel of exactly its
+# colour within 2 px; plot-area pixels away from the lines (background, grid) differ from
+# either colour by at least 180, and one series' pixels differ from the other's by 184.
+COLOUR_TOLERANCE = 40
+
+
+def rgb(hex_colour: str) -> tuple[int, int, int]:
+    value = int(hex_colour.lstrip("#"), 16)
+    return value >> 16, (value >> 8) & 0xFF, value & 0xFF
+
+
+BLUE, ORANGE = rgb(PALETTE[0]), rgb(PALETTE[1])
 
 
 @dataclass
-class Image:
-    width: int
-    height: int
-    chunks: list[bytes]
-    rows: list[bytes]
+class Drawn:
+    """The written PNG as an (H, W, 3) array, and the figure that maps data to its pixels."""
 
-    def pixel(self, x: int, y: int) -> tuple[int, int, int]:
-        row = self.rows[y]
-        return row[3 * x], row[3 * x + 1], row[3 * x + 2]
+    pixels: npt.NDArray[np.int16]
+    figure: Figure
 
-    def positions(self, color: tuple[int, int, int]) -> list[tuple[int, int]]:
-        return [
-            (x, y)
-            for y in range(self.height)
-            for x in range(self.width)
-            if self.pixel(x, y) == color
-        ]
+    @property
+    def height(self) -> int:
+        return int(self.pixels.shape[0])
 
-    def near(self, x: int, y: int, color: tuple[int, int, int], radius: int = 2) -> bool:
-        return any(
-            self.pixel(x + dx, y + dy) == color
-            for dx in range(-radius, radius + 1)
-            for dy in range(-radius, radius + 1)
-            if 0 <= x + dx < self.width and 0 <= y + dy < self.height
+    def at(self, x: float, y: float) -> tuple[int, int]:
+        """The (column, row) of data point (x, y) in the PNG (rows counted from the top)."""
+        dx, dy = self.figure.axes[0].transData.transform((x, y))
+        return int(dx), int(self.height - dy)
+
+    def mask(self, colour: tuple[int, int, int]) -> npt.NDArray[np.bool_]:
+        distance: npt.NDArray[np.int16] = np.abs(self.pixels - np.array(colour)).max(axis=2)
+        return distance <= COLOUR_TOLERANCE
+
+    def near(self, column: int, row: int, colour: tuple[int, int, int], radius: int = 2) -> bool:
+        return bool(
+            self.mask(colour)[
+                row - radius : row + radius + 1, column - radius : column + radius + 1
+            ].any()
         )
 
-    def frame(self) -> tuple[int, int, int, int]:
-        """(left, top, right, bottom) of the black plot frame: the long black lines."""
-        rows = [
-            y
-            for y in range(self.height)
-            if sum(self.pixel(x, y) == BLACK for x in range(self.width)) > 0.4 * self.width
-        ]
-        cols = [
-            x
-            for x in range(self.width)
-            if sum(self.pixel(x, y) == BLACK for y in range(self.height)) > 0.4 * self.height
-        ]
-        assert rows, "no horizontal frame line found"
-        assert cols, "no vertical frame line found"
-        return min(cols), min(rows), max(cols), max(rows)
+    def legend(self) -> Legend:
+        legend = self.figure.axes[0].get_legend()
+        assert legend is not None
+        return legend
+
+    def legend_texts(self) -> list[str]:
+        return [text.get_text() for text in self.legend().get_texts()]
+
+    def plot_area_mask(self) -> npt.NDArray[np.bool_]:
+        """Pixels inside the axes but outside the legend box."""
+        inside = np.zeros(self.pixels.shape[:2], dtype=bool)
+        box = self.figure.axes[0].get_window_extent()
+        inside[self._rows(box.y0, box.y1), int(box.x0) + 2 : int(box.x1) - 1] = True
+        legend = self.legend().get_window_extent()
+        inside[
+            self._rows(legend.y0 - 2, legend.y1 + 2), int(legend.x0) - 2 : int(legend.x1) + 3
+        ] = False
+        return inside
+
+    def _rows(self, y0: float, y1: float) -> slice:
+        return slice(max(int(self.height - y1), 0) + 2, int(self.height - y0) - 1)
 
 
-def decode_png(path: Path) -> Image:
-    """Parse and fully validate an 8-bit RGB PNG (any of the five scanline filters)."""
-    data = path.read_bytes()
-    assert data[:8] == SIGNATURE
-    pos, chunks, idat = 8, [], b""
-    header = b""
-    while pos < len(data):
-        (length,) = struct.unpack(">I", data[pos : pos + 4])
-        kind = data[pos + 4 : pos + 8]
-        body = data[pos + 8 : pos + 8 + length]
-        (crc,) = struct.unpack(">I", data[pos + 8 + length : pos + 12 + length])
-        assert zlib.crc32(kind + body) & 0xFFFFFFFF == crc, f"bad CRC in {kind!r}"
-        chunks.append(kind)
-        if kind == b"IHDR":
-            header = body
-        elif kind == b"IDAT":
-            idat += body
-        pos += 12 + length
-    assert pos == len(data), "trailing bytes after the last chunk"
-    assert chunks[0] == b"IHDR"
-    assert chunks[-1] == b"IEND"
-    assert b"IDAT" in chunks
-    width, height, depth, color_type, compression, filt, interlace = struct.unpack(
-        ">IIBBBBB", header
-    )
-    assert (depth, color_type, compression, filt, interlace) == (8, 2, 0, 0, 0)
-    raw = zlib.decompress(idat)
-    stride = width * 3
-    assert len(raw) == height * (stride + 1)
-    rows: list[bytes] = []
-    prev = bytearray(stride)
-    for y in range(height):
-        ftype = raw[y * (stride + 1)]
-        line = bytearray(raw[y * (stride + 1) + 1 : (y + 1) * (stride + 1)])
-        for i in range(stride):
-            a = line[i - 3] if i >= 3 else 0
-            b = prev[i]
-            c = prev[i - 3] if i >= 3 else 0
-            if ftype == 0:
-                pred = 0
-            elif ftype == 1:
-                pred = a
-            elif ftype == 2:
-                pred = b
-            elif ftype == 3:
-                pred = (a + b) // 2
-            elif ftype == 4:
-                p = a + b - c
-                pa, pb, pc = abs(p - a), abs(p - b), abs(p - c)
-                pred = a if pa <= pb and pa <= pc else (b if pb <= pc else c)
-            else:
-                raise AssertionError(f"bad filter type {ftype} in row {y}")
-            line[i] = (line[i] + pred) & 0xFF
-        rows.append(bytes(line))
-        prev = line
-    return Image(width, height, chunks, rows)
-
-
-def plot(tmp_path: Path, series: dict[str, list[tuple[float, float]]], **kwargs: object) -> Image:
-    path = tmp_path / "plot.png"
+def draw(tmp_path: Path, series: dict[str, Points], **kwargs: object) -> Drawn:
     options: dict[str, object] = {"title": "loss", "x_label": "step", "y_label": "loss"}
     options.update(kwargs)
-    write_line_plot_png(path, series, **options)  # type: ignore[arg-type]
-    return decode_png(path)
+    path = tmp_path / "curves.png"
+    assert write_curves(path, series, **options) is True  # type: ignore[arg-type]
+    with Image.open(path) as image:
+        assert image.format == "PNG"
+        pixels = np.asarray(image.convert("RGB"), dtype=np.int16)
+    figure = curves_figure(series, **options)  # type: ignore[arg-type]
+    figure.canvas.draw()  # the layout (and so the data -> pixel map) is set when drawn
+    return Drawn(pixels, figure)
 
 
-# --------------------------------------------------------------------------------------------
-# File format
-# --------------------------------------------------------------------------------------------
-def test_png_structure_and_size(tmp_path: Path) -> None:
-    path = tmp_path / "curve.png"
-    write_line_plot_png(
-        path,
-        {"a": [(0, 1.0), (1, 2.0)]},
-        title="t",
-        x_label="x",
-        y_label="y",
-        width=321,
-        height=203,
+def test_plot_available_with_the_extra_installed() -> None:
+    assert plot_available() is True
+
+
+def test_png_of_the_asked_size_with_both_series(tmp_path: Path) -> None:
+    train = [(float(x), 1 + x / 10) for x in range(101)]
+    evaluation = [(float(x), 11 - x / 10) for x in range(0, 101, 10)]
+    drawn = draw(tmp_path, {"train loss": train, "eval loss": evaluation}, width=640, height=400)
+    assert drawn.pixels.shape == (400, 640, 3)
+    assert [p.name for p in tmp_path.iterdir()] == ["curves.png"]  # no ".tmp" left behind
+    assert tuple(drawn.pixels[0, 0]) == (255, 255, 255)
+    assert drawn.legend_texts() == ["train loss", "eval loss"]
+    for t in (10, 25, 40, 60, 75, 90):
+        assert drawn.near(*drawn.at(t, 1 + t / 10), BLUE), t
+        assert drawn.near(*drawn.at(t, 11 - t / 10), ORANGE), t
+        assert not drawn.near(*drawn.at(t, 1 + t / 10), ORANGE, radius=1), t
+    # Every blue pixel of the plot area lies on the rising line (none stray elsewhere).
+    rows, columns = np.nonzero(drawn.mask(BLUE) & drawn.plot_area_mask())
+    assert len(rows) > 400
+    (c0, r0), (c1, r1) = drawn.at(0, 1), drawn.at(100, 11)
+    slope = (r1 - r0) / (c1 - c0)
+    assert np.abs(rows - (r0 + slope * (columns - c0))).max() <= 3
+
+
+def test_default_size(tmp_path: Path) -> None:
+    path = tmp_path / "loss.png"
+    assert write_curves(
+        path, {"loss": [(0.0, 3.0), (1.0, 2.0)]}, title="t", x_label="x", y_label="y"
     )
-    image = decode_png(path)
-    assert (image.width, image.height) == (321, 203)
-    assert read_png_size(path) == (321, 203)
-    assert image.chunks == [b"IHDR", b"IDAT", b"IEND"]
+    with Image.open(path) as image:
+        assert image.size == (800, 480)
 
 
-def test_default_size_and_white_background(tmp_path: Path) -> None:
-    image = plot(tmp_path, {"a": [(0, 1.0), (10, 2.0)]})
-    assert (image.width, image.height) == (800, 480)
-    for corner in ((0, 0), (799, 0), (0, 479), (799, 479)):
-        assert image.pixel(*corner) == WHITE
-    white = sum(row.count(b"\xff\xff\xff") for row in image.rows)  # rough: most is background
-    assert white > 0.5 * image.width * image.height
+def test_non_finite_points_are_skipped_break_the_line_and_are_said(tmp_path: Path) -> None:
+    gappy = [(0.0, 0.0), (1.0, 1.0), (2.0, math.nan), (3.0, 3.0), (4.0, 4.0), (5.0, math.inf)]
+    gappy += [(math.inf, 1.0), (6.0, 1e301), (7.0, -math.nan), (8.0, 8.0)]
+    drawn = draw(tmp_path, {"loss": gappy, "eval": [(0.0, 8.0), (8.0, 0.0)]})
+    assert drawn.legend_texts() == ["loss (4 non-finite, 1 beyond 1e300 skipped)", "eval"]
+    blue = drawn.mask(BLUE) & drawn.plot_area_mask()
+    # The finite neighbours of the NaN are drawn; the segment across it is not.
+    assert drawn.near(*drawn.at(0.5, 0.5), BLUE)
+    assert drawn.near(*drawn.at(3.5, 3.5), BLUE)
+    for x in (1.6, 2.0, 2.4):
+        column, row = drawn.at(x, x)
+        assert not blue[row - 10 : row + 11, column - 1 : column + 2].any(), x
+    # The last point has no finite neighbour: drawn as a square, the only blue right of x = 4.
+    assert drawn.near(*drawn.at(8.0, 8.0), BLUE)
+    right_of_four = blue[:, drawn.at(4.2, 0)[0] :]
+    assert right_of_four.any()
+    rows = np.nonzero(right_of_four)[0]
+    assert rows.max() - rows.min() <= 6  # one 4-point square, about 6 px
 
 
-def test_read_png_size_rejects_other_files(tmp_path: Path) -> None:
-    path = tmp_path / "not.png"
-    path.write_bytes(b"GIF89a" + bytes(40))
-    with pytest.raises(ValueError, match="not a PNG"):
-        read_png_size(path)
-    bad_crc = tmp_path / "bad.png"
-    write_line_plot_png(bad_crc, {}, title="", x_label="", y_label="")
-    data = bytearray(bad_crc.read_bytes())
-    data[20] ^= 0xFF  # inside the IHDR data
-    bad_crc.write_bytes(bytes(data))
-    with pytest.raises(ValueError, match="corrupt IHDR"):
-        read_png_size(bad_crc)
+def test_all_skipped_empty_and_no_series(tmp_path: Path) -> None:
+    drawn = draw(tmp_path, {"nan": [(0.0, math.nan), (1.0, -math.inf)], "empty": []})
+    assert drawn.legend_texts() == ["nan (2 non-finite skipped)", "empty"]
+    assert not (drawn.mask(BLUE) & drawn.plot_area_mask()).any()
+    path = tmp_path / "nothing.png"
+    assert write_curves(path, {}, title="", x_label="", y_label="")
+    with Image.open(path) as image:
+        assert image.size == (800, 480)
 
 
-# --------------------------------------------------------------------------------------------
-# Drawing
-# --------------------------------------------------------------------------------------------
-def test_rising_and_falling_lines_cross_the_plot_diagonally(tmp_path: Path) -> None:
-    # x in [0, 100] and y in [0, 10] are already "nice", so the data fills the frame exactly.
-    up = [(float(i), i / 10) for i in range(101)]
-    down = [(float(i), 10 - i / 10) for i in range(101)]
-    image = plot(tmp_path, {"up": up, "down": down})
-    left, top, right, bottom = image.frame()
-    assert right - left > 400
-    assert bottom - top > 300
-    for t in (0.1, 0.25, 0.4, 0.6, 0.75, 0.9):
-        x = round(left + t * (right - left))
-        assert image.near(x, round(bottom - t * (bottom - top)), PALETTE[0]), t
-        assert image.near(x, round(top + t * (bottom - top)), PALETTE[1]), t
-    # Nothing of the rising line far from its diagonal.
-    for x, y in image.positions(PALETTE[0]):
-        if left <= x <= right:
-            expected = bottom - (x - left) / (right - left) * (bottom - top)
-            assert abs(y - expected) <= 3, (x, y)
-
-
-def test_legend_sits_right_of_the_plot_with_each_colour(tmp_path: Path) -> None:
-    image = plot(tmp_path, {"train": [(0, 3.0), (5, 1.0)], "val": [(0, 4.0), (5, 2.0)]})
-    _, top, right, _ = image.frame()
-    for color in PALETTE[:2]:
-        legend = [(x, y) for x, y in image.positions(color) if x > right + 4]
-        assert legend, f"no legend sample in {color}"
-        assert all(top <= y <= top + 40 for _, y in legend)
-    # Legend text (black) right of the plot.
-    assert any(
-        image.pixel(x, y) == BLACK
-        for x in range(right + 30, right + 60)
-        for y in range(top, top + 30)
+@pytest.mark.parametrize(
+    ("ys", "scale"),
+    [
+        ([10.0, 1.0, 0.1], "log"),  # two decades
+        ([10.0, 0.5, 0.2], "linear"),  # 1.7 decades
+        ([10.8, 5.0, 2.3], "linear"),
+        ([100.0, 1.0, 0.0], "linear"),  # zero has no logarithm
+        ([1e3, math.nan, 0.1, -math.inf], "log"),  # skipped points do not count
+    ],
+)
+def test_log_scale_when_the_values_span_decades(ys: list[float], scale: str) -> None:
+    figure = curves_figure(
+        {"loss": [(float(i), y) for i, y in enumerate(ys)]}, title="", x_label="", y_label=""
     )
+    assert figure.axes[0].get_yscale() == scale
 
 
-def test_axes_have_ticks_labels_and_title(tmp_path: Path) -> None:
-    image = plot(tmp_path, {"a": [(0, 0.0), (100, 10.0)]}, title="Loss (run 1)")
-    left, top, right, bottom = image.frame()
-    # Outward tick marks below the bottom axis at both ends, left of the left axis at both ends.
-    assert image.pixel(left, bottom + 3) == BLACK
-    assert image.pixel(right, bottom + 3) == BLACK
-    assert image.pixel(left - 3, bottom) == BLACK
-    assert image.pixel(left - 3, top) == BLACK
-    # Tick label digits under the x axis and left of the y axis.
-    assert any(
-        image.pixel(x, y) == BLACK
-        for x in range(left - 8, left + 8)
-        for y in range(bottom + 8, bottom + 18)
-    )
-    assert any(
-        image.pixel(x, y) == BLACK for x in range(0, left - 6) for y in range(top - 4, top + 5)
-    )
-    # Title (scale 2) above the frame, roughly centred.
-    title = [
-        (x, y) for y in range(top - 4) for x in range(image.width) if image.pixel(x, y) == BLACK
+def test_extreme_values_are_drawn(tmp_path: Path) -> None:
+    cases: list[dict[str, Points]] = [
+        {"huge": [(0.0, -1e300), (1.0, 1e300)]},
+        {"huge_const": [(0.0, 1e300), (1.0, 1e300)]},
+        {"tiny": [(0.0, 1e-300), (1e-300, 3e-300)]},
+        {"big": [(0.0, 1.2e6), (1e9, 1.5e6)], "lr": [(0.0, 3e-4), (1e9, 1e-5)]},
+        {"close": [(0.0, 1.0), (1.0, 1.0 + 1e-12)]},
+        {"one": [(3.0, 5.0)]},
     ]
-    assert title
-    centre = (min(x for x, _ in title) + max(x for x, _ in title)) / 2
-    assert abs(centre - (left + right) / 2) < 10
-    # Rotated y label at the far left, x label at the bottom.
-    assert any(image.pixel(x, y) == BLACK for x in range(0, 20) for y in range(top, bottom))
-    assert any(
-        image.pixel(x, y) == BLACK
-        for x in range(left, right)
-        for y in range(bottom + 20, image.height)
+    for series in cases:
+        assert write_curves(
+            tmp_path / "x.png", series, title="", x_label="", y_label="", width=320, height=240
+        )
+
+
+def test_the_users_matplotlib_state_is_left_alone(tmp_path: Path) -> None:
+    # In a fresh interpreter: pyplot (which picks and switches backends) is never imported,
+    # and rcParams are unchanged, also under a user's own style.
+    # dict.items: RcParams' own item access would resolve the backend by importing pyplot.
+    script = textwrap.dedent(
+        f"""
+        import sys
+        import matplotlib
+        matplotlib.rcParams["lines.linewidth"] = 7.0
+        before = dict(dict.items(matplotlib.rcParams))
+        from hp_train.plot import write_curves
+        assert write_curves({str(tmp_path / "p.png")!r}, {{"a": [(0, 1), (1, 2)]}},
+                            title="t", x_label="x", y_label="y")
+        assert "matplotlib.pyplot" not in sys.modules, "pyplot was imported"
+        assert dict(dict.items(matplotlib.rcParams)) == before, "rcParams changed"
+        print("ok")
+        """
     )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "ok"
 
 
-# --------------------------------------------------------------------------------------------
-# Edge cases
-# --------------------------------------------------------------------------------------------
-def test_empty_inputs(tmp_path: Path) -> None:
-    image = plot(tmp_path, {})
-    image.frame()  # axes are still drawn
-    image = plot(tmp_path, {"empty": []}, title="", x_label="", y_label="")
-    assert image.positions(PALETTE[0])  # only the legend sample
+def test_without_matplotlib_nothing_is_written_and_it_is_said_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` -> ImportError
+    monkeypatch.setattr(plot, "_missing_reported", False)
+    assert plot_available() is False
+    series = {"loss": [(0.0, 1.0), (1.0, 0.5)]}
+    with caplog.at_level(logging.WARNING, logger="hp_train"):
+        for _ in range(3):
+            assert (
+                write_curves(tmp_path / "loss.png", series, title="", x_label="", y_label="")
+                is False
+            )
+    assert list(tmp_path.iterdir()) == []
+    said = [r for r in caplog.records if r.name.startswith("hp_train")]
+    assert [(r.name, r.levelno, r.getMessage()) for r in said] == [
+        ("hp_train.plot", logging.WARNING, MISSING_MATPLOTLIB)
+    ]
+    assert "pip install 'hp-train[plot]'" in MISSING_MATPLOTLIB
+    with pytest.raises(ModuleNotFoundError, match=r"hp-train\[plot\]"):
+        curves_figure(series, title="", x_label="", y_label="")
 
 
-def test_single_point_is_drawn_in_the_middle(tmp_path: Path) -> None:
-    image = plot(tmp_path, {"one": [(3.0, 5.0)]})
-    left, top, right, bottom = image.frame()
-    inside = [(x, y) for x, y in image.positions(PALETTE[0]) if x < right]
-    assert inside
-    assert all(abs(x - (left + right) / 2) <= 3 for x, _ in inside)
-    assert all(abs(y - (top + bottom) / 2) <= 3 for _, y in inside)
-
-
-def test_constant_values_give_a_flat_line_in_the_middle(tmp_path: Path) -> None:
-    image = plot(tmp_path, {"flat": [(float(i), 2.5) for i in range(50)]})
-    left, top, right, bottom = image.frame()
-    inside = [(x, y) for x, y in image.positions(PALETTE[0]) if x <= right]
-    assert max(x for x, _ in inside) - min(x for x, _ in inside) > 0.9 * (right - left)
-    assert all(abs(y - (top + bottom) / 2) <= 3 for _, y in inside)
-
-
-def test_non_finite_points_are_skipped_and_break_the_line(tmp_path: Path) -> None:
-    points = [(0.0, 0.0), (1.0, 1.0), (2.0, math.nan), (3.0, 3.0), (4.0, 4.0), (5.0, math.inf)]
-    points += [(math.inf, 1.0), (-math.inf, 2.0)]
-    image = plot(tmp_path, {"gappy": points})
-    left, top, right, bottom = image.frame()
-    # x in [0, 4] spans the frame; x = 2 (the NaN) is in the middle and has no line.
-    mid = (left + right) // 2
-    column = [y for x, y in image.positions(PALETTE[0]) if abs(x - mid) <= 4]
-    assert column == []
-    assert image.near(left + (right - left) // 8, bottom - (bottom - top) // 8, PALETTE[0])
-    assert image.near(right - (right - left) // 8, top + (bottom - top) // 8, PALETTE[0])
-
-
-def test_all_non_finite_and_extreme_values(tmp_path: Path) -> None:
-    plot(tmp_path, {"nan": [(0.0, math.nan), (1.0, -math.inf)]})
-    plot(tmp_path, {"huge": [(0.0, -1.7e308), (1.0, 1.7e308)]})
-    plot(tmp_path, {"huge_const": [(0.0, 1.7e308), (1.0, 1.7e308)]})
-    plot(tmp_path, {"tiny": [(0.0, 1e-300), (1e-300, 3e-300)]})
-    plot(tmp_path, {"big": [(0.0, 1.2e6), (1e9, 1.5e6)], "lr": [(0.0, 3e-4), (1e9, 1e-5)]})
-    plot(tmp_path, {"close": [(0.0, 1.0), (1.0, 1.0 + 1e-12)]})
-
-
-def test_many_series_cycle_the_palette(tmp_path: Path) -> None:
-    series = {f"s{i}": [(0.0, float(i)), (1.0, float(i) + 0.5)] for i in range(len(PALETTE) + 3)}
-    image = plot(tmp_path, series, height=480)
-    for color in PALETTE:
-        assert image.positions(color)
-
-
-def test_unknown_characters_and_long_names_are_drawn(tmp_path: Path) -> None:
-    name = "a very long series name that will be truncated in the legend"
-    plot(tmp_path, {name: [(0.0, 1.0), (1.0, 2.0)]}, title="naïve € ~ title", y_label="μ loss")
-
-
-# --------------------------------------------------------------------------------------------
-# Argument errors
-# --------------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"width": 10}, "width"),
+        ({"width": 100}, "width"),
         ({"height": 50}, "height"),
         ({"width": 100_000}, "width"),
         ({"width": 640.0}, "width"),
         ({"height": True}, "height"),
     ],
 )
-def test_bad_size_is_rejected(tmp_path: Path, kwargs: dict[str, object], match: str) -> None:
+def test_bad_size_is_rejected(tmp_path: Path, kwargs: dict[str, Any], match: str) -> None:
     with pytest.raises(ValueError, match=match):
-        plot(tmp_path, {"a": [(0.0, 1.0)]}, **kwargs)
+        write_curves(
+            tmp_path / "x.png", {"a": [(0.0, 1.0)]}, title="", x_label="", y_label="", **kwargs
+        )
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_bad_points_name_the_series(tmp_path: Path) -> None:
+    def bad(series: object) -> None:
+        write_curves(tmp_path / "x.png", series, title="", x_label="", y_label="")  # type: ignore[arg-type]
+
     with pytest.raises(ValueError, match=r"series\['loss'\]\[1\]"):
-        plot(tmp_path, {"loss": [(0.0, 1.0), (1.0,)]})  # type: ignore[list-item]
+        bad({"loss": [(0.0, 1.0), (1.0,)]})
     with pytest.raises(ValueError, match=r"series\['loss'\]\[0\]"):
-        plot(tmp_path, {"loss": [("a", 1.0)]})  # type: ignore[list-item]
+        bad({"loss": [("a", 1.0)]})
     with pytest.raises(TypeError, match="series names"):
-        plot(tmp_path, {3: [(0.0, 1.0)]})  # type: ignore[dict-item]
-
-
-def test_names_too_long_for_a_small_image(tmp_path: Path) -> None:
-    series = {f"series number {i} with a long name": [(0.0, 1.0)] for i in range(3)}
-    with pytest.raises(ValueError, match="no room"):
-        plot(tmp_path, series, width=160, height=120)
+        bad({3: [(0.0, 1.0)]})

@@ -23,8 +23,9 @@ import torch.distributed as dist
 
 from hp_testing import run_on_ranks
 from hp_train.cli import main, parse
+from hp_train.run_plan import PLAN_FILE, resolve_run_plans
 from hp_train.runtime import init_runtime
-from hp_train.trainer import PLAN_FILE, resolve_run_plans, train
+from hp_train.trainer import train
 
 RUN_ARGS = [
     "--steps", "2", "--data", "synthetic", "--global-batch", "4", "--seq-len", "16",

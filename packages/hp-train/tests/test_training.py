@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from hp_testing import run_on_ranks
 from hp_train.config import ModelConfig, MoEConfig, ParallelConfig, TrainConfig
-from hp_train.data import Batch, TokenSource
+from hp_train.data import Batch, TrainData
 from hp_train.runtime import init_runtime
 from hp_train.trainer import RunOptions, train
 
@@ -95,14 +95,21 @@ def test_fsdp_x_tp_matches_one_rank_for_20_steps(optimizer: str, tmp_path: Path)
     assert worst <= tolerance
 
 
-class _RowsReversed(TokenSource):
-    """The same batches with each rank's rows in reverse order: the same sums, added up in
+class _RowsReversed:
+    """The run's data with every batch's rows in reverse order: the same sequences, so the
+    same loss up to rounding, but each rank adds its rows' gradient contributions up in
     another order (a two-way data-parallel sum is commutative, so swapping whole rank slices
     would change no bit)."""
 
-    def local_batch(self, step: int, batch: int, dp_rank: int, dp_size: int) -> Batch:
-        rows = super().local_batch(step, batch, dp_rank, dp_size)
+    def __init__(self, data: TrainData) -> None:
+        self.data = data
+
+    def batch(self, step: int, global_batch: int, dp_rank: int, dp_size: int) -> Batch:
+        rows = self.data.batch(step, global_batch, dp_rank, dp_size)
         return Batch(rows.inputs.flip(0).contiguous(), rows.targets.flip(0).contiguous())
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.data, name)
 
 
 def _run_observed(
@@ -120,7 +127,7 @@ def _run_observed(
 
     captured: dict[str, Any] = {"modes": []}
     # Looked up by name where the trainer looks them up (it does not export them).
-    real = {name: getattr(trainer, name) for name in ("parallelize", "lm_loss", "make_source")}
+    real = {name: getattr(trainer, name) for name in ("parallelize", "lm_loss", "build_data")}
 
     def keep(m: Any, layout: Any, **kw: Any) -> Any:
         captured["model"] = m
@@ -131,13 +138,11 @@ def _run_observed(
         captured["modes"].append((torch.are_deterministic_algorithms_enabled(), fresh))
         return real["lm_loss"](logits, targets)
 
-    def source(kind: str, **kw: Any) -> TokenSource:
-        made: TokenSource = real["make_source"](kind, **kw)
-        if not reverse_rows:
-            return made
-        return _RowsReversed(made.tokens, made.seq_len, made.seed, made.name)
+    def data(*args: Any, **kw: Any) -> Any:
+        made = real["build_data"](*args, **kw)
+        return _RowsReversed(made) if reverse_rows else made
 
-    replacements = {"parallelize": keep, "lm_loss": observe, "make_source": source}
+    replacements = {"parallelize": keep, "lm_loss": observe, "build_data": data}
     for name, replacement in replacements.items():
         setattr(trainer, name, replacement)
     try:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import re
 import shutil
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -108,9 +109,12 @@ def save_checkpoint(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     stage: StageOf | None = None,
+    files: Mapping[str, str] | None = None,
 ) -> Path:
     """Save the state after ``step`` steps (collective; every rank calls it; ``stage`` under
-    pipeline parallelism)."""
+    pipeline parallelism). ``files``: text files (name to content, the same on every rank)
+    that rank 0 writes into the checkpoint beside the tensors before it is complete, such as
+    the data loader's position and the run's configuration."""
     final = _step_dir(Path(root), step)
     partial = final.with_name(final.name + PARTIAL_SUFFIX)
     if dist.get_rank() == 0:
@@ -118,6 +122,9 @@ def save_checkpoint(
         partial.mkdir(parents=True)
     dist.barrier()
     dcp_save(_state(model, optimizer, step, stage), checkpoint_id=str(partial))
+    if dist.get_rank() == 0:
+        for name, text in (files or {}).items():
+            (partial / name).write_text(text)
     dist.barrier()
     if dist.get_rank() == 0:
         if final.exists():

@@ -12,6 +12,7 @@ flags.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from collections.abc import Sequence
@@ -27,9 +28,11 @@ from hp_train.config import (
     ParallelConfig,
     TrainConfig,
 )
+from hp_train.config_file import option_tables, read_config_file, resolved_tables
 from hp_train.presets import model_configs
+from hp_train.run_plan import plan_report
 from hp_train.runtime import init_runtime, shutdown
-from hp_train.trainer import RunOptions, Summary, plan_report, train
+from hp_train.trainer import RunOptions, Summary, train
 
 __all__ = ["MODEL_PRESETS", "main", "parse"]
 
@@ -38,16 +41,40 @@ __all__ = ["MODEL_PRESETS", "main", "parse"]
 MODEL_PRESETS: dict[str, ModelConfig] = model_configs()
 
 
+#: The tables of a ``--config`` file, by the argparse group whose options each holds.
+_TABLES = {
+    "model": "model",
+    "parallelism (dp_replicate x dp_shard x tp x pp = world size)": "parallel",
+    "training": "training",
+    "data": "data",
+    "run": "run",
+}
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hp-train", description=__doc__.split("\n\n")[0])
+    p.add_argument(
+        "--config",
+        type=Path,
+        default=None,
+        help="a TOML file of options (tables [model], [parallel], [training], [data], [run]; "
+        "keys are the options' names with underscores); flags given here override it",
+    )
     m = p.add_argument_group("model")
-    m.add_argument("--model", default="tiny", choices=sorted(MODEL_PRESETS))
+    m.add_argument("--model", default=None, choices=sorted(MODEL_PRESETS), help="default: tiny")
     for name in ("dim", "n-layers", "n-heads", "n-kv-heads", "ffn-dim", "vocab-size"):
         m.add_argument(f"--{name}", type=int, default=None)
     m.add_argument("--experts", type=int, default=None, help="routed experts (makes it MoE)")
     m.add_argument("--top-k", type=int, default=2)
     m.add_argument("--expert-ffn-dim", type=int, default=None)
     m.add_argument("--moe-every", type=int, default=2)
+    m.add_argument(
+        "--init-from",
+        type=Path,
+        default=None,
+        help="a local Hugging Face checkpoint folder (config.json + safetensors; Llama, Qwen2, "
+        "Qwen3): the model's architecture and starting weights",
+    )
     d = p.add_argument_group("parallelism (dp_replicate x dp_shard x tp x pp = world size)")
     d.add_argument("--dp-replicate", type=int, default=1)
     d.add_argument("--dp-shard", type=int, default=None, help="default: what is left")
@@ -71,10 +98,35 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--muon-lr", type=float, default=0.02, help="Muon peak lr")
     t.add_argument("--weight-decay", type=float, default=0.01)
     t.add_argument("--warmup-steps", type=int, default=2)
-    t.add_argument("--data", default="corpus", choices=("corpus", "synthetic"))
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--deterministic", action="store_true")
     t.add_argument("--log-every", type=int, default=5, help="precision monitoring interval")
+    g = p.add_argument_group("data")
+    g.add_argument(
+        "--data",
+        default="corpus",
+        help="corpus (the hp-* packages' text), synthetic, pydoc (CPython's documentation "
+        "topics), or a local .txt/.md file, folder, JSON Lines or Parquet path",
+    )
+    g.add_argument(
+        "--tokenizer",
+        default=None,
+        help="a tokenizer.json or a folder holding one (python -m hp_train.tokenizer train "
+        "makes one); default: bytes",
+    )
+    g.add_argument("--text-field", default="text", help="the text column of JSON Lines/Parquet")
+    g.add_argument(
+        "--eval-fraction", type=float, default=0.0, help="share of documents held out (0: none)"
+    )
+    g.add_argument("--eval-data", default=None, help="a separate local path to evaluate on")
+    g.add_argument("--eval-every", type=int, default=0, help="evaluate every N steps (0: never)")
+    g.add_argument("--eval-batches", type=int, default=4, help="global batches per evaluation")
+    g.add_argument(
+        "--streaming",
+        default="auto",
+        choices=("auto", "on", "off"),
+        help="read the data as a stream (auto: by its size)",
+    )
     r = p.add_argument_group("run")
     r.add_argument("--out", type=Path, default=Path("hp_train_out"))
     r.add_argument("--checkpoint-every", type=int, default=0)
@@ -82,6 +134,7 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--validate", action="store_true")
     r.add_argument("--validate-steps", type=int, default=2)
     r.add_argument("--quiet", action="store_true")
+    r.add_argument("--tensorboard", action="store_true", help="TensorBoard events in <out>")
     r.add_argument(
         "--print-plan",
         action="store_true",
@@ -91,19 +144,50 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def parse(
-    argv: Sequence[str] | None, world_size: int
-) -> tuple[ModelConfig, ParallelConfig, TrainConfig, RunOptions, argparse.Namespace]:
-    """The run's configuration from the command line (``world_size`` fills ``dp_shard``)."""
-    args = _parser().parse_args(argv)
-    base = MODEL_PRESETS[args.model]
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    """The options of ``argv`` over those of its ``--config`` file (if any) over the
+    defaults.
+
+    Raises:
+        ConfigError: the configuration file is missing, not TOML, or has an unknown,
+            misplaced or mistyped key.
+    """
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.config is not None:
+        parser.set_defaults(**read_config_file(args.config, option_tables(parser, _TABLES)))
+        args = parser.parse_args(argv)
+    return args
+
+
+def resolved_options(args: argparse.Namespace) -> dict[str, dict[str, object]]:
+    """Every option of a run by table, as ``config.toml`` holds them."""
+    return resolved_tables(args, option_tables(_parser(), _TABLES))
+
+
+def _model_config(args: argparse.Namespace, tokenizer_vocab: int | None) -> ModelConfig:
     sizes = {
         field: getattr(args, field)
         for field in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size")
         if getattr(args, field) is not None
     }
+    if args.init_from is not None:
+        given = [f"--{k.replace('_', '-')}" for k in sizes] + (["--model"] if args.model else [])
+        if args.experts is not None:
+            given.append("--experts")
+        if given:
+            raise ConfigError(
+                f"--init-from takes the architecture from {args.init_from}/config.json; drop "
+                f"{', '.join(given)}"
+            )
+        from hp_train.hf import read_hf_config
+
+        return read_hf_config(args.init_from, max_seq_len=args.seq_len)
+    base = MODEL_PRESETS[args.model or "tiny"]
     if args.n_heads is not None and args.n_kv_heads is None:
         sizes["n_kv_heads"] = args.n_heads
+    if tokenizer_vocab is not None and args.vocab_size is None:
+        sizes["vocab_size"] = _vocab_for(tokenizer_vocab, args.tp)
     moe = base.moe
     if args.experts is not None:
         moe = MoEConfig(
@@ -113,7 +197,28 @@ def parse(
             every=args.moe_every,
         )
     seq = max(base.max_seq_len, args.seq_len)
-    model = ModelConfig(**{**base.__dict__, **sizes, "moe": moe, "max_seq_len": seq})
+    return ModelConfig(**{**base.__dict__, **sizes, "moe": moe, "max_seq_len": seq})
+
+
+def _vocab_for(tokens: int, tp: int) -> int:
+    """The model vocabulary for a tokenizer of ``tokens`` tokens: rounded up to a multiple of
+    64 x tp (the embedding and head split it ``tp`` ways; the padding rows are never a
+    target)."""
+    unit = 64 * tp
+    return -(-tokens // unit) * unit
+
+
+def parse(
+    argv: Sequence[str] | None, world_size: int
+) -> tuple[ModelConfig, ParallelConfig, TrainConfig, RunOptions, argparse.Namespace]:
+    """The run's configuration from the command line (``world_size`` fills ``dp_shard``)."""
+    args = parse_args(argv)
+    tokenizer_vocab = None
+    if args.tokenizer is not None:
+        from hp_train.tokenizer import load_tokenizer
+
+        tokenizer_vocab = load_tokenizer(args.tokenizer).vocab_size
+    model = _model_config(args, tokenizer_vocab)
     if args.dp_shard is None:
         parallel = ParallelConfig.fill(
             world_size, dp_replicate=args.dp_replicate, tp=args.tp, pp=args.pp
@@ -130,6 +235,13 @@ def parse(
         weight_decay=args.weight_decay,
         warmup_steps=args.warmup_steps,
         data=args.data,
+        tokenizer=args.tokenizer,
+        text_field=args.text_field,
+        eval_fraction=args.eval_fraction,
+        eval_data=args.eval_data,
+        eval_every=args.eval_every,
+        eval_batches=args.eval_batches,
+        streaming={"auto": None, "on": True, "off": False}[args.streaming],
         seed=args.seed,
         deterministic=args.deterministic,
         checkpoint_every=args.checkpoint_every,
@@ -143,6 +255,9 @@ def parse(
         validate=args.validate,
         validate_steps=args.validate_steps,
         quiet=args.quiet,
+        init_from=args.init_from,
+        tensorboard=args.tensorboard,
+        options=resolved_options(args),
     )
     return model, parallel, config, options, args
 
@@ -153,6 +268,7 @@ def _print_summary(
     steps = sorted(summary.losses)
     first, last = summary.losses[steps[0]], summary.losses[steps[-1]]
     peaks = ", ".join("n/a" if p is None else f"{p / 2**20:.0f}" for p in summary.peak_memory_bytes)
+    written = [n for n in ("metrics.jsonl", "loss.png") if (out / n).is_file()]
     print(
         f"hp-train: {len(steps)} steps (from step {summary.first_step}) on "
         f"dp_replicate={parallel.dp_replicate} x dp_shard={parallel.dp_shard} x tp={parallel.tp}"
@@ -160,9 +276,21 @@ def _print_summary(
         f" ({'MoE' if model.moe else 'dense'} dim {model.dim}, {model.n_layers} layers)\n"
         f"  loss {first:.4f} -> {last:.4f}; median step {summary.step_time_s * 1e3:.0f} ms, "
         f"{summary.tokens_per_s:.0f} tokens/s; peak memory per rank (MiB): {peaks}\n"
-        f"  wrote {out / 'metrics.jsonl'}, {out / 'loss.png'}"
+        + _eval_line(summary)
+        + f"  wrote {', '.join(str(out / name) for name in written)}"
         + (f", checkpoint {summary.checkpoint}" if summary.checkpoint else ""),
         flush=True,
+    )
+
+
+def _eval_line(summary: Summary) -> str:
+    if not summary.eval_losses:
+        return ""
+    steps = sorted(summary.eval_losses)
+    first, last = summary.eval_losses[steps[0]], summary.eval_losses[steps[-1]]
+    return (
+        f"  held-out loss {first:.4f} (after step {steps[0] + 1}) -> {last:.4f} (after step "
+        f"{steps[-1] + 1}), perplexity {math.exp(min(last, 700.0)):.2f}\n"
     )
 
 
@@ -185,7 +313,11 @@ def _print_plan(argv: Sequence[str] | None, pre: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run training; returns the process exit code (2 for a configuration error)."""
-    pre = _parser().parse_args(argv)
+    try:
+        pre = parse_args(argv)
+    except ConfigError as exc:
+        print(f"hp-train: {exc}", file=sys.stderr)
+        return 2
     if pre.print_plan:
         return _print_plan(argv, pre)
     try:

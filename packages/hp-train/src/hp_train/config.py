@@ -7,14 +7,19 @@ process group exists, with the field named.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, fields
+from types import UnionType
+from typing import Any, TypeVar, Union, get_args, get_origin, get_type_hints
 
 __all__ = [
     "PIPELINE_SCHEDULE_NAMES",
+    "ROPE_SCALING_TYPES",
     "ConfigError",
     "MoEConfig",
     "ModelConfig",
     "ParallelConfig",
+    "RopeScaling",
     "TrainConfig",
 ]
 
@@ -24,6 +29,9 @@ PIPELINE_SCHEDULE_NAMES = ("1f1b", "gpipe")
 
 class ConfigError(ValueError):
     """A configuration value that cannot work (the message names the field and the fix)."""
+
+
+_D = TypeVar("_D")
 
 
 def _positive(name: str, value: int) -> None:
@@ -68,21 +76,97 @@ class MoEConfig:
         return (index + 1) % self.every == 0
 
 
+#: Rotary scalings hp-train computes (unscaled rotary embeddings are ``rope_scaling=None``).
+ROPE_SCALING_TYPES = ("linear", "llama3")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Rotary frequencies scaled for a longer context, as Hugging Face configs give them.
+
+    Attributes:
+        rope_type: ``"linear"`` (every frequency divided by ``factor``) or ``"llama3"``
+            (Llama 3.1's: frequencies of wavelength above ``original_max_position_embeddings /
+            low_freq_factor`` divided by ``factor``, those below ``original_max_position_embeddings
+            / high_freq_factor`` kept, a linear blend in between).
+        factor: how much longer the context is than the one the model was pre-trained with.
+        low_freq_factor: ``"llama3"`` only (``None`` for ``"linear"``).
+        high_freq_factor: ``"llama3"`` only, above ``low_freq_factor``.
+        original_max_position_embeddings: ``"llama3"`` only: the pre-training context.
+    """
+
+    rope_type: str
+    factor: float
+    low_freq_factor: float | None = None
+    high_freq_factor: float | None = None
+    original_max_position_embeddings: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.rope_type not in ROPE_SCALING_TYPES:
+            raise ConfigError(
+                f"rope_scaling.rope_type {self.rope_type!r} is not supported; hp-train computes "
+                f"{', '.join(repr(t) for t in ROPE_SCALING_TYPES)} (unscaled rotary embeddings, "
+                "Hugging Face's 'default', are rope_scaling=None)"
+            )
+        _finite_positive("rope_scaling.factor", self.factor)
+        llama3 = ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+        if self.rope_type == "linear":
+            given = [name for name in llama3 if getattr(self, name) is not None]
+            if given:
+                raise ConfigError(
+                    f"rope_scaling.{given[0]} belongs to rope_type 'llama3'; linear scaling "
+                    "takes only factor"
+                )
+            return
+        for name in llama3:
+            if getattr(self, name) is None:
+                raise ConfigError(f"rope_scaling.{name} is required by rope_type 'llama3'")
+        assert self.low_freq_factor is not None
+        assert self.high_freq_factor is not None
+        _finite_positive("rope_scaling.low_freq_factor", self.low_freq_factor)
+        _finite_positive("rope_scaling.high_freq_factor", self.high_freq_factor)
+        if self.high_freq_factor <= self.low_freq_factor:
+            raise ConfigError(
+                f"rope_scaling.high_freq_factor={self.high_freq_factor} must exceed "
+                f"low_freq_factor={self.low_freq_factor}"
+            )
+        _positive(
+            "rope_scaling.original_max_position_embeddings",
+            self.original_max_position_embeddings,  # type: ignore[arg-type]
+        )
+
+
+def _finite_positive(name: str, value: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+        raise ConfigError(f"{name} must be a number > 0, got {value!r}")
+    if not math.isfinite(value):
+        raise ConfigError(f"{name} must be finite, got {value!r}")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
-    """A Llama-style decoder.
+    """A Llama-style decoder (Llama, Qwen2 and Qwen3 dense models among them).
 
     Attributes:
         vocab_size: tokens (256 for the byte-level corpus).
         dim: model width.
         n_layers: transformer blocks.
-        n_heads: attention heads (``dim`` divisible by it, head dim even for rotary).
+        n_heads: attention heads (``dim`` divisible by it unless ``explicit_head_dim`` is given).
         n_kv_heads: key/value heads (grouped-query attention; divides ``n_heads``).
         ffn_dim: hidden width of the dense SwiGLU.
         max_seq_len: longest sequence (rotary tables).
-        norm_eps: RMSNorm epsilon.
+        norm_eps: RMSNorm epsilon (of every norm, the per-head q/k norms included).
         rope_theta: rotary base.
         moe: mixture-of-experts layers, or ``None`` for a dense model.
+        explicit_head_dim: width of one attention head when it is not ``dim / n_heads`` (Qwen3);
+            ``None``: ``dim // n_heads``. Even (rotary pairs).
+        qkv_bias: the q, k and v projections have biases (Qwen2).
+        o_bias: the attention output projection has a bias (Llama's ``attention_bias``).
+        qk_norm: an RMSNorm over each head of q and of k before the rotary embedding (Qwen3's
+            ``q_norm``/``k_norm``, weights of ``head_dim``).
+        tie_embeddings: the output head multiplies by the token embedding's weight (one
+            parameter, ``tok_embeddings.weight``; no ``output.weight``).
+        rope_scaling: scaled rotary frequencies, or ``None`` for plain ones.
     """
 
     vocab_size: int = 256
@@ -95,28 +179,105 @@ class ModelConfig:
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     moe: MoEConfig | None = None
+    explicit_head_dim: int | None = None
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: bool = False
+    tie_embeddings: bool = False
+    rope_scaling: RopeScaling | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim"):
             _positive(name, getattr(self, name))
         _positive("max_seq_len", self.max_seq_len)
-        if self.dim % self.n_heads:
-            raise ConfigError(f"dim={self.dim} must be divisible by n_heads={self.n_heads}")
-        if (self.dim // self.n_heads) % 2:
+        _finite_positive("norm_eps", self.norm_eps)
+        _finite_positive("rope_theta", self.rope_theta)
+        for name in ("qkv_bias", "o_bias", "qk_norm", "tie_embeddings"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if self.explicit_head_dim is not None:
+            _positive("explicit_head_dim", self.explicit_head_dim)
+        elif self.dim % self.n_heads:
             raise ConfigError(
-                f"head dim {self.dim // self.n_heads} (dim / n_heads) must be even for rotary "
-                "embeddings"
+                f"dim={self.dim} must be divisible by n_heads={self.n_heads} (or give "
+                "explicit_head_dim)"
+            )
+        if self.head_dim % 2:
+            raise ConfigError(
+                f"head dim {self.head_dim} must be even for rotary embeddings (it is "
+                f"{'explicit_head_dim' if self.explicit_head_dim else 'dim / n_heads'})"
             )
         if self.n_heads % self.n_kv_heads:
             raise ConfigError(
                 f"n_kv_heads={self.n_kv_heads} must divide n_heads={self.n_heads} "
                 "(grouped-query attention)"
             )
+        if self.moe is not None and not isinstance(self.moe, MoEConfig):
+            raise ConfigError(f"moe must be a MoEConfig or None, got {self.moe!r}")
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
+            raise ConfigError(
+                f"rope_scaling must be a RopeScaling or None, got {self.rope_scaling!r}"
+            )
 
     @property
     def head_dim(self) -> int:
         """Width of one attention head."""
+        if self.explicit_head_dim is not None:
+            return self.explicit_head_dim
         return self.dim // self.n_heads
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every field by name, ``moe`` and ``rope_scaling`` as nested dicts (or ``None``):
+        plain JSON values, and ``ModelConfig.from_dict(c.to_dict()) == c``."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> ModelConfig:
+        """The config a :meth:`to_dict` gave (fields it lacks take their defaults, so configs
+        written before a field existed still read).
+
+        Raises:
+            ConfigError: a key that is no field (the unknown keys and the known ones are
+                named), a value of the wrong type, or values the config refuses.
+        """
+        return _dataclass_from_dict(cls, data, "model")
+
+
+def _dataclass_from_dict(cls: type[_D], data: Mapping[str, Any], where: str) -> _D:
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{where} must be a JSON object, got {type(data).__name__}")
+    hints = get_type_hints(cls)
+    known = [f.name for f in fields(cls)]  # type: ignore[arg-type]
+    unknown = sorted(set(data) - set(known))
+    if unknown:
+        raise ConfigError(f"{where}: unknown keys {unknown}; the known ones are {', '.join(known)}")
+    values = {
+        name: _field_value(hints[name], value, f"{where}.{name}") for name, value in data.items()
+    }
+    return cls(**values)
+
+
+def _field_value(hint: Any, value: Any, where: str) -> Any:
+    options = get_args(hint) if get_origin(hint) in (Union, UnionType) else (hint,)
+    if value is None:
+        if type(None) in options:
+            return None
+        raise ConfigError(f"{where} must not be null")
+    for option in options:
+        if option in (MoEConfig, RopeScaling):
+            return _dataclass_from_dict(option, value, where)
+        if option is bool and isinstance(value, bool):
+            return value
+        if option is int and isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if option is float and isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+        if option is str and isinstance(value, str):
+            return value
+    names = " or ".join(
+        "null" if o is type(None) else getattr(o, "__name__", str(o)) for o in options
+    )
+    raise ConfigError(f"{where} must be {names}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -175,7 +336,18 @@ class TrainConfig:
         warmup_steps: linear warm-up from 0 to the peak; then cosine decay to
             ``min_lr_ratio`` x peak at ``steps``.
         min_lr_ratio: the floor of the cosine decay.
-        data: ``"corpus"`` (byte-level text of the installed hp-* packages) or ``"synthetic"``.
+        data: a built-in source (``"corpus"``: the text of the installed hp-* packages;
+            ``"synthetic"``: arithmetic progressions; ``"pydoc"``: the documentation topics
+            CPython ships) or a local text file, folder, JSON Lines or Parquet path
+            (:class:`hp_train.data.DataSpec`).
+        tokenizer: a ``tokenizer.json`` (or a folder holding one); None for byte-level tokens.
+        text_field: the text column of JSON Lines / Parquet data.
+        eval_fraction: share of the documents held out for evaluation (never trained on;
+            0: none).
+        eval_data: a separate local path to evaluate on instead of a held-out share.
+        eval_every: evaluate the held-out loss every N steps and after the last (0: never).
+        eval_batches: global batches per evaluation.
+        streaming: read the data as a stream (None: decided by its size).
         seed: parameter init, data order and dropout.
         deterministic: deterministic kernels and one fixed reduction order.
         checkpoint_every: save every N steps (0: never).
@@ -197,6 +369,13 @@ class TrainConfig:
     warmup_steps: int = 2
     min_lr_ratio: float = 0.1
     data: str = "corpus"
+    tokenizer: str | None = None
+    text_field: str = "text"
+    eval_fraction: float = 0.0
+    eval_data: str | None = None
+    eval_every: int = 0
+    eval_batches: int = 4
+    streaming: bool | None = None
     seed: int = 0
     deterministic: bool = False
     checkpoint_every: int = 0
@@ -220,10 +399,14 @@ class TrainConfig:
             raise ConfigError(
                 f"pp_schedule must be one of {PIPELINE_SCHEDULE_NAMES}, got {self.pp_schedule!r}"
             )
-        if self.data not in ("corpus", "synthetic"):
-            raise ConfigError(f"data must be 'corpus' or 'synthetic', got {self.data!r}")
-        if self.warmup_steps < 0 or self.checkpoint_every < 0:
-            raise ConfigError("warmup_steps and checkpoint_every must be >= 0")
+        if self.warmup_steps < 0 or self.checkpoint_every < 0 or self.eval_every < 0:
+            raise ConfigError("warmup_steps, checkpoint_every and eval_every must be >= 0")
+        _positive("eval_batches", self.eval_batches)
+        if self.eval_every and not (self.eval_fraction > 0 or self.eval_data is not None):
+            raise ConfigError(
+                f"eval_every={self.eval_every} needs held-out data: pass eval_fraction (e.g. "
+                "0.1, the share of documents held out) or eval_data (a local path)"
+            )
         if not (0.0 <= self.min_lr_ratio <= 1.0):
             raise ConfigError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         for name in ("lr", "muon_lr", "weight_decay"):

@@ -5,27 +5,36 @@ Module names follow ``hp_dtensor.parallel.TransformerNames`` (torchtitan's), so
 ``MoE`` block: its experts are ``[E, out, in]`` stacks, which FSDP shards like any tensor and
 Muon orthogonalizes per expert.
 
+The options Hugging Face's Llama, Qwen2 and Qwen3 checkpoints need are all off by default (an
+explicit head width, q/k/v biases, per-head q/k norms, tied embeddings, scaled rotary
+frequencies). The rotary convention is theirs too: each head's halves ``(x_i, x_{i + d/2})``
+are the rotated pairs ("rotate half"), so their weights map onto these modules unpermuted.
+
 Every operation is one that ``hp_dtensor`` has a sharding rule for, so the dense model also
 runs in validation mode.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from hp_dtensor.parallel import MoE
-from hp_train.config import ModelConfig, MoEConfig
+from hp_train.config import ModelConfig, MoEConfig, RopeScaling
 
 __all__ = [
     "Attention",
     "Block",
     "FeedForward",
     "RMSNorm",
+    "TiedHead",
     "Transformer",
     "lm_loss",
     "moe_feed_forward",
+    "rotary_inverse_frequencies",
 ]
 
 
@@ -46,6 +55,39 @@ class RMSNorm(nn.Module):
         return x * scale * self.weight
 
 
+def rotary_inverse_frequencies(config: ModelConfig) -> torch.Tensor:
+    """The ``head_dim / 2`` rotary frequencies (fp32, radians per position) of ``config``:
+    ``rope_theta ** (-2i / head_dim)``, then scaled as ``config.rope_scaling`` says.
+
+    Computed in the order Hugging Face's rotary embeddings compute them, so both tables agree
+    to the last bit in fp32.
+    """
+    dim = config.head_dim
+    inv = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv
+    if scaling.rope_type == "linear":
+        return inv / scaling.factor
+    return _llama3_frequencies(inv, scaling)
+
+
+def _llama3_frequencies(inv: torch.Tensor, scaling: RopeScaling) -> torch.Tensor:
+    """Llama 3.1's scaling: long wavelengths (low frequencies, which saw few full turns within
+    the pre-training context) are stretched by ``factor``, short ones kept, a blend between."""
+    assert scaling.low_freq_factor is not None
+    assert scaling.high_freq_factor is not None
+    assert scaling.original_max_position_embeddings is not None
+    low, high = scaling.low_freq_factor, scaling.high_freq_factor
+    context = scaling.original_max_position_embeddings
+    wavelength = 2 * math.pi / inv
+    stretched = torch.where(wavelength > context / low, inv / scaling.factor, inv)
+    blend = (context / wavelength - low) / (high - low)
+    blended = (1 - blend) * stretched / scaling.factor + blend * stretched
+    between = ~(wavelength < context / high) * ~(wavelength > context / low)
+    return torch.where(between, blended, stretched)
+
+
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotary embedding: pairs ``(x_i, x_{i + d/2})`` rotated by the position's angles."""
     half = x.shape[-1] // 2
@@ -54,17 +96,27 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 class Attention(nn.Module):
-    """Causal self-attention with rotary embeddings and grouped key/value heads."""
+    """Causal self-attention with rotary embeddings and grouped key/value heads; optionally
+    biased q/k/v (and output) projections and an RMSNorm over each q and k head."""
+
+    q_norm: RMSNorm | None
+    k_norm: RMSNorm | None
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.head_dim = config.head_dim
         self.kv_groups = config.n_heads // config.n_kv_heads
+        q_dim = config.n_heads * config.head_dim
         kv_dim = config.n_kv_heads * config.head_dim
-        self.q_proj = nn.Linear(config.dim, config.dim, bias=False)
-        self.k_proj = nn.Linear(config.dim, kv_dim, bias=False)
-        self.v_proj = nn.Linear(config.dim, kv_dim, bias=False)
-        self.o_proj = nn.Linear(config.dim, config.dim, bias=False)
+        self.q_proj = nn.Linear(config.dim, q_dim, bias=config.qkv_bias)
+        self.k_proj = nn.Linear(config.dim, kv_dim, bias=config.qkv_bias)
+        self.v_proj = nn.Linear(config.dim, kv_dim, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(q_dim, config.dim, bias=config.o_bias)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(config.head_dim, config.norm_eps)
+            self.k_norm = RMSNorm(config.head_dim, config.norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
 
     def _heads(self, t: torch.Tensor) -> torch.Tensor:
         # [batch, seq, heads * head_dim] -> [batch, heads, seq, head_dim]; under tensor
@@ -72,8 +124,10 @@ class Attention(nn.Module):
         return t.view(t.shape[0], t.shape[1], -1, self.head_dim).transpose(1, 2)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        q = _rotate(self._heads(self.q_proj(x)), cos, sin)
-        k = _rotate(self._heads(self.k_proj(x)), cos, sin)
+        q, k = self._heads(self.q_proj(x)), self._heads(self.k_proj(x))
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         v = self._heads(self.v_proj(x))
         if self.kv_groups > 1:
             b, h, s, d = k.shape
@@ -135,6 +189,24 @@ class Block(nn.Module):
         return out
 
 
+class TiedHead(nn.Module):
+    """The output head of tied embeddings: ``x @ E^T`` with ``E`` the token embedding's weight.
+
+    It owns no parameter and reads the embedding's weight at each call, so it multiplies by
+    whatever stands there then: FSDP's gathered weight during the forward, tensor parallelism's
+    local rows of the vocabulary (``hp_train.parallelize`` gathers the logits).
+    """
+
+    def __init__(self, embedding: nn.Embedding) -> None:
+        super().__init__()
+        # Not a submodule: the weight would be registered twice (two state-dict entries, and
+        # FSDP and tensor parallelism would each see two parameters).
+        self._embedding = (embedding,)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self._embedding[0].weight)
+
+
 class Transformer(nn.Module):
     """Token ids ``[batch, seq]`` to logits ``[batch, seq, vocab]``."""
 
@@ -142,7 +214,7 @@ class Transformer(nn.Module):
     sin: torch.Tensor
     tok_embeddings: nn.Embedding | None
     norm: RMSNorm | None
-    output: nn.Linear | None
+    output: nn.Linear | TiedHead | None
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -152,16 +224,19 @@ class Transformer(nn.Module):
         # blocks under their global names, so checkpoints and plans name them the same way.
         self.layers = nn.ModuleDict({str(i): Block(config, i) for i in range(config.n_layers)})
         self.norm = RMSNorm(config.dim, config.norm_eps)
-        self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
+        self.output = (
+            TiedHead(self.tok_embeddings)
+            if config.tie_embeddings
+            else nn.Linear(config.dim, config.vocab_size, bias=False)
+        )
         cos, sin = self._rotary_tables()
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
 
     def _rotary_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
-        c = self.config
-        inv = c.rope_theta ** (-torch.arange(0, c.head_dim, 2, dtype=torch.float32) / c.head_dim)
-        angles = torch.outer(torch.arange(c.max_seq_len, dtype=torch.float32), inv)
-        angles = angles.repeat(1, 2)
+        inv = rotary_inverse_frequencies(self.config)
+        positions = torch.arange(self.config.max_seq_len, dtype=torch.float32)
+        angles = torch.outer(positions, inv).repeat(1, 2)
         return angles.cos(), angles.sin()
 
     def reset_parameters(self) -> None:

@@ -4,8 +4,10 @@ The rank grid is ``(dp_replicate, dp_shard, tp)``, ``tp`` innermost (neighbourin
 fastest links); with pipeline parallelism a ``pp`` axis goes in front (stages on the slowest
 links: one activation per microbatch crosses them) and each stage's ranks form that grid.
 Tensor parallelism follows Megatron's plan (``hp_dtensor.parallel.transformer_tp_plan``) on
-the dense parts; MoE experts stay whole on
-every tensor-parallel rank (expert parallelism is hp-dtensor's, not yet here). FSDP
+the dense parts (q/k/v biases are split with their heads, per-head q/k norms and an output
+bias are replicated; with tied embeddings the head multiplies by the embedding's local rows
+of the vocabulary and its logits are gathered, :class:`TiedHeadParallel`); MoE experts stay
+whole on every tensor-parallel rank (expert parallelism is hp-dtensor's, not yet here). FSDP
 (``hp_fsdp.fully_shard``) then shards every block and the root over the data-parallel axes:
 1-d over ``dp_shard``, HSDP over ``(dp_replicate, dp_shard)``. FSDP is applied even to one
 data-parallel rank, so checkpoints and gradient norms take one path at every size.
@@ -17,22 +19,27 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
+from torch import nn
 
 from hp_dtensor import DeviceMesh
 from hp_dtensor.parallel import (
+    ColwiseParallel,
     ParallelPlan,
     ParallelStyle,
+    ShardingPlan,
     parallelize_module,
     resolve,
     transformer_tp_plan,
 )
+from hp_dtensor.parallel.plan import Boundary, PlanError
 from hp_fsdp import fully_shard
-from hp_layout import Mesh
+from hp_layout import Mesh, Placement, Replicate, Shard
 from hp_train.config import ConfigError, ModelConfig, ParallelConfig
-from hp_train.model import Transformer
+from hp_train.model import TiedHead, Transformer
 
 __all__ = [
     "Layout3D",
+    "TiedHeadParallel",
     "build_layout",
     "check_model_fits",
     "parallelize",
@@ -83,7 +90,8 @@ def check_model_fits(model: ModelConfig, parallel: ParallelConfig) -> None:
     Raises:
         ConfigError: ``tp`` does not divide ``n_heads``, ``n_kv_heads``, ``ffn_dim`` or
             ``vocab_size`` (the first that fails is named, with its divisors; ``ffn_dim`` only
-            when some block is dense), or there are fewer blocks than stages.
+            when some block is dense), there are fewer blocks than stages, or tied embeddings
+            would be split over pipeline stages.
     """
     tp = parallel.tp
     dense = model.moe is None or any(not model.moe.is_moe_layer(i) for i in range(model.n_layers))
@@ -97,6 +105,12 @@ def check_model_fits(model: ModelConfig, parallel: ParallelConfig) -> None:
                 f"tp={tp} must divide {name}={value} ({why}); choose tp among its divisors "
                 f"{', '.join(divisors)}"
             )
+    if model.tie_embeddings and parallel.pp > 1:
+        raise ConfigError(
+            f"tie_embeddings with pp={parallel.pp}: the embedding (first stage) and the output "
+            "head (last stage) would hold two copies of the one tied weight, which nothing "
+            "keeps equal here; use pp=1 for a model with tied embeddings"
+        )
     if parallel.pp > model.n_layers:
         raise ConfigError(
             f"pp={parallel.pp} needs at least {parallel.pp} blocks (one per stage), the model "
@@ -132,10 +146,43 @@ def build_layout(parallel: ParallelConfig, device_type: str) -> Layout3D:
     return Layout3D(mesh, dp_mesh, dp_rank, parallel.dp, parallel.tp, pipeline_mesh)
 
 
+@dataclass(frozen=True)
+class TiedHeadParallel(ParallelStyle):
+    """The output head of tied embeddings (:class:`~hp_train.model.TiedHead`) under tensor
+    parallelism: the embedding's weight is split by vocabulary rows (``RowwiseParallel`` on
+    the embedding), so the head's local logits are that slice of the vocabulary, the layout
+    ``ColwiseParallel`` gives an untied head; its boundaries are the same.
+
+    Attributes:
+        input_layouts: how the hidden states arrive (default Replicate).
+        output_layouts: how the logits are handed on (default Replicate: gathered).
+    """
+
+    input_layouts: Placement | None = None
+    output_layouts: Placement | None = None
+
+    def lower(self, module: nn.Module, name: str) -> ShardingPlan:
+        if not isinstance(module, TiedHead):
+            raise PlanError(
+                f"TiedHeadParallel cannot shard module {name!r} ({type(module).__name__}); it "
+                "supports hp_train.model.TiedHead"
+            )
+        return ShardingPlan(
+            inputs=(Boundary(self.input_layouts or Replicate(), Replicate()),),
+            outputs=Boundary(Shard(-1), self.output_layouts or Replicate()),
+            style="TiedHeadParallel",
+        )
+
+
 def tp_plan(model: ModelConfig, stage: Transformer | None = None) -> dict[str, ParallelStyle]:
-    """Megatron's plan for the dense parts; MoE blocks keep their feed-forward whole. Given a
-    pipeline ``stage``, only the entries naming modules the stage has."""
+    """Megatron's plan for the dense parts; MoE blocks keep their feed-forward whole; a tied
+    head takes :class:`TiedHeadParallel` with the boundaries of the untied head's entry.
+    Given a pipeline ``stage``, only the entries naming modules the stage has."""
     plan = transformer_tp_plan()
+    if model.tie_embeddings:
+        head = plan["output"]
+        assert isinstance(head, ColwiseParallel)
+        plan["output"] = TiedHeadParallel(head.input_layouts, head.output_layouts)
     out = plan
     if model.moe is not None:
         dense_ffn = {k: v for k, v in plan.items() if ".ffn." in k}

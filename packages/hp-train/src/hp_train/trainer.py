@@ -1,88 +1,76 @@
-"""The training loop: build, (validate,) resume, train, monitor, checkpoint, report.
+"""The training loop, as a :class:`Trainer` that reads top to bottom: build, (validate,)
+resume, then for every step train, monitor, evaluate, log and checkpoint; then report.
 
-Every rank runs :func:`train` with the same arguments. Rank 0 prints the progress bar and the
-summary and writes ``plan.json``, ``metrics.jsonl`` and ``loss.png`` into the output directory;
-checkpoints go to ``<out>/checkpoints``.
-
-``plan.json`` is the parallel plan the run applied (hp-dtensor's
-:class:`~hp_dtensor.parallel.ParallelPlan`, as :meth:`~hp_dtensor.parallel.ParallelPlan.to_dict`
-gives it), written once the model is laid out and the optimizer built, before the first step
-(rewritten by every start, a resume too: a resumed run may have another layout). Each parameter
-carries its optimizer group (``"muon"`` or ``"adamw"``, from the optimizer the run built).
-With ``tp > 1`` it is ``hp_dtensor.contract.parallel_plan_of(model)`` after
-:func:`~hp_train.parallelize.parallelize`, with FSDP's flat slots where hp-fsdp records them;
-with ``tp == 1`` no tensor-parallel plan is applied and it is the plan resolved on the run's
-mesh with no entries (every parameter replicated over the mesh), with those flat slots. With
-pipelining the file is ``{"pp": P, "stages": [plan of stage 0, ...]}``: the first rank of each
-stage sends its stage's plan to rank 0, which writes the one file.
-
-:func:`resolve_run_plans` resolves the same plans on a meta-device model without any process
-(``python -m hp_train --print-plan`` prints them with :func:`plan_report`).
+Every rank runs it with the same arguments (:func:`train` is the one-call form). Rank 0 draws
+the progress bar and writes ``plan.json`` (:mod:`hp_train.run_plan`), ``config.toml`` and
+``hp_train_config.json`` (the run's configuration: :mod:`hp_train.config_file`,
+:mod:`hp_train.run_record`), ``metrics.jsonl``, ``loss.png`` (with matplotlib) and TensorBoard
+events (``--tensorboard``) into the output folder; every rank logs to
+``<out>/logs/rank_<r>.log``; checkpoints go to ``<out>/checkpoints``, each with the data
+loader's position (``data_state.json``) and the run's configuration, so a resumed run sees
+the batches an uninterrupted one would and refuses a configuration it cannot continue.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import time
 import warnings
-from dataclasses import asdict, dataclass
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
-from hp_dtensor import DeviceMesh
-from hp_dtensor.contract import parallel_plan_of
-from hp_dtensor.parallel import ParallelPlan
-from hp_layout import Mesh
-from hp_muon import ChainedOptimizer
 from hp_train.checkpoint import StageOf, latest_checkpoint, load_checkpoint, save_checkpoint
 from hp_train.config import ConfigError, ModelConfig, ParallelConfig, TrainConfig
-from hp_train.data import Batch, TokenSource, make_source
-from hp_train.dryrun.shapes import job_mesh, planned_model
-from hp_train.metrics import MetricsWriter, peak_memory_bytes, write_json
+from hp_train.config_file import CONFIG_FILE, dump_toml
+from hp_train.data import Batch, DataSpec, TrainData, build_data
+from hp_train.logs import close_logging, setup_logging
+from hp_train.metrics import MetricsWriter, peak_memory_bytes, read_metrics, write_json
 from hp_train.model import Transformer, lm_loss
-from hp_train.monitor import (
-    divergent_ranks,
-    global_grad_norm,
-    local_norms,
-    rank_losses,
-    snapshot,
-)
+from hp_train.monitor import divergent_ranks, global_grad_norm, local_norms, rank_losses, snapshot
 from hp_train.optim import build_optimizer, build_schedule
-from hp_train.parallelize import (
-    Layout3D,
-    build_layout,
-    check_model_fits,
-    parallelize,
-    resolve_tp_plan,
-    tp_plan,
-)
-from hp_train.pipeline import (
-    PipelineRunner,
-    build_pipeline,
-    keep_stage,
-    stage_boundaries,
-)
-from hp_train.plot import write_line_plot_png
+from hp_train.parallelize import build_layout, check_model_fits, parallelize, resolve_tp_plan
+from hp_train.pipeline import PipelineRunner, build_pipeline, keep_stage, stage_boundaries
+from hp_train.plot import write_curves
 from hp_train.progress import ProgressBar
+from hp_train.run_plan import PLAN_FILE, applied_plan, write_plan
+from hp_train.run_record import RECORD_FILE, read_record, resume_conflicts, run_record
 from hp_train.runtime import Runtime
+from hp_train.tensorboard import (
+    EVAL_LOSS,
+    EVAL_PERPLEXITY,
+    GRAD_NORM,
+    MOE_AUX_LOSS,
+    PEAK_MEMORY_MIB,
+    STEP_TIME_S,
+    TOKENS_PER_S,
+    TRAIN_LOSS,
+    TensorBoardLog,
+    lr_tag,
+    open_tensorboard,
+    peak_mib,
+)
+from hp_train.tokenizer import ByteTokenizer, TextTokenizer, load_tokenizer
 
 __all__ = [
-    "PLAN_FILE",
+    "DATA_STATE_FILE",
     "RunOptions",
     "Summary",
-    "optimizer_groups",
-    "plan_report",
-    "resolve_run_plans",
+    "Trainer",
+    "check_vocabulary",
+    "data_spec",
+    "run_tokenizer",
     "train",
 ]
 
-#: The applied parallel plan, beside ``metrics.jsonl`` (see the module docstring).
-PLAN_FILE = "plan.json"
+#: The data loader's position, in every checkpoint.
+DATA_STATE_FILE = "data_state.json"
 
 
 @dataclass(frozen=True)
@@ -90,12 +78,18 @@ class RunOptions:
     """Where a run writes and what it does besides training.
 
     Attributes:
-        out_dir: metrics, plot and checkpoints.
+        out_dir: metrics, plot, logs and checkpoints.
         resume: continue from the latest complete checkpoint in ``out_dir/checkpoints``.
         validate: before training, run the tensor-parallel plan in validation mode against a
             single-device run for ``validate_steps`` steps (raises on the first mismatch).
         validate_steps: steps of that check.
-        quiet: no progress bar.
+        quiet: no progress bar; only warnings on the console.
+        init_from: a local Hugging Face checkpoint folder whose weights the model starts from
+            (its architecture is the run's ``ModelConfig``: :func:`hp_train.hf.read_hf_config`).
+            A resumed run takes the checkpoint's weights instead.
+        tensorboard: write TensorBoard event files into ``out_dir/tensorboard``.
+        options: the resolved command-line options by table, written as ``config.toml`` (the
+            command line fills them; None from Python: no ``config.toml``).
     """
 
     out_dir: Path
@@ -103,6 +97,9 @@ class RunOptions:
     validate: bool = False
     validate_steps: int = 2
     quiet: bool = False
+    init_from: Path | None = None
+    tensorboard: bool = False
+    options: Mapping[str, Mapping[str, object]] | None = None
 
 
 @dataclass(frozen=True)
@@ -116,6 +113,8 @@ class Summary:
         step_time_s: median step time.
         peak_memory_bytes: per rank (see :func:`hp_train.metrics.peak_memory_bytes`).
         checkpoint: the last checkpoint written, if any.
+        eval_losses: the held-out loss of every evaluation of this invocation, by the step
+            after which it ran (``eval_every``).
     """
 
     losses: dict[int, float]
@@ -124,6 +123,7 @@ class Summary:
     step_time_s: float
     peak_memory_bytes: list[int | None]
     checkpoint: str | None
+    eval_losses: dict[int, float] = field(default_factory=dict)
 
 
 def _set_determinism(config: TrainConfig) -> None:
@@ -141,218 +141,444 @@ def _write_pid(out_dir: Path, rank: int) -> None:
     (pids / f"rank_{rank}.pid").write_text(f"{os.getpid()}\n")
 
 
-def _loss(model: Transformer, batch: Batch) -> tuple[torch.Tensor, float]:
-    """The language-model loss (MoE load-balancing losses enter through the MoE blocks'
-    backward, weighted by ``MoEConfig.aux_loss_weight``)."""
-    logits = model(batch.inputs)
-    lm = lm_loss(logits, batch.targets)
-    return lm, lm.item()
-
-
-def _validate(
-    model_config: ModelConfig,
-    layout: Layout3D,
-    source: TokenSource,
-    config: TrainConfig,
-    steps: int,
-    device: torch.device,
-) -> str:
-    from hp_dtensor.parallel.equivalence import assert_equivalent
-
-    if layout.tp_size == 1:
-        return "--validate: tp=1, no tensor-parallel plan to validate"
-    if model_config.moe is not None:
-        raise ConfigError(
-            "--validate supports dense models: MoE layers need expert-parallel sharding rules "
-            "(hp-dtensor's expert parallelism has not landed)"
-        )
-    batches = []
-    for step in range(steps):
-        whole = source.global_batch(step, config.global_batch)
-        batches.append((whole.inputs.to(device), whole.targets.to(device)))
-
-    def build() -> Transformer:
-        return Transformer(model_config).to(device)
-
-    # Validation mode treats every data axis as one (the plan's gradients are Partial over
-    # them until reduced): one "dp" axis of all data-parallel ranks, or none. The check is of
-    # the tensor-parallel plan, so pipeline ranks join the data axis (whole models there).
-    data_ranks = dist.get_world_size() // layout.tp_size
-    if config.global_batch % data_ranks:
-        raise ConfigError(
-            f"--validate runs the whole model on {data_ranks} data-parallel x {layout.tp_size} "
-            f"tensor-parallel ranks: global_batch={config.global_batch} must be divisible by "
-            f"{data_ranks}"
-        )
-    if data_ranks > 1:
-        mesh = DeviceMesh(device.type, Mesh((data_ranks, layout.tp_size), ("dp", "tp")))
-        dp_axes: tuple[str, ...] = ("dp",)
-    else:
-        mesh = DeviceMesh(device.type, Mesh((layout.tp_size,), ("tp",)))
-        dp_axes = ()
-    report = assert_equivalent(
-        build,
-        tp_plan(model_config),
-        mesh,
-        batches,
-        mode="validation",
-        tp_axis="tp",
-        dp_axes=dp_axes,
-        seed=config.seed,
-        # Plain SGD between the checked steps: the gradients must agree to rounding, and
-        # Adam's division by the root mean square would blow up the rounding of tiny ones.
-        optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
-    )
-    return (
-        f"--validate: {steps} steps in validation mode match one device (loss error "
-        f"{report.loss_error:.2g}, worst gradient {report.grad_error:.2g} at {report.worst_grad})"
+def data_spec(config: TrainConfig) -> DataSpec:
+    """The data a run of ``config`` reads."""
+    return DataSpec(
+        source=config.data,
+        text_field=config.text_field,
+        eval_fraction=config.eval_fraction,
+        eval_data=config.eval_data,
+        streaming=config.streaming,
     )
 
 
-def _aux_loss(model: Transformer, pipeline: PipelineRunner | None) -> float | None:
-    """The MoE load-balancing loss of the last forward (summed over the pipeline's stages)."""
-    aux = model.aux_loss()
-    if pipeline is None:
-        return None if aux is None else float(aux)
-    # Collective over the stages: a stage without MoE layers adds zero.
-    total = torch.zeros((), dtype=torch.float64)
-    if aux is not None:
-        total += aux.detach().double().cpu()
-    has_moe = torch.tensor(float(aux is not None), dtype=torch.float64)
-    both = torch.stack([total, has_moe])
-    dist.all_reduce(both, group=pipeline.pp_group)
-    return float(both[0]) if float(both[1]) > 0 else None
+def run_tokenizer(config: TrainConfig) -> TextTokenizer:
+    """The run's tokenizer: ``config.tokenizer``'s, or bytes."""
+    return ByteTokenizer() if config.tokenizer is None else load_tokenizer(config.tokenizer)
 
 
-def _grad_norm(model: Transformer, pipeline: PipelineRunner | None) -> float:
-    """The global gradient norm; the pipeline's stages hold disjoint parameters, so their
-    squared norms add."""
-    norm = global_grad_norm(model)
-    if pipeline is None:
-        return norm
-    square = torch.tensor(norm * norm, dtype=torch.float64)
-    dist.all_reduce(square, group=pipeline.pp_group)
-    return math.sqrt(float(square))
+def check_vocabulary(model_config: ModelConfig, tokenizer: TextTokenizer) -> None:
+    """Raise :class:`ConfigError` when ``tokenizer`` has ids the model cannot embed."""
+    if tokenizer.vocab_size > model_config.vocab_size:
+        raise ConfigError(
+            f"the tokenizer {tokenizer.name} has {tokenizer.vocab_size} tokens and the "
+            f"model's vocabulary only {model_config.vocab_size}: use --vocab-size "
+            f">= {tokenizer.vocab_size} (or leave it out to take the tokenizer's)"
+        )
 
 
-def optimizer_groups(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, str]:
-    """Each trainable parameter's optimizer, by name (``"muon"``, ``"adamw"``: the lower-cased
-    class name of the optimizer holding it; a :class:`hp_muon.ChainedOptimizer` is looked
-    into)."""
-    parts = optimizer.optimizers if isinstance(optimizer, ChainedOptimizer) else (optimizer,)
-    owner = {
-        id(p): type(part).__name__.lower()
-        for part in parts
-        for group in part.param_groups
-        for p in group["params"]
+class Trainer:
+    """One training run (collective: every rank builds one with the same arguments and calls
+    :meth:`run`)."""
+
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        parallel: ParallelConfig,
+        config: TrainConfig,
+        options: RunOptions,
+        runtime: Runtime,
+    ) -> None:
+        check_model_fits(model_config, parallel)
+        self.local_batch = config.check_batch(parallel)
+        if config.seq_len > model_config.max_seq_len:
+            raise ConfigError(
+                f"seq_len={config.seq_len} exceeds the model's max_seq_len="
+                f"{model_config.max_seq_len}"
+            )
+        if config.eval_every and parallel.pp > 1:
+            raise ConfigError(
+                "eval_every needs a forward-only pipeline schedule, which hp-train's pipeline "
+                "does not run yet: use eval_every=0 with pp > 1"
+            )
+        self.tokenizer = run_tokenizer(config)
+        check_vocabulary(model_config, self.tokenizer)
+        self.model_config = model_config
+        self.parallel = parallel
+        self.config = config
+        self.options = options
+        self.runtime = runtime
+        self.is_main = runtime.rank == 0
+        self.out = options.out_dir
+        self.checkpoints = self.out / "checkpoints"
+        self.tokens_per_step = config.global_batch * config.seq_len
+        self.log = setup_logging(self.out, runtime.rank, quiet=options.quiet)
+
+    # ----------------------------------------------------------------------------- build
+    def build(self) -> None:
+        """Data, model (laid out, with its pipeline stage), optimizer; writes the plan and the
+        configuration."""
+        _set_determinism(self.config)
+        self.layout = build_layout(self.parallel, self.runtime.device.type)
+        self.data = self._build_data()
+        if self.options.validate:
+            self._validate()
+        _write_pid(self.out, self.runtime.rank)
+        self.model, unstyled = self._build_model()
+        self.pipeline = self._build_pipeline()
+        self.optimizer = build_optimizer(self.model, self.config)
+        plan = applied_plan(self.model, unstyled, self.optimizer)
+        write_plan(self.out / PLAN_FILE, plan, self.layout, self.runtime.rank)
+        self.stage_of = (
+            None
+            if self.pipeline is None
+            else StageOf(self.pipeline.stage, self.pipeline.num_stages)
+        )
+        self.record = run_record(self.model_config, self.parallel, self.config)
+        if self.is_main:
+            write_json(self.out / RECORD_FILE, self.record)
+            if self.options.options is not None:
+                (self.out / CONFIG_FILE).write_text(dump_toml(self.options.options))
+
+    def _build_data(self) -> TrainData:
+        data = build_data(
+            data_spec(self.config),
+            self.tokenizer,
+            seq_len=self.config.seq_len,
+            seed=self.config.seed,
+        )
+        self.log.info("data: %s", data.describe())
+        return data
+
+    def _validate(self) -> None:
+        from hp_train.validation import validate_tp_plan
+
+        whole = [
+            self.data.batch(step, self.config.global_batch, 0, 1)
+            for step in range(self.options.validate_steps)
+        ]
+        message = validate_tp_plan(
+            self.model_config, self.layout, whole, self.config, self.runtime.device
+        )
+        self.log.info("%s", message)
+
+    def _build_model(self) -> tuple[Transformer, Any]:
+        torch.manual_seed(self.config.seed)
+        with self.runtime.device:
+            model = Transformer(self.model_config)
+        if self.layout.pipeline_mesh is not None:
+            # Every rank initializes the whole model (the same numbers as one device), then
+            # keeps its stage.
+            stage = self.layout.pipeline_mesh.mesh.coordinate(self.runtime.rank)[0]
+            keep_stage(model, stage, stage_boundaries(self.model_config, self.parallel.pp))
+        # With tp == 1 no TP plan is applied: resolve the (unstyled) plan before FSDP replaces
+        # the parameters by their flat pieces.
+        unstyled = resolve_tp_plan(model, self.layout.mesh) if self.layout.tp_size == 1 else None
+        parallelize(model, self.layout)
+        if self.options.init_from is not None and not self._will_resume():
+            from hp_train.hf import load_hf_weights
+
+            load_hf_weights(model, self.options.init_from)
+            self.log.info("initialized from %s", self.options.init_from)
+        return model, unstyled
+
+    def _build_pipeline(self) -> PipelineRunner | None:
+        if self.layout.pipeline_mesh is None:
+            return None
+        return build_pipeline(
+            self.model,
+            self.layout.pipeline_mesh,
+            schedule=self.config.pp_schedule,
+            microbatches=self.config.microbatches,
+            device=self.runtime.device,
+        )
+
+    # ---------------------------------------------------------------------------- resume
+    def _will_resume(self) -> bool:
+        return self.options.resume and latest_checkpoint(self.checkpoints) is not None
+
+    def resume(self) -> int:
+        """With ``resume``: load the latest complete checkpoint (weights, optimizer, data
+        position) and return its step; else 0.
+
+        Raises:
+            ConfigError: the checkpoint's run differs from this one in a field a resume cannot
+                change (the message names each).
+        """
+        if not self.options.resume:
+            return 0
+        found = latest_checkpoint(self.checkpoints)
+        if found is None:
+            self.log.info(
+                "--resume: no complete checkpoint in %s; starting at step 0", self.checkpoints
+            )
+            return 0
+        path = found[1]
+        saved = read_record(path)
+        if saved is not None:
+            conflicts = resume_conflicts(saved, self.record)
+            if conflicts:
+                raise ConfigError(
+                    f"--resume: {path} was written by a run this one cannot continue; these "
+                    f"settings differ (checkpoint -> now): {'; '.join(conflicts)}. Use the "
+                    "checkpoint's values (its config.toml works with --config) or another --out"
+                )
+        step = load_checkpoint(path, self.model, self.optimizer, self.stage_of)
+        state_file = path / DATA_STATE_FILE
+        if state_file.is_file():
+            self.data.load_state_dict(json.loads(state_file.read_text()))
+        self.log.info("resumed from %s (step %d)", path, step)
+        return step
+
+    # ------------------------------------------------------------------------------ step
+    def _local_batch(self, step: int) -> Batch:
+        batch = self.data.batch(
+            step, self.config.global_batch, self.layout.dp_rank, self.layout.dp_size
+        )
+        if batch.inputs.shape[0] != self.local_batch:
+            raise RuntimeError(
+                f"the data gave {batch.inputs.shape[0]} sequences to this rank, expected "
+                f"{self.local_batch}"
+            )
+        device = self.runtime.device
+        return Batch(batch.inputs.to(device), batch.targets.to(device))
+
+    def _global_mean(self, local: float) -> float:
+        """The mean over the ranks that compute a loss (the last pipeline stage's: the
+        others add 0.0)."""
+        reduced = torch.tensor([local], dtype=torch.float64)
+        dist.all_reduce(reduced)
+        return float(reduced) / (self.runtime.world_size // self.parallel.pp)
+
+    def train_step(self, step: int, monitored: bool) -> dict[str, Any]:
+        """Forward, backward and optimizer step of ``step``; its metrics record."""
+        batch = self._local_batch(step)
+        if self.pipeline is None:
+            loss = lm_loss(self.model(batch.inputs), batch.targets)
+            loss.backward()
+            local_lm = loss.item()
+        else:
+            local_lm = self.pipeline.step(batch.inputs, batch.targets)
+        record: dict[str, Any] = {"step": step, "lr": self.schedule.get_last_lr()}
+        aux = self._aux_loss()
+        if aux is not None:
+            record["moe_aux_loss"] = aux
+        before = None
+        if monitored:
+            record["grad_norm"] = self._grad_norm()
+            before = snapshot(self.model)
+        self.optimizer.step()
+        self.schedule.step()
+        if monitored:
+            record["layers"] = {k: asdict(v) for k, v in local_norms(self.model, before).items()}
+        self.optimizer.zero_grad(set_to_none=True)
+        record["loss"] = self._global_mean(local_lm)
+        if monitored:
+            self._monitor(record, local_lm)
+        return record
+
+    def _aux_loss(self) -> float | None:
+        """The MoE load-balancing loss of the last forward (summed over the pipeline's
+        stages)."""
+        aux = self.model.aux_loss()
+        if self.pipeline is None:
+            return None if aux is None else float(aux)
+        # Collective over the stages: a stage without MoE layers adds zero.
+        total = torch.zeros((), dtype=torch.float64)
+        if aux is not None:
+            total += aux.detach().double().cpu()
+        has_moe = torch.tensor(float(aux is not None), dtype=torch.float64)
+        both = torch.stack([total, has_moe])
+        dist.all_reduce(both, group=self.pipeline.pp_group)
+        return float(both[0]) if float(both[1]) > 0 else None
+
+    def _grad_norm(self) -> float:
+        """The global gradient norm; the pipeline's stages hold disjoint parameters, so their
+        squared norms add."""
+        norm = global_grad_norm(self.model)
+        if self.pipeline is None:
+            return norm
+        square = torch.tensor(norm * norm, dtype=torch.float64)
+        dist.all_reduce(square, group=self.pipeline.pp_group)
+        return math.sqrt(float(square))
+
+    def _monitor(self, record: dict[str, Any], local_lm: float) -> None:
+        """Per-rank losses (warning on divergent ranks) and peak memory into ``record``."""
+        per_rank = rank_losses(local_lm)
+        record["rank_losses"] = per_rank
+        holders = self._loss_ranks()
+        for d in divergent_ranks(per_rank, self.config.divergence_threshold, holders):
+            if self.is_main:
+                warnings.warn(d.message(), stacklevel=1)
+        peaks: list[object] = [None] * self.runtime.world_size
+        dist.all_gather_object(peaks, peak_memory_bytes(self.runtime.device))
+        record["peak_memory_bytes"] = peaks
+
+    def _loss_ranks(self) -> list[int] | None:
+        """The ranks that compute a loss (the last pipeline stage's), None for every rank."""
+        if self.layout.pipeline_mesh is None:
+            return None
+        grid = self.layout.pipeline_mesh.mesh
+        return [r for r in grid.ranks if grid.coordinate(r)[0] == self.parallel.pp - 1]
+
+    # -------------------------------------------------------------------------- evaluate
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """The mean loss over the held-out batches (the same ones at every evaluation)."""
+        batches = self.data.eval_batches(
+            self.config.global_batch,
+            self.layout.dp_rank,
+            self.layout.dp_size,
+            self.config.eval_batches,
+        )
+        if not batches:
+            raise ConfigError(
+                "the held-out data gives no batch: raise eval_fraction or pass a larger eval_data"
+            )
+        device = self.runtime.device
+        total = 0.0
+        for batch in batches:
+            logits = self.model(batch.inputs.to(device))
+            total += float(lm_loss(logits, batch.targets.to(device)))
+        return self._global_mean(total / len(batches))
+
+    # ------------------------------------------------------------------------------ save
+    def save(self, step: int) -> Path:
+        """A checkpoint after ``step`` steps, with the data position and the configuration."""
+        files = {
+            DATA_STATE_FILE: json.dumps(self.data.state_dict()),
+            RECORD_FILE: json.dumps(self.record, indent=1),
+        }
+        if self.options.options is not None:
+            files[CONFIG_FILE] = dump_toml(self.options.options)
+        return save_checkpoint(
+            self.checkpoints, step, self.model, self.optimizer, self.stage_of, files
+        )
+
+    # ------------------------------------------------------------------------------- run
+    def run(self) -> Summary:
+        """Build, resume, train to ``config.steps``, report (collective)."""
+        try:
+            return self._run()
+        finally:
+            close_logging()
+
+    def _run(self) -> Summary:
+        self.build()
+        start = self.resume()
+        self.schedule = build_schedule(self.optimizer, self.config, start)
+        config = self.config
+        metrics_path = self.out / "metrics.jsonl"
+        if self.is_main and not self.options.resume:
+            metrics_path.unlink(missing_ok=True)  # a new run; a resumed one appends
+        metrics = MetricsWriter(metrics_path) if self.is_main else None
+        board = self._tensorboard(start)
+        bar = ProgressBar(enabled=self.is_main and not self.options.quiet)
+        losses: dict[int, float] = {}
+        eval_losses: dict[int, float] = {}
+        times: list[float] = []
+        last_checkpoint: str | None = None
+        try:
+            for step in range(start, config.steps):
+                began = time.perf_counter()
+                last = step == config.steps - 1
+                record = self.train_step(step, monitored=step % config.log_every == 0 or last)
+                elapsed = time.perf_counter() - began
+                times.append(elapsed)
+                losses[step] = record["loss"]
+                record.update(step_time_s=elapsed, tokens_per_s=self.tokens_per_step / elapsed)
+                if config.eval_every and ((step + 1) % config.eval_every == 0 or last):
+                    eval_loss = self.evaluate()
+                    eval_losses[step] = eval_loss
+                    record.update(eval_loss=eval_loss, eval_perplexity=_perplexity(eval_loss))
+                    self.log.info(
+                        "step %d: eval loss %.4f (perplexity %.2f)",
+                        step + 1,
+                        eval_loss,
+                        _perplexity(eval_loss),
+                    )
+                if config.checkpoint_every and (step + 1) % config.checkpoint_every == 0:
+                    last_checkpoint = str(self.save(step + 1))
+                    record["checkpoint"] = last_checkpoint
+                if metrics is not None:
+                    metrics.write(record)
+                if board is not None:
+                    board.scalars(step, _board_values(record))
+                bar.update(
+                    step + 1,
+                    config.steps,
+                    loss=record["loss"],
+                    tok_s=self.tokens_per_step / elapsed,
+                    step_ms=elapsed * 1e3,
+                )
+        finally:
+            bar.close()
+            if metrics is not None:
+                metrics.close()
+            if board is not None:
+                board.close()
+        return self._summary(start, losses, eval_losses, times, last_checkpoint)
+
+    def _tensorboard(self, start: int) -> TensorBoardLog | None:
+        if not self.options.tensorboard or not self.is_main:
+            return None
+        # A resumed run hides what the interrupted one logged after its checkpoint.
+        return open_tensorboard(self.out / "tensorboard", purge_step=start or None)
+
+    def _summary(
+        self,
+        start: int,
+        losses: dict[int, float],
+        eval_losses: dict[int, float],
+        times: list[float],
+        last_checkpoint: str | None,
+    ) -> Summary:
+        peaks: list[object] = [None] * self.runtime.world_size
+        dist.all_gather_object(peaks, peak_memory_bytes(self.runtime.device))
+        median = sorted(times)[len(times) // 2] if times else math.nan
+        if self.is_main and losses:
+            self._plot()
+        return Summary(
+            losses=losses,
+            first_step=start,
+            tokens_per_s=self.tokens_per_step / median if times else math.nan,
+            step_time_s=median,
+            peak_memory_bytes=[p if isinstance(p, int) else None for p in peaks],
+            checkpoint=last_checkpoint,
+            eval_losses=eval_losses,
+        )
+
+    def _plot(self) -> None:
+        """``loss.png`` of the whole run so far (a resumed run's earlier steps included)."""
+        train_curve: dict[int, float] = {}
+        eval_curve: dict[int, float] = {}
+        for record in read_metrics(self.out / "metrics.jsonl"):
+            step = int(str(record["step"]))
+            train_curve[step] = _as_float(record["loss"])
+            if "eval_loss" in record:
+                eval_curve[step] = _as_float(record["eval_loss"])
+        series = {"train loss": [(float(s + 1), v) for s, v in sorted(train_curve.items())]}
+        if eval_curve:
+            series["eval loss"] = [(float(s + 1), v) for s, v in sorted(eval_curve.items())]
+        write_curves(
+            self.out / "loss.png", series, title="training loss", x_label="step", y_label="loss"
+        )
+
+
+def _as_float(value: object) -> float:
+    return float(value) if isinstance(value, int | float | str) else math.nan
+
+
+def _perplexity(loss: float) -> float:
+    return math.exp(loss) if loss < 700 else math.inf
+
+
+def _board_values(record: Mapping[str, Any]) -> dict[str, float | None]:
+    """TensorBoard's scalars of a metrics record (the learning rate per parameter group, by
+    its index in the schedule)."""
+    values: dict[str, float | None] = {
+        TRAIN_LOSS: record["loss"],
+        MOE_AUX_LOSS: record.get("moe_aux_loss"),
+        EVAL_LOSS: record.get("eval_loss"),
+        EVAL_PERPLEXITY: record.get("eval_perplexity"),
+        GRAD_NORM: record.get("grad_norm"),
+        TOKENS_PER_S: record["tokens_per_s"],
+        STEP_TIME_S: record["step_time_s"],
+        PEAK_MEMORY_MIB: peak_mib(record.get("peak_memory_bytes", [])),
     }
-    return {name: owner[id(p)] for name, p in model.named_parameters() if id(p) in owner}
-
-
-def resolve_run_plans(
-    model_config: ModelConfig, parallel: ParallelConfig, config: TrainConfig
-) -> list[ParallelPlan]:
-    """The plan :func:`train` applies, one per pipeline stage (one without pipelining),
-    resolved on a meta-device model without any process group, with each parameter's
-    optimizer group from the optimizer the run builds (:func:`hp_train.optim.build_optimizer`
-    on the meta model: Muon/AdamW by ``hp_muon.split_params``, or AdamW alone).
-
-    Stage ``k``'s plan is over its ``(dp_replicate, dp_shard, tp)`` ranks of the
-    ``(pp, dp_replicate, dp_shard, tp)`` grid and names the modules the stage keeps.
-
-    Raises:
-        ConfigError: the model cannot be split ``tp`` ways or into ``pp`` stages.
-    """
-    check_model_fits(model_config, parallel)
-    grid = job_mesh(parallel)
-    plans: list[ParallelPlan] = []
-    for k in range(parallel.pp):
-        with torch.device("meta"):
-            model = Transformer(model_config)
-        if parallel.pp > 1:
-            keep_stage(model, k, stage_boundaries(model_config, parallel.pp))
-        groups = optimizer_groups(model, build_optimizer(model, config))
-        # The stage's plan with the FSDP slots of its first rank, as hp-fsdp will plan them.
-        first = grid.rank_at((k, 0, 0, 0)) if parallel.pp > 1 else 0
-        plans.append(
-            planned_model(model_config, parallel, rank=first).with_optimizer_groups(groups)
-        )
-    return plans
-
-
-def plan_report(model_config: ModelConfig, parallel: ParallelConfig, config: TrainConfig) -> str:
-    """What ``--print-plan`` prints: a header line naming the world size and the axes, then
-    the plan table of :func:`resolve_run_plans` (local shapes of the first rank), one per
-    pipeline stage with a line naming the stage's modules and ranks."""
-    plans = resolve_run_plans(model_config, parallel, config)
-    axes = f"dp_replicate={parallel.dp_replicate} x dp_shard={parallel.dp_shard} x tp={parallel.tp}"
-    kind = "MoE" if model_config.moe else "dense"
-    header = (
-        f"hp-train plan: world size {parallel.world_size} = "
-        + (f"pp={parallel.pp} x {axes}" if parallel.pp > 1 else axes)
-        + f"; {kind} model dim {model_config.dim}, {model_config.n_layers} layers; "
-        f"optimizer {config.optimizer}"
-    )
-    if parallel.pp == 1:
-        return f"{header}\n\n{plans[0].table(rank=0)}"
-    boundaries = stage_boundaries(model_config, parallel.pp)
-    parts = [
-        f"{header}; one plan per pipeline stage (each over its stage's "
-        "dp_replicate x dp_shard x tp ranks, naming the modules the stage keeps)"
-    ]
-    for k, plan in enumerate(plans):
-        first, end = boundaries[k], boundaries[k + 1]
-        held = [f"blocks {first}..{end - 1}" if end - first > 1 else f"block {first}"]
-        if k == 0:
-            held.insert(0, "the embedding")
-        if k == parallel.pp - 1:
-            held.append("the final norm and the head")
-        ranks = plan.mesh.ranks
-        parts.append(
-            f"=== stage {k} of {parallel.pp}: {', '.join(held)}; ranks {ranks[0]}..{ranks[-1]}"
-            f"\n\n{plan.table(rank=ranks[0])}"
-        )
-    return "\n\n".join(parts)
-
-
-def _applied_plan(
-    model: Transformer, unstyled: ParallelPlan | None, optimizer: torch.optim.Optimizer
-) -> ParallelPlan:
-    """The plan the run applied (see the module docstring); ``unstyled``: the plan resolved
-    before :func:`parallelize` when ``tp == 1`` (no TP plan is applied then)."""
-    applied = parallel_plan_of(model)
-    if unstyled is None:
-        if applied is None:
-            raise RuntimeError("parallelize() applied a tensor-parallel plan but none is recorded")
-        plan = applied
-    else:
-        slots = {p.fqn: p.flat for p in applied.params if p.flat} if applied else {}
-        plan = unstyled.with_flat_slots(slots)
-    return plan.with_optimizer_groups(optimizer_groups(model, optimizer))
-
-
-def _write_plan(path: Path, plan: ParallelPlan, layout: Layout3D, rank: int) -> None:
-    """Rank 0 writes ``plan.json``; with pipelining the first rank of each stage sends its
-    stage's plan to rank 0 first (collective)."""
-    if layout.pipeline_mesh is None:
-        if rank == 0:
-            write_json(path, plan.to_dict())
-        return
-    mine = plan.to_dict() if plan.mesh.ranks[0] == rank else None
-    gathered: list[Any] | None = [None] * dist.get_world_size() if rank == 0 else None
-    dist.gather_object(mine, gathered, dst=0)
-    if gathered is not None:
-        # pp is the outermost axis: the stages' first ranks come in stage order.
-        stages = [entry for entry in gathered if entry is not None]
-        write_json(path, {"pp": len(stages), "stages": stages})
-
-
-def _loss_ranks(layout: Layout3D, parallel: ParallelConfig) -> list[int] | None:
-    """The ranks that compute a loss (the last pipeline stage's), None for every rank."""
-    if layout.pipeline_mesh is None:
-        return None
-    grid = layout.pipeline_mesh.mesh
-    return [r for r in grid.ranks if grid.coordinate(r)[0] == parallel.pp - 1]
+    for index, lr in enumerate(record["lr"]):
+        values[lr_tag(str(index))] = float(lr)
+    return values
 
 
 def train(
@@ -362,154 +588,5 @@ def train(
     options: RunOptions,
     runtime: Runtime,
 ) -> Summary:
-    """Train (collective: every rank calls it with the same arguments)."""
-    check_model_fits(model_config, parallel)
-    local_batch = config.check_batch(parallel)
-    _set_determinism(config)
-    is_main = runtime.rank == 0
-    layout = build_layout(parallel, runtime.device.type)
-    source = make_source(
-        config.data,
-        vocab_size=model_config.vocab_size,
-        seq_len=config.seq_len,
-        seed=config.seed,
-    )
-    if config.seq_len > model_config.max_seq_len:
-        raise ConfigError(
-            f"seq_len={config.seq_len} exceeds the model's max_seq_len={model_config.max_seq_len}"
-        )
-    if options.validate:
-        message = _validate(
-            model_config, layout, source, config, options.validate_steps, runtime.device
-        )
-        if is_main:
-            print(message, flush=True)
-
-    _write_pid(options.out_dir, runtime.rank)
-    torch.manual_seed(config.seed)
-    with runtime.device:
-        model = Transformer(model_config)
-    pipeline: PipelineRunner | None = None
-    if layout.pipeline_mesh is not None:
-        # Every rank initializes the whole model (the same numbers as one device), then keeps
-        # its stage.
-        stage = layout.pipeline_mesh.mesh.coordinate(runtime.rank)[0]
-        keep_stage(model, stage, stage_boundaries(model_config, parallel.pp))
-    # With tp == 1 no TP plan is applied: resolve the (unstyled) plan before FSDP replaces
-    # the parameters by their flat pieces.
-    unstyled = resolve_tp_plan(model, layout.mesh) if layout.tp_size == 1 else None
-    parallelize(model, layout)
-    if layout.pipeline_mesh is not None:
-        pipeline = build_pipeline(
-            model,
-            layout.pipeline_mesh,
-            schedule=config.pp_schedule,
-            microbatches=config.microbatches,
-            device=runtime.device,
-        )
-    optimizer = build_optimizer(model, config)
-    plan = _applied_plan(model, unstyled, optimizer)
-    _write_plan(options.out_dir / PLAN_FILE, plan, layout, runtime.rank)
-    stage_of = None if pipeline is None else StageOf(pipeline.stage, pipeline.num_stages)
-    start = 0
-    checkpoints = options.out_dir / "checkpoints"
-    if options.resume:
-        found = latest_checkpoint(checkpoints)
-        if found is not None:
-            start = load_checkpoint(found[1], model, optimizer, stage_of)
-            if is_main:
-                print(f"resumed from {found[1]} (step {start})", flush=True)
-        elif is_main:
-            print(f"--resume: no complete checkpoint in {checkpoints}; starting at step 0")
-    schedule = build_schedule(optimizer, config, start)
-
-    metrics_path = options.out_dir / "metrics.jsonl"
-    if is_main and not options.resume:
-        metrics_path.unlink(missing_ok=True)  # a new run; a resumed one appends
-    metrics = MetricsWriter(metrics_path) if is_main else None
-    bar = ProgressBar(enabled=is_main and not options.quiet)
-    losses: dict[int, float] = {}
-    times: list[float] = []
-    last_checkpoint: str | None = None
-    tokens = config.global_batch * config.seq_len
-    try:
-        for step in range(start, config.steps):
-            began = time.perf_counter()
-            batch = source.local_batch(step, config.global_batch, layout.dp_rank, layout.dp_size)
-            assert batch.inputs.shape[0] == local_batch
-            batch = Batch(batch.inputs.to(runtime.device), batch.targets.to(runtime.device))
-            monitored = step % config.log_every == 0 or step == config.steps - 1
-            if pipeline is None:
-                loss, local_lm = _loss(model, batch)
-                loss.backward()
-            else:
-                local_lm = pipeline.step(batch.inputs, batch.targets)
-            record: dict[str, Any] = {"step": step, "lr": schedule.get_last_lr()}
-            before = None
-            aux = _aux_loss(model, pipeline)
-            if aux is not None:
-                record["moe_aux_loss"] = aux
-            if monitored:
-                record["grad_norm"] = _grad_norm(model, pipeline)
-                before = snapshot(model)
-            optimizer.step()
-            schedule.step()
-            if monitored:
-                record["layers"] = {k: asdict(v) for k, v in local_norms(model, before).items()}
-            optimizer.zero_grad(set_to_none=True)
-            reduced = torch.tensor([local_lm], dtype=torch.float64)
-            dist.all_reduce(reduced)
-            # Only the last pipeline stage's ranks hold a loss (the others add 0.0).
-            global_loss = float(reduced) / (runtime.world_size // parallel.pp)
-            losses[step] = global_loss
-            elapsed = time.perf_counter() - began
-            times.append(elapsed)
-            record.update(loss=global_loss, step_time_s=elapsed, tokens_per_s=tokens / elapsed)
-            if monitored:
-                per_rank = rank_losses(local_lm)
-                record["rank_losses"] = per_rank
-                holders = _loss_ranks(layout, parallel)
-                for d in divergent_ranks(per_rank, config.divergence_threshold, holders):
-                    if is_main:
-                        warnings.warn(d.message(), stacklevel=1)
-                peaks: list[object] = [None] * runtime.world_size
-                dist.all_gather_object(peaks, peak_memory_bytes(runtime.device))
-                record["peak_memory_bytes"] = peaks
-            if config.checkpoint_every and (step + 1) % config.checkpoint_every == 0:
-                last_checkpoint = str(
-                    save_checkpoint(checkpoints, step + 1, model, optimizer, stage_of)
-                )
-                record["checkpoint"] = last_checkpoint
-            if metrics is not None:
-                metrics.write(record)
-            bar.update(
-                step + 1,
-                config.steps,
-                loss=global_loss,
-                tok_s=tokens / elapsed,
-                step_ms=elapsed * 1e3,
-            )
-    finally:
-        bar.close()
-        if metrics is not None:
-            metrics.close()
-    peaks_final: list[object] = [None] * runtime.world_size
-    dist.all_gather_object(peaks_final, peak_memory_bytes(runtime.device))
-    median = sorted(times)[len(times) // 2] if times else math.nan
-    summary = Summary(
-        losses=losses,
-        first_step=start,
-        tokens_per_s=tokens / median if times else math.nan,
-        step_time_s=median,
-        peak_memory_bytes=[p if isinstance(p, int) else None for p in peaks_final],
-        checkpoint=last_checkpoint,
-    )
-    if is_main and losses:
-        write_line_plot_png(
-            options.out_dir / "loss.png",
-            {"loss": [(float(s), v) for s, v in sorted(losses.items())]},
-            title="training loss",
-            x_label="step",
-            y_label="loss",
-        )
-    return summary
+    """Train (collective: every rank calls it with the same arguments): ``Trainer(...).run()``."""
+    return Trainer(model_config, parallel, config, options, runtime).run()

@@ -4,8 +4,10 @@ the per-layer FLOPs and saved activations of the model.
 FLOPs model (forward, per token, per rank; a multiply-add is 2 FLOPs; backward is twice the
 forward; recomputation adds one more forward of the blocks):
 
-* attention projections ``2 * (2 * dim^2 + 2 * dim * kv_dim) / tp``; scores and weighted
-  values ``2 * seq * dim / tp`` (``4 * seq * dim`` for all pairs, halved by the causal mask);
+* attention projections ``2 * (2 * dim * q_dim + 2 * dim * kv_dim) / tp`` (``q_dim`` is
+  ``n_heads * head_dim``, ``dim`` unless the head width is explicit); scores and weighted
+  values ``2 * seq * q_dim / tp`` (``4 * seq * q_dim`` for all pairs, halved by the causal
+  mask);
 * dense SwiGLU ``6 * dim * ffn / tp``; MoE: router ``2 * dim * E``, ``top_k`` routed experts
   and the shared ones, ``6 * dim * expert_ffn`` each, not divided by ``tp``: the trainer's plan
   keeps MoE feed-forwards whole, so every tensor-parallel rank computes them for all tokens;
@@ -16,8 +18,9 @@ model's modules, with flash attention keeping no ``seq x seq`` scores):
 
 * each RMSNorm: its input, the normalized input and its output: ``3 * dim`` (two per block);
 * attention: q, k and v (expanded to all heads), the attention output and its merged copy
-  (the o_proj input): ``5 * dim / tp``, plus ``n_heads / tp`` log-sum-exp values (with
+  (the o_proj input): ``5 * q_dim / tp``, plus ``n_heads / tp`` log-sum-exp values (with
   ``flash_attention=False``, the ``n_heads / tp * seq`` attention probabilities instead);
+  per-head q/k norms (``qk_norm``) like RMSNorms: ``3 * (q_dim + kv_dim) / tp``;
 * dense SwiGLU: w1's output, its SiLU, w3's output and their product: ``4 * ffn / tp``;
 * MoE (whole on every tensor-parallel rank, as the trainer keeps it): router scores ``E``
   (fp32) and, per routed slot (``top_k`` per token), the gathered input ``dim``,
@@ -142,10 +145,14 @@ def _kv_dim(model: ModelConfig) -> int:
     return model.n_kv_heads * model.head_dim
 
 
+def _q_dim(model: ModelConfig) -> int:
+    return model.n_heads * model.head_dim
+
+
 def block_forward_flops(model: ModelConfig, index: int, tp: int, seq_len: int) -> float:
     """Forward FLOPs per token of block ``index`` on one of ``tp`` tensor-parallel ranks."""
-    d = model.dim
-    attn = 2 * (2 * d * d + 2 * d * _kv_dim(model)) / tp + 2 * seq_len * d / tp
+    d, q = model.dim, _q_dim(model)
+    attn = 2 * (2 * d * q + 2 * d * _kv_dim(model)) / tp + 2 * seq_len * q / tp
     moe = model.moe
     if moe is not None and moe.is_moe_layer(index):
         experts = moe.top_k + moe.n_shared_experts
@@ -174,7 +181,9 @@ def block_activation_bytes(
     d = model.dim
     norms = 6 * d
     scores = model.n_heads / tp * (1 if flash_attention else seq_len)
-    attn = 5 * d / tp
+    attn = 5 * _q_dim(model) / tp
+    if model.qk_norm:
+        attn += 3 * (_q_dim(model) + _kv_dim(model)) / tp
     moe = model.moe
     fp32 = 0.0
     if moe is not None and moe.is_moe_layer(index):
