@@ -25,6 +25,7 @@ import dataclasses
 import gc
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
@@ -139,9 +140,15 @@ def build_config(shape: TorchtitanShape, dump_folder: str) -> Any:
     return config
 
 
-def run_trainer(shape: TorchtitanShape, dump_folder: str) -> dict[str, Any]:
+def run_trainer(
+    shape: TorchtitanShape, dump_folder: str, configure: Callable[[Any], None] | None = None
+) -> dict[str, Any]:
     """Build torchtitan's Trainer for ``shape`` on this rank and run ``Trainer.train()``
     (collective: every rank of the initialized gloo group calls it).
+
+    ``configure``, when given, is called with the config :func:`build_config` made (inside
+    :func:`torchtitan_imports`, before the Trainer is built) and may change it in place, e.g.
+    put in other data components or log every step.
 
     Can run again in the same process (a new Trainer each time). torchtitan's Trainer turns
     Python's automatic garbage collection off (it collects every ``gc_freq`` steps itself);
@@ -151,8 +158,10 @@ def run_trainer(shape: TorchtitanShape, dump_folder: str) -> dict[str, Any]:
     Returns ``step_s`` (wall time of each ``Trainer.train_step``, by step: what the loop
     does for one step besides checkpointing and profiling, which are off), ``params`` (the
     model's global parameter count), ``torchtitan_params`` (torchtitan's own count),
-    ``optimizer`` (the AdamW implementation it built), ``first_loss`` (step 1's global loss)
-    and ``patched``.
+    ``optimizer`` (the AdamW implementation it built), ``first_loss`` (step 1's global loss),
+    ``losses`` and ``lrs`` (the global loss and the learning rate of every logged step, by
+    step: as torchtitan's metrics logger receives them; ``lrs`` only where it logs one learning
+    rate, i.e. one optimizer group) and ``patched``.
     """
     rank, world = dist.get_rank(), dist.get_world_size()
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
@@ -161,12 +170,15 @@ def run_trainer(shape: TorchtitanShape, dump_folder: str) -> dict[str, Any]:
         import_any("torchtitan.trainer")
         import_any("torchtitan.models.llama3.config_registry")
         config = build_config(shape, dump_folder)
+        if configure is not None:
+            configure(config)
     patched = patch_for_cpu()
 
     gc_was_enabled = gc.isenabled()
     trainer = config.build()
     step_s: dict[int, float] = {}
     losses: dict[int, float] = {}
+    lrs: dict[int, float] = {}
     try:
         step_once = trainer.train_step
 
@@ -181,6 +193,10 @@ def run_trainer(shape: TorchtitanShape, dump_folder: str) -> dict[str, Any]:
 
         def record_loss(step: int, loss: float, *args: Any, **kwargs: Any) -> Any:
             losses[step] = float(loss)
+            # One AdamW group: torchtitan names its learning rate "lr/AdamW".
+            lr = [v for k, v in (kwargs.get("extra_metrics") or {}).items() if k.startswith("lr/")]
+            if len(lr) == 1:
+                lrs[step] = float(lr[0])
             return log(step, loss, *args, **kwargs)
 
         trainer.metrics_processor.log = record_loss
@@ -202,6 +218,8 @@ def run_trainer(shape: TorchtitanShape, dump_folder: str) -> dict[str, Any]:
         "torchtitan_params": int(own_count),
         "optimizer": f"{type(opt).__name__} ({implementation})",
         "first_loss": losses.get(1),
+        "losses": losses,
+        "lrs": lrs,
         "patched": patched,
     }
 
