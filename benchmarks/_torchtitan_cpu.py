@@ -41,13 +41,39 @@ from hp_testing.torchtitan_cpu import (
 )
 
 __all__ = [
+    "DIM",
+    "FFN_DIM",
+    "LOCAL_BATCH",
+    "N_HEADS",
+    "N_LAYERS",
+    "SEQ",
     "TORCHTITAN_VERSION",
+    "VOCAB",
     "TorchtitanShape",
     "build_config",
+    "debug_shape",
     "run_trainer",
     "torchtitan_imports",
     "unavailable_reason",
 ]
+
+#: torchtitan's llama3 ``debugmodel`` shape, as both trainer benchmarks train it: dim, layers,
+#: heads, SwiGLU hidden, vocabulary; tokens per sequence and sequences per data-parallel rank.
+DIM, N_LAYERS, N_HEADS, FFN_DIM, VOCAB = 256, 6, 16, 768, 2048
+SEQ, LOCAL_BATCH = 256, 4
+
+
+def debug_shape() -> dict[str, int]:
+    """The shape above, as the benchmarks' JSON lines record it."""
+    return {
+        "dim": DIM,
+        "n_layers": N_LAYERS,
+        "n_heads": N_HEADS,
+        "ffn_dim": FFN_DIM,
+        "vocab_size": VOCAB,
+        "seq_len": SEQ,
+        "local_batch": LOCAL_BATCH,
+    }
 
 
 @dataclasses.dataclass(frozen=True)

@@ -106,16 +106,23 @@ import torch.distributed as dist
 from _machine import machine_info, machine_line
 from _ranks import run_local_ranks
 from _torchtitan_cpu import (
+    DIM,
+    FFN_DIM,
+    LOCAL_BATCH,
+    N_HEADS,
+    N_LAYERS,
+    SEQ,
     TORCHTITAN_VERSION,
+    VOCAB,
     TorchtitanShape,
+    debug_shape,
     run_trainer,
     unavailable_reason,
 )
 
 from hp_testing.torchtitan_cpu import import_any
 
-DIM, N_LAYERS, N_HEADS, FFN_DIM, VOCAB = 256, 6, 16, 768, 2048
-SEQ, LOCAL_BATCH, DP = 256, 4, 2
+DP = 2
 LR, WEIGHT_DECAY, LR_WARMUP_STEPS = 8e-4, 0.1, 2
 ROPE_THETA = 500000.0  # torchtitan's llama3 rotary base
 DATA, EVAL_FRACTION, SEED = "pydoc", 0.1, 0
@@ -569,13 +576,7 @@ def main() -> None:
                 "machine": machine_info(),
                 "torchtitan": TORCHTITAN_VERSION,
                 "config": {
-                    "dim": DIM,
-                    "n_layers": N_LAYERS,
-                    "n_heads": N_HEADS,
-                    "ffn_dim": FFN_DIM,
-                    "vocab_size": VOCAB,
-                    "seq_len": SEQ,
-                    "local_batch": LOCAL_BATCH,
+                    **debug_shape(),
                     "dp_shard": DP,
                     "dtype": "float32",
                     "lr": LR,

@@ -69,10 +69,21 @@ import torch
 import torch.distributed as dist
 from _machine import machine_info, machine_line
 from _ranks import run_local_ranks
-from _torchtitan_cpu import TORCHTITAN_VERSION, TorchtitanShape, run_trainer, unavailable_reason
+from _torchtitan_cpu import (
+    DIM,
+    FFN_DIM,
+    LOCAL_BATCH,
+    N_HEADS,
+    N_LAYERS,
+    SEQ,
+    TORCHTITAN_VERSION,
+    VOCAB,
+    TorchtitanShape,
+    debug_shape,
+    run_trainer,
+    unavailable_reason,
+)
 
-DIM, N_LAYERS, N_HEADS, FFN_DIM, VOCAB = 256, 6, 16, 768, 2048
-SEQ, LOCAL_BATCH = 256, 4
 LR, WEIGHT_DECAY, LR_WARMUP_STEPS = 8e-4, 0.1, 2
 WARMUP, TIMED = 2, 8  # untimed and timed steps per run
 DEFAULT_ROUNDS = 3
@@ -297,13 +308,7 @@ def main() -> None:
                 "machine": machine_info(),
                 "torchtitan": TORCHTITAN_VERSION,
                 "config": {
-                    "dim": DIM,
-                    "n_layers": N_LAYERS,
-                    "n_heads": N_HEADS,
-                    "ffn_dim": FFN_DIM,
-                    "vocab_size": VOCAB,
-                    "seq_len": SEQ,
-                    "local_batch": LOCAL_BATCH,
+                    **debug_shape(),
                     "dtype": "float32",
                     "lr": LR,
                     "weight_decay": WEIGHT_DECAY,

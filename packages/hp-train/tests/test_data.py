@@ -10,10 +10,9 @@ sequence (byte 0) is never a letter.
 from __future__ import annotations
 
 import json
-import socket
 import string
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -78,21 +77,8 @@ def _tokens(batch: Batch) -> set[int]:
     return set(torch.cat([batch.inputs, batch.targets], dim=1).unique().tolist())
 
 
-@pytest.fixture(autouse=True)
-def offline(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """Every test runs as on a machine without network: any attempt to resolve or connect
-    (which libraries swallow when it fails) is recorded and fails the test."""
-    attempts: list[object] = []
-
-    def refuse(*args: object, **kwargs: object) -> None:
-        attempts.append(args[1:] if args and isinstance(args[0], socket.socket) else args)
-        raise OSError("no network in hp-train's data tests")
-
-    monkeypatch.setattr(socket, "getaddrinfo", refuse)
-    monkeypatch.setattr(socket.socket, "connect", refuse)
-    monkeypatch.setattr(socket.socket, "connect_ex", refuse)
-    yield
-    assert not attempts, f"the data pipeline tried the network: {attempts[:3]}"
+# Every test runs as on a machine without network (conftest.py's offline fixture).
+pytestmark = pytest.mark.usefixtures("offline")
 
 
 # --- formats ---------------------------------------------------------------------------------

@@ -6,11 +6,9 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import string
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from pydoc_data.topics import topics  # type: ignore[import-untyped,unused-ignore]
 
@@ -37,21 +35,8 @@ SAMPLES = [
 ]
 
 
-@pytest.fixture(autouse=True)
-def offline(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """Every test runs as on a machine without network: any attempt to resolve or connect
-    (which libraries swallow when it fails) is recorded and fails the test."""
-    attempts: list[object] = []
-
-    def refuse(*args: object, **kwargs: object) -> None:
-        attempts.append(args[1:] if args and isinstance(args[0], socket.socket) else args)
-        raise OSError("no network in hp-train's data tests")
-
-    monkeypatch.setattr(socket, "getaddrinfo", refuse)
-    monkeypatch.setattr(socket.socket, "connect", refuse)
-    monkeypatch.setattr(socket.socket, "connect_ex", refuse)
-    yield
-    assert not attempts, f"the data pipeline tried the network: {attempts[:3]}"
+# Every test runs as on a machine without network (conftest.py's offline fixture).
+pytestmark = pytest.mark.usefixtures("offline")
 
 
 @pytest.fixture(scope="module")

@@ -21,6 +21,7 @@ __all__ = [
     "ParallelConfig",
     "RopeScaling",
     "TrainConfig",
+    "check_positive",
 ]
 
 #: The pipeline schedules the entry point runs (``hp_train.pipeline.PIPELINE_SCHEDULES``).
@@ -34,7 +35,8 @@ class ConfigError(ValueError):
 _D = TypeVar("_D")
 
 
-def _positive(name: str, value: int) -> None:
+def check_positive(name: str, value: object) -> None:
+    """Raise :class:`ConfigError` unless ``value`` is an int >= 1 (``name`` in the message)."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ConfigError(f"{name} must be a positive integer, got {value!r}")
 
@@ -62,7 +64,7 @@ class MoEConfig:
 
     def __post_init__(self) -> None:
         for name in ("n_experts", "top_k", "expert_ffn_dim", "every"):
-            _positive(f"moe.{name}", getattr(self, name))
+            check_positive(f"moe.{name}", getattr(self, name))
         if self.top_k > self.n_experts:
             raise ConfigError(
                 f"moe.top_k={self.top_k} exceeds moe.n_experts={self.n_experts}; a token "
@@ -130,9 +132,8 @@ class RopeScaling:
                 f"rope_scaling.high_freq_factor={self.high_freq_factor} must exceed "
                 f"low_freq_factor={self.low_freq_factor}"
             )
-        _positive(
-            "rope_scaling.original_max_position_embeddings",
-            self.original_max_position_embeddings,  # type: ignore[arg-type]
+        check_positive(
+            "rope_scaling.original_max_position_embeddings", self.original_max_position_embeddings
         )
 
 
@@ -188,15 +189,15 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim"):
-            _positive(name, getattr(self, name))
-        _positive("max_seq_len", self.max_seq_len)
+            check_positive(name, getattr(self, name))
+        check_positive("max_seq_len", self.max_seq_len)
         _finite_positive("norm_eps", self.norm_eps)
         _finite_positive("rope_theta", self.rope_theta)
         for name in ("qkv_bias", "o_bias", "qk_norm", "tie_embeddings"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.explicit_head_dim is not None:
-            _positive("explicit_head_dim", self.explicit_head_dim)
+            check_positive("explicit_head_dim", self.explicit_head_dim)
         elif self.dim % self.n_heads:
             raise ConfigError(
                 f"dim={self.dim} must be divisible by n_heads={self.n_heads} (or give "
@@ -298,7 +299,7 @@ class ParallelConfig:
 
     def __post_init__(self) -> None:
         for name in ("dp_replicate", "dp_shard", "tp", "pp"):
-            _positive(name, getattr(self, name))
+            check_positive(name, getattr(self, name))
 
     @property
     def world_size(self) -> int:
@@ -386,7 +387,7 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         for name in ("steps", "global_batch", "seq_len", "log_every", "microbatches"):
-            _positive(name, getattr(self, name))
+            check_positive(name, getattr(self, name))
         if self.optimizer not in ("muon", "adamw"):
             raise ConfigError(f"optimizer must be 'muon' or 'adamw', got {self.optimizer!r}")
         if self.pp_schedule == "zbh1":
@@ -401,7 +402,7 @@ class TrainConfig:
             )
         if self.warmup_steps < 0 or self.checkpoint_every < 0 or self.eval_every < 0:
             raise ConfigError("warmup_steps, checkpoint_every and eval_every must be >= 0")
-        _positive("eval_batches", self.eval_batches)
+        check_positive("eval_batches", self.eval_batches)
         if self.eval_every and not (self.eval_fraction > 0 or self.eval_data is not None):
             raise ConfigError(
                 f"eval_every={self.eval_every} needs held-out data: pass eval_fraction (e.g. "

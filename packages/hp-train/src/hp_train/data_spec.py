@@ -6,15 +6,10 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from hp_train.config import ConfigError
+from hp_train.config import ConfigError, check_positive
 from hp_train.documents import BUILTIN_SOURCES, not_found_message
 
 __all__ = ["DataSpec"]
-
-
-def _positive(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"{name} must be a positive integer, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -74,8 +69,8 @@ class DataSpec:
                 )
         if self.streaming is not None and not isinstance(self.streaming, bool):
             raise ConfigError(f"streaming must be True, False or None, got {self.streaming!r}")
-        _positive("shuffle_documents", self.shuffle_documents)
-        _positive("shuffle_windows", self.shuffle_windows)
+        check_positive("shuffle_documents", self.shuffle_documents)
+        check_positive("shuffle_windows", self.shuffle_windows)
 
     @property
     def has_eval(self) -> bool:
