@@ -107,3 +107,16 @@ def test_resume_conflicts_name_the_fields() -> None:
         "training.data: 'corpus' -> 'pydoc'",
         "training.lr: 0.001 -> 0.002",
     ]
+
+
+def test_a_path_spelled_another_way_is_the_same_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "tok").mkdir()
+    monkeypatch.chdir(tmp_path)
+    model, parallel = ModelConfig(), ParallelConfig()
+    relative = run_record(model, parallel, TrainConfig(tokenizer="tok", data="pydoc"))
+    absolute = run_record(model, parallel, TrainConfig(tokenizer=str(tmp_path / "tok")))
+    assert relative["training"]["tokenizer"] == str((tmp_path / "tok").resolve())
+    assert relative["training"]["data"] == "pydoc"
+    assert resume_conflicts(relative, absolute) == ["training.data: 'pydoc' -> 'corpus'"]

@@ -47,14 +47,29 @@ RESUMABLE_FIELDS: frozenset[str] = frozenset(
 )
 
 
+#: Training fields that may name local files: recorded as absolute paths, so that a resume
+#: from another working directory, or with a relative spelling, is the same run.
+PATH_FIELDS = ("data", "tokenizer", "eval_data")
+
+
+def _absolute(value: object) -> object:
+    if isinstance(value, str) and Path(value).expanduser().exists():
+        return str(Path(value).expanduser().resolve())
+    return value
+
+
 def run_record(
     model: ModelConfig, parallel: ParallelConfig, config: TrainConfig
 ) -> dict[str, dict[str, Any]]:
-    """The record of a run (JSON-serializable)."""
+    """The record of a run (JSON-serializable); local paths of :data:`PATH_FIELDS` absolute
+    (a built-in data name stays as it is)."""
+    training = dataclasses.asdict(config)
+    for name in PATH_FIELDS:
+        training[name] = _absolute(training[name])
     return {
         "model": model.to_dict(),
         "parallel": dataclasses.asdict(parallel),
-        "training": dataclasses.asdict(config),
+        "training": training,
     }
 
 
