@@ -43,7 +43,7 @@ def _run(
     validate: bool = False,
 ) -> dict[str, Any]:
     runtime = init_runtime("cpu", threads=1)
-    parallel = ParallelConfig(*dims)
+    parallel = ParallelConfig(dims[0], dims[1], dims[2], dims[3] if len(dims) > 3 else 1)
     options = RunOptions(out_dir=Path(out) / f"rank{runtime.rank}", quiet=True, validate=validate)
     try:
         summary = train(model, parallel, config, options, runtime)

@@ -21,6 +21,10 @@ from pathlib import Path
 import torch.distributed as dist
 
 from hp_train.config import (
+    CP_VARIANTS,
+    FP8_RECIPES,
+    MIXED_PRECISIONS,
+    OFFLOAD_TARGETS,
     PIPELINE_SCHEDULE_NAMES,
     ConfigError,
     ModelConfig,
@@ -44,7 +48,7 @@ MODEL_PRESETS: dict[str, ModelConfig] = model_configs()
 #: The tables of a ``--config`` file, by the argparse group whose options each holds.
 _TABLES = {
     "model": "model",
-    "parallelism (dp_replicate x dp_shard x tp x pp = world size)": "parallel",
+    "parallelism (dp_replicate x dp_shard x cp x tp x pp = world size)": "parallel",
     "training": "training",
     "data": "data",
     "run": "run",
@@ -75,11 +79,16 @@ def _parser() -> argparse.ArgumentParser:
         help="a local Hugging Face checkpoint folder (config.json + safetensors; Llama, Qwen2, "
         "Qwen3): the model's architecture and starting weights",
     )
-    d = p.add_argument_group("parallelism (dp_replicate x dp_shard x tp x pp = world size)")
+    d = p.add_argument_group("parallelism (dp_replicate x dp_shard x cp x tp x pp = world size)")
     d.add_argument("--dp-replicate", type=int, default=1)
     d.add_argument("--dp-shard", type=int, default=None, help="default: what is left")
     d.add_argument("--tp", type=int, default=1)
     d.add_argument("--pp", type=int, default=1, help="pipeline stages")
+    d.add_argument("--cp", type=int, default=1, help="context parallel: split each sequence")
+    d.add_argument("--cp-variant", default="ring", choices=CP_VARIANTS)
+    d.add_argument(
+        "--ep", type=int, default=1, help="expert parallel (MoE), carved from --dp-shard"
+    )
     d.add_argument(
         "--microbatches",
         type=int,
@@ -101,6 +110,20 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--deterministic", action="store_true")
     t.add_argument("--log-every", type=int, default=5, help="precision monitoring interval")
+    t.add_argument("--grad-accum", type=int, default=1, help="micro-steps per optimizer step")
+    t.add_argument("--clip-grad-norm", type=float, default=0.0, help="max global norm (0: off)")
+    t.add_argument(
+        "--ac", default="none", help="activation checkpointing: none, full, selective, budget:<MiB>"
+    )
+    t.add_argument("--swap", action="store_true", help="swap kept activations to host memory")
+    t.add_argument("--offload", default="none", choices=OFFLOAD_TARGETS)
+    t.add_argument("--mixed-precision", default="fp32", choices=MIXED_PRECISIONS)
+    t.add_argument("--fp8", default="none", choices=FP8_RECIPES, help="FP8 linears")
+    t.add_argument("--fp8-all-gather", action="store_true", help="FSDP all-gathers in FP8")
+    t.add_argument(
+        "--grad-reduce-dtype", default="fp32", choices=MIXED_PRECISIONS, help="gradient wire dtype"
+    )
+    t.add_argument("--compile", action="store_true", help="torch.compile every block")
     g = p.add_argument_group("data")
     g.add_argument(
         "--data",
@@ -221,10 +244,18 @@ def parse(
     model = _model_config(args, tokenizer_vocab)
     if args.dp_shard is None:
         parallel = ParallelConfig.fill(
-            world_size, dp_replicate=args.dp_replicate, tp=args.tp, pp=args.pp
+            world_size,
+            dp_replicate=args.dp_replicate,
+            tp=args.tp,
+            pp=args.pp,
+            cp=args.cp,
+            cp_variant=args.cp_variant,
+            ep=args.ep,
         )
     else:
-        parallel = ParallelConfig(args.dp_replicate, args.dp_shard, args.tp, args.pp)
+        parallel = ParallelConfig(
+            args.dp_replicate, args.dp_shard, args.tp, args.pp, args.cp, args.cp_variant, args.ep
+        )
     config = TrainConfig(
         steps=args.steps,
         global_batch=args.global_batch,
@@ -248,6 +279,16 @@ def parse(
         log_every=args.log_every,
         microbatches=args.microbatches if args.microbatches is not None else parallel.pp,
         pp_schedule=args.pp_schedule,
+        grad_accum=args.grad_accum,
+        clip_grad_norm=args.clip_grad_norm,
+        ac=args.ac,
+        swap=args.swap,
+        offload=args.offload,
+        mixed_precision=args.mixed_precision,
+        fp8=args.fp8,
+        fp8_all_gather=args.fp8_all_gather,
+        grad_reduce_dtype=args.grad_reduce_dtype,
+        compile=args.compile,
     )
     options = RunOptions(
         out_dir=args.out,
@@ -273,6 +314,8 @@ def _print_summary(
         f"hp-train: {len(steps)} steps (from step {summary.first_step}) on "
         f"dp_replicate={parallel.dp_replicate} x dp_shard={parallel.dp_shard} x tp={parallel.tp}"
         f"{f' x pp={parallel.pp}' if parallel.pp > 1 else ''}"
+        f"{f' x cp={parallel.cp} ({parallel.cp_variant})' if parallel.cp > 1 else ''}"
+        f"{f' (ep={parallel.ep})' if parallel.ep > 1 else ''}"
         f" ({'MoE' if model.moe else 'dense'} dim {model.dim}, {model.n_layers} layers)\n"
         f"  loss {first:.4f} -> {last:.4f}; median step {summary.step_time_s * 1e3:.0f} ms, "
         f"{summary.tokens_per_s:.0f} tokens/s; peak memory per rank (MiB): {peaks}\n"
@@ -298,7 +341,7 @@ def _print_plan(argv: Sequence[str] | None, pre: argparse.Namespace) -> int:
     """``--print-plan``: resolve and print without a process group (rank 0 alone prints
     under torchrun)."""
     world = int(os.environ.get("WORLD_SIZE", "0")) or (
-        pre.dp_replicate * (pre.dp_shard or 1) * pre.tp * pre.pp
+        pre.dp_replicate * (pre.dp_shard or 1) * pre.cp * pre.tp * pre.pp
     )
     try:
         model, parallel, config, _, _ = parse(argv, world)

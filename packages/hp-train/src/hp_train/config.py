@@ -13,6 +13,11 @@ from types import UnionType
 from typing import Any, TypeVar, Union, get_args, get_origin, get_type_hints
 
 __all__ = [
+    "AC_MODES",
+    "CP_VARIANTS",
+    "FP8_RECIPES",
+    "MIXED_PRECISIONS",
+    "OFFLOAD_TARGETS",
     "PIPELINE_SCHEDULE_NAMES",
     "ROPE_SCALING_TYPES",
     "ConfigError",
@@ -26,6 +31,16 @@ __all__ = [
 
 #: The pipeline schedules the entry point runs (``hp_train.pipeline.PIPELINE_SCHEDULES``).
 PIPELINE_SCHEDULE_NAMES = ("1f1b", "gpipe")
+#: Context-parallel attention variants (``hp_dtensor.parallel.ContextParallel``).
+CP_VARIANTS = ("ring", "ulysses")
+#: Activation checkpointing per block (``budget:<MiB>`` is the third, parametrized form).
+AC_MODES = ("none", "full", "selective")
+#: What ``offload`` moves to host memory.
+OFFLOAD_TARGETS = ("none", "optimizer", "params", "both")
+#: Compute precisions of ``mixed_precision``.
+MIXED_PRECISIONS = ("fp32", "bf16")
+#: FP8 linear recipes (``hp_kernels.float8``).
+FP8_RECIPES = ("none", "tensorwise", "blockwise")
 
 
 class ConfigError(ValueError):
@@ -283,28 +298,47 @@ def _field_value(hint: Any, value: Any, where: str) -> Any:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """How ranks are arranged: ``dp_replicate x dp_shard x tp x pp`` ranks.
+    """How ranks are arranged: ``dp_replicate x dp_shard x cp x tp x pp`` ranks.
 
     Attributes:
         dp_replicate: data-parallel replicas (HSDP's replicate axis, the slow tier).
         dp_shard: FSDP shards (the fast tier).
         tp: tensor-parallel ranks (innermost: neighbouring ranks).
         pp: pipeline stages (hp-mpmd's runtime; the outermost axis).
+        cp: context-parallel ranks: each sequence is split ``cp`` ways (between ``dp_shard``
+            and ``tp``); the ``cp`` ranks of a data-parallel rank read the same sequences and
+            FSDP shards over ``dp_shard x cp``.
+        cp_variant: ``"ring"`` (key/value blocks passed around the ring) or ``"ulysses"``
+            (all-to-all between sequence and heads); both with zigzag load balancing.
+        ep: expert-parallel ranks of the MoE layers, carved from ``dp_shard`` (it divides
+            ``dp_shard``; no ranks of its own): each of ``ep`` neighbouring data-parallel ranks
+            holds ``n_experts / ep`` whole experts, and tokens travel to them by all-to-all.
+            FSDP shards the experts over the ``dp_shard / ep`` ranks holding the same ones.
     """
 
     dp_replicate: int = 1
     dp_shard: int = 1
     tp: int = 1
     pp: int = 1
+    cp: int = 1
+    cp_variant: str = "ring"
+    ep: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("dp_replicate", "dp_shard", "tp", "pp"):
+        for name in ("dp_replicate", "dp_shard", "tp", "pp", "cp", "ep"):
             check_positive(name, getattr(self, name))
+        if self.cp_variant not in CP_VARIANTS:
+            raise ConfigError(f"cp_variant must be one of {CP_VARIANTS}, got {self.cp_variant!r}")
+        if self.dp_shard % self.ep:
+            raise ConfigError(
+                f"ep={self.ep} must divide dp_shard={self.dp_shard}: the expert-parallel ranks "
+                "are carved from the FSDP shard axis (raise --dp-shard or lower --ep)"
+            )
 
     @property
     def world_size(self) -> int:
         """Ranks the configuration needs."""
-        return self.dp_replicate * self.dp_shard * self.tp * self.pp
+        return self.dp_replicate * self.dp_shard * self.cp * self.tp * self.pp
 
     @property
     def dp(self) -> int:
@@ -312,14 +346,23 @@ class ParallelConfig:
         return self.dp_replicate * self.dp_shard
 
     @staticmethod
-    def fill(world_size: int, *, dp_replicate: int, tp: int, pp: int) -> ParallelConfig:
+    def fill(
+        world_size: int,
+        *,
+        dp_replicate: int,
+        tp: int,
+        pp: int,
+        cp: int = 1,
+        cp_variant: str = "ring",
+        ep: int = 1,
+    ) -> ParallelConfig:
         """The configuration whose ``dp_shard`` takes every rank the other axes leave."""
-        rest = dp_replicate * tp * pp
+        rest = dp_replicate * tp * pp * cp
         if world_size % rest:
             raise ConfigError(
-                f"world size {world_size} is not divisible by dp_replicate x tp x pp = {rest}"
+                f"world size {world_size} is not divisible by dp_replicate x cp x tp x pp = {rest}"
             )
-        return ParallelConfig(dp_replicate, world_size // rest, tp, pp)
+        return ParallelConfig(dp_replicate, world_size // rest, tp, pp, cp, cp_variant, ep)
 
 
 @dataclass(frozen=True)
@@ -358,6 +401,29 @@ class TrainConfig:
         microbatches: microbatches per step and data-parallel rank under pipeline parallelism
             (must divide the per-rank batch; 1 without pipelining).
         pp_schedule: the pipeline schedule, ``"1f1b"`` or ``"gpipe"``.
+        grad_accum: micro-steps per optimizer step: each rank's batch is split into this many
+            slices, run forward and backward one after the other, their gradients summed
+            (under HSDP the replicas' all-reduce runs once, after the last).
+        clip_grad_norm: clip the global gradient norm to this value before each optimizer
+            step (0: no clipping).
+        ac: activation checkpointing of every block: ``"none"``, ``"full"`` (keep only the
+            block's input, recompute the rest in backward), ``"selective"`` (keep the outputs of
+            matmuls and attention, recompute the cheap ops) or ``"budget:<MiB>"`` (keep the
+            outputs worth most recompute per byte, up to that many MiB per block call).
+        swap: swap the activations a block keeps to host memory, and back for its backward
+            (with ``ac="selective"``: the matmul and attention outputs it keeps).
+        offload: ``"optimizer"`` (optimizer state in host memory between steps, updated on the
+            device), ``"params"`` (FSDP's sharded parameters, their gradients and so the
+            optimizer step in host memory), ``"both"``, or ``"none"``.
+        mixed_precision: ``"bf16"``: parameters all-gathered and computed in bf16, gradients
+            reduced in fp32 onto fp32 sharded masters; ``"fp32"``: everything in fp32.
+        fp8: FP8 linears in the blocks (``"tensorwise"`` or ``"blockwise"`` scaling; emulated in
+            fp32 where the device has no FP8 matmul); ``"none"``.
+        fp8_all_gather: FSDP all-gathers the parameters in FP8 (e4m3, one scale per 128
+            elements) and dequantizes them after the gather.
+        grad_reduce_dtype: the dtype FSDP's gradient reduce-scatter and all-reduce put on the
+            wire (``"bf16"``: half the bytes; accumulated in fp32): ``"fp32"`` or ``"bf16"``.
+        compile: ``torch.compile`` each block's attention and feed-forward (production mode).
     """
 
     steps: int = 20
@@ -384,10 +450,37 @@ class TrainConfig:
     divergence_threshold: float = 0.5
     microbatches: int = 1
     pp_schedule: str = "1f1b"
+    grad_accum: int = 1
+    clip_grad_norm: float = 0.0
+    ac: str = "none"
+    swap: bool = False
+    offload: str = "none"
+    mixed_precision: str = "fp32"
+    fp8: str = "none"
+    fp8_all_gather: bool = False
+    grad_reduce_dtype: str = "fp32"
+    compile: bool = False
 
     def __post_init__(self) -> None:
         for name in ("steps", "global_batch", "seq_len", "log_every", "microbatches"):
             check_positive(name, getattr(self, name))
+        check_positive("grad_accum", self.grad_accum)
+        if not (math.isfinite(self.clip_grad_norm) and self.clip_grad_norm >= 0):
+            raise ConfigError(
+                f"clip_grad_norm must be a finite number >= 0 (0: off), got {self.clip_grad_norm}"
+            )
+        self.ac_budget_bytes  # noqa: B018 - parses ``ac``, raising ConfigError
+        for name, value, allowed in (
+            ("offload", self.offload, OFFLOAD_TARGETS),
+            ("mixed_precision", self.mixed_precision, MIXED_PRECISIONS),
+            ("fp8", self.fp8, FP8_RECIPES),
+            ("grad_reduce_dtype", self.grad_reduce_dtype, MIXED_PRECISIONS),
+        ):
+            if value not in allowed:
+                raise ConfigError(f"{name} must be one of {allowed}, got {value!r}")
+        for name in ("swap", "fp8_all_gather", "compile"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.optimizer not in ("muon", "adamw"):
             raise ConfigError(f"optimizer must be 'muon' or 'adamw', got {self.optimizer!r}")
         if self.pp_schedule == "zbh1":
@@ -415,6 +508,27 @@ class TrainConfig:
             if not (math.isfinite(value) and value >= 0):
                 raise ConfigError(f"{name} must be a finite number >= 0, got {value}")
 
+    @property
+    def ac_budget_bytes(self) -> int | None:
+        """The byte budget of ``ac="budget:<MiB>"``, None for the other modes.
+
+        Raises:
+            ConfigError: ``ac`` is none of the modes, or its budget is not a number > 0.
+        """
+        if self.ac in AC_MODES:
+            return None
+        prefix, _, amount = self.ac.partition(":")
+        try:
+            mib = float(amount) if prefix == "budget" else math.nan
+        except ValueError:
+            mib = math.nan
+        if not (math.isfinite(mib) and mib > 0):
+            raise ConfigError(
+                f"ac must be one of {', '.join(AC_MODES)} or budget:<MiB> (e.g. budget:64), "
+                f"got {self.ac!r}"
+            )
+        return int(mib * 2**20)
+
     def check_batch(self, parallel: ParallelConfig) -> int:
         """Sequences per data-parallel rank (the global batch split evenly)."""
         if self.global_batch % parallel.dp:
@@ -428,9 +542,15 @@ class TrainConfig:
                 f"microbatches={self.microbatches} needs pipeline parallelism (pp > 1); "
                 "use microbatches=1 with pp=1"
             )
-        if local % self.microbatches:
+        if local % self.grad_accum:
             raise ConfigError(
-                f"microbatches={self.microbatches} must divide the per-rank batch "
-                f"global_batch / (dp_replicate x dp_shard) = {local}"
+                f"grad_accum={self.grad_accum} must divide the per-rank batch global_batch / "
+                f"(dp_replicate x dp_shard) = {local} (each micro-step takes an equal slice)"
+            )
+        if (local // self.grad_accum) % self.microbatches:
+            raise ConfigError(
+                f"microbatches={self.microbatches} must divide the per-rank batch of a "
+                f"micro-step global_batch / (dp_replicate x dp_shard x grad_accum) = "
+                f"{local // self.grad_accum}"
             )
         return local

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hp_dtensor.parallel import MoE
+from hp_dtensor.parallel import CausalAttention, MoE
 from hp_train.config import ModelConfig, MoEConfig, RopeScaling
 
 __all__ = [
@@ -117,6 +117,9 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(config.head_dim, config.norm_eps)
         else:
             self.q_norm = self.k_norm = None
+        # The attention itself, a module without parameters, so that context parallelism can
+        # replace it (hp_dtensor.parallel.ContextParallel) and nothing else.
+        self.core = CausalAttention()
 
     def _heads(self, t: torch.Tensor) -> torch.Tensor:
         # [batch, seq, heads * head_dim] -> [batch, heads, seq, head_dim]; under tensor
@@ -133,7 +136,7 @@ class Attention(nn.Module):
             b, h, s, d = k.shape
             k = k[:, :, None].expand(b, h, self.kv_groups, s, d).reshape(b, -1, s, d)
             v = v[:, :, None].expand(b, h, self.kv_groups, s, d).reshape(b, -1, s, d)
-        attended = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        attended = self.core(q, k, v)
         merged = attended.transpose(1, 2).reshape(x.shape[0], x.shape[1], -1)
         out: torch.Tensor = self.o_proj(merged)
         return out
@@ -244,13 +247,30 @@ class Transformer(nn.Module):
         cos, sin = self._rotary_tables()
         self.cos, self.sin = cos.to(self.cos.device), sin.to(self.sin.device)
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """Token ids ``[batch, seq]`` to logits; a pipeline stage without the embedding takes
-        hidden states ``[batch, seq, dim]`` and one without the head returns them."""
+        hidden states ``[batch, seq, dim]`` and one without the head returns them.
+
+        ``positions``: the global position of each of the ``seq`` columns (int64 ``[seq]``),
+        for a rank that holds a slice of longer sequences (context parallelism); default
+        ``0 .. seq - 1``.
+        """
         seq = ids.shape[1]
-        if seq > self.config.max_seq_len:
-            raise ValueError(f"sequence length {seq} exceeds max_seq_len {self.config.max_seq_len}")
-        cos, sin = self.cos[:seq], self.sin[:seq]
+        if positions is None:
+            if seq > self.config.max_seq_len:
+                raise ValueError(
+                    f"sequence length {seq} exceeds max_seq_len {self.config.max_seq_len}"
+                )
+            cos, sin = self.cos[:seq], self.sin[:seq]
+        else:
+            if positions.shape != (seq,):
+                shape = tuple(positions.shape)
+                raise ValueError(f"positions must be one per column, shape ({seq},), got {shape}")
+            if seq and int(positions.max()) >= self.config.max_seq_len:
+                raise ValueError(
+                    f"position {int(positions.max())} exceeds max_seq_len {self.config.max_seq_len}"
+                )
+            cos, sin = self.cos[positions], self.sin[positions]
         x: torch.Tensor = ids if self.tok_embeddings is None else self.tok_embeddings(ids)
         for layer in self.layers.values():
             x = layer(x, cos, sin)

@@ -32,10 +32,15 @@ from hp_dtensor.parallel import (
     transformer_tp_plan,
 )
 from hp_dtensor.parallel.plan import Boundary, PlanError
-from hp_fsdp import fully_shard
+from hp_fsdp import CPUOffloadPolicy, fully_shard
 from hp_layout import Mesh, Placement, Replicate, Shard
-from hp_train.config import ConfigError, ModelConfig, ParallelConfig
+from hp_train.activations import apply_activation_policy
+from hp_train.compiled import compile_blocks
+from hp_train.config import ConfigError, ModelConfig, ParallelConfig, TrainConfig
+from hp_train.context import apply_context_parallel
+from hp_train.expert import apply_expert_parallel, shard_experts
 from hp_train.model import TiedHead, Transformer
+from hp_train.precision import convert_blocks_to_float8, fsdp_precision
 
 __all__ = [
     "Layout3D",
@@ -48,6 +53,12 @@ __all__ = [
 ]
 
 AXES = ("dp_replicate", "dp_shard", "tp")
+# With context parallelism the sequence axis sits between the shard axis and tp; tensor
+# parallelism and FSDP see the two flattened into one.
+CP_AXES = ("dp_replicate", "dp_shard", "cp", "tp")
+CP_SHARD_AXIS = "dp_shard_cp"
+# With expert parallelism the shard axis splits into (dp_shard / ep, ep), ep inner.
+EXPERT_AXES = ("dp_replicate", "expert_shard", "ep", "tp")
 # The tensor-parallel axis and the data axes, as parallelize() applies the TP plan.
 _TP_AXES: dict[str, Any] = {"tp_axis": "tp", "dp_axes": ("dp_replicate", "dp_shard")}
 
@@ -57,13 +68,22 @@ class Layout3D:
     """This rank's place in the job.
 
     Attributes:
-        mesh: the ``(dp_replicate, dp_shard, tp)`` device mesh.
+        mesh: the ``(dp_replicate, dp_shard, tp)`` device mesh (with ``cp > 1``:
+            ``(dp_replicate, dp_shard_cp, tp)``, ``dp_shard x cp`` flattened), the one tensor
+            parallelism applies to.
         dp_mesh: the data-parallel sub-mesh FSDP shards over (1-d or 2-d).
         dp_rank: this rank's index among the data-parallel ranks (which batch slice it takes).
         dp_size: data-parallel ranks.
         tp_size: tensor-parallel ranks.
         pipeline_mesh: with ``pp > 1``, the ``(pp, dp_replicate, dp_shard, tp)`` mesh of the
             job (``mesh`` is then this rank's stage); None without pipelining.
+        cp_mesh: with ``cp > 1``, the 1-d mesh of this rank's context-parallel group.
+        expert_mesh: with ``ep > 1``, the ``(dp_replicate, expert_shard, ep, tp)`` mesh of
+            the same ranks as ``mesh`` (the MoE layers' expert parallelism is on its ``ep``
+            axis).
+        expert_dp_mesh: with ``ep > 1``, the sub-mesh FSDP shards the experts over (the ranks
+            holding the same experts: ``expert_shard``, with ``dp_replicate`` under HSDP).
+        cp_variant: the context-parallel attention, ``"ring"`` or ``"ulysses"``.
     """
 
     mesh: DeviceMesh
@@ -72,6 +92,20 @@ class Layout3D:
     dp_size: int
     tp_size: int
     pipeline_mesh: DeviceMesh | None = None
+    cp_mesh: DeviceMesh | None = None
+    expert_mesh: DeviceMesh | None = None
+    expert_dp_mesh: DeviceMesh | None = None
+    cp_variant: str = "ring"
+
+    @property
+    def cp_size(self) -> int:
+        """Context-parallel ranks (1 without)."""
+        return 1 if self.cp_mesh is None else self.cp_mesh.size()
+
+    @property
+    def ep_size(self) -> int:
+        """Expert-parallel ranks (1 without)."""
+        return 1 if self.expert_mesh is None else self.expert_mesh.size("ep")
 
 
 # Why each size must split evenly ``tp`` ways (the Megatron plan of ``tp_plan``).
@@ -127,23 +161,59 @@ def build_layout(parallel: ParallelConfig, device_type: str) -> Layout3D:
     world = dist.get_world_size()
     if world != parallel.world_size:
         raise ConfigError(
-            f"the job has {world} ranks but dp_replicate x dp_shard x tp x pp = "
+            f"the job has {world} ranks but dp_replicate x dp_shard x cp x tp x pp = "
             f"{parallel.world_size}; launch with torchrun --nproc-per-node {parallel.world_size} "
             "(or change the dimensions)"
         )
+    cp = parallel.cp
     shape = (parallel.dp_replicate, parallel.dp_shard, parallel.tp)
-    pipeline_mesh = None
-    if parallel.pp > 1:
-        pipeline_mesh = DeviceMesh(device_type, Mesh((parallel.pp, *shape), ("pp", *AXES)))
-        mesh = pipeline_mesh[list(AXES)]
+    pipeline_mesh = cp_mesh = None
+    if cp > 1:
+        # The cp ranks of a data-parallel rank hold the same parameters: tensor parallelism and
+        # FSDP see dp_shard x cp as one axis; the attention's exchanges run on the cp axis of
+        # the same ranks laid out as (dp_replicate, dp_shard, cp, tp).
+        grid = Mesh((parallel.dp_replicate, parallel.dp_shard, cp, parallel.tp), CP_AXES)
+        cp_mesh = DeviceMesh(device_type, grid)["cp"]
+        mesh = DeviceMesh(device_type, grid.flatten(["dp_shard", "cp"], CP_SHARD_AXIS))
+        coordinate = grid.coordinate(dist.get_rank())
+        shard_axis = CP_SHARD_AXIS
     else:
-        mesh = DeviceMesh(device_type, Mesh(shape, AXES))
-    # HSDP over both data axes, or 1-d FSDP over the shard axis.
-    dp_axes = ["dp_replicate", "dp_shard"] if parallel.dp_replicate > 1 else ["dp_shard"]
-    dp_mesh = mesh[dp_axes]
-    coordinate = mesh.mesh.coordinate(dist.get_rank())
+        if parallel.pp > 1:
+            pipeline_mesh = DeviceMesh(device_type, Mesh((parallel.pp, *shape), ("pp", *AXES)))
+            mesh = pipeline_mesh[list(AXES)]
+        else:
+            mesh = DeviceMesh(device_type, Mesh(shape, AXES))
+        coordinate = mesh.mesh.coordinate(dist.get_rank())
+        shard_axis = "dp_shard"
     dp_rank = coordinate[0] * parallel.dp_shard + coordinate[1]
-    return Layout3D(mesh, dp_mesh, dp_rank, parallel.dp, parallel.tp, pipeline_mesh)
+    # HSDP over both data axes, or 1-d FSDP over the shard axis.
+    dp_axes = ["dp_replicate", shard_axis] if parallel.dp_replicate > 1 else [shard_axis]
+    dp_mesh = mesh[dp_axes]
+    expert_mesh = expert_dp_mesh = None
+    if parallel.ep > 1:
+        grid = mesh.mesh
+        expert_grid = Mesh(
+            (parallel.dp_replicate, parallel.dp_shard // parallel.ep, parallel.ep, parallel.tp),
+            EXPERT_AXES,
+            grid.ranks,
+        )
+        expert_mesh = DeviceMesh(device_type, expert_grid)
+        expert_axes = (
+            ["dp_replicate", "expert_shard"] if parallel.dp_replicate > 1 else ["expert_shard"]
+        )
+        expert_dp_mesh = expert_mesh[expert_axes]
+    return Layout3D(
+        mesh,
+        dp_mesh,
+        dp_rank,
+        parallel.dp,
+        parallel.tp,
+        pipeline_mesh,
+        cp_mesh,
+        expert_mesh,
+        expert_dp_mesh,
+        parallel.cp_variant,
+    )
 
 
 @dataclass(frozen=True)
@@ -213,22 +283,60 @@ def resolve_tp_plan(
     every parameter is replicated (pure: ``hp_dtensor.parallel.resolve``, no process group)."""
     grid = mesh if isinstance(mesh, Mesh) else mesh.mesh
     plan = tp_plan(model.config, model) if grid.axis_size("tp") > 1 else {}
-    return resolve(model, grid, plan, mode=mode, **_TP_AXES)
+    return resolve(model, grid, plan, mode=mode, **_axes_of(grid))
+
+
+def _axes_of(grid: Mesh) -> dict[str, Any]:
+    """The tensor-parallel and data axes the TP plan is applied with on ``grid`` (with
+    ``cp > 1`` the shard axis is ``dp_shard_cp``)."""
+    if CP_SHARD_AXIS not in grid.axis_names:
+        return _TP_AXES
+    return {"tp_axis": "tp", "dp_axes": ("dp_replicate", CP_SHARD_AXIS)}
 
 
 def parallelize(
-    model: Transformer, layout: Layout3D, *, mode: str = "production", **fsdp: Any
+    model: Transformer,
+    layout: Layout3D,
+    *,
+    mode: str = "production",
+    config: TrainConfig | None = None,
+    **fsdp: Any,
 ) -> Transformer:
-    """Apply TP (when ``tp > 1``) in ``mode``, then FSDP per block and on the root."""
+    """Lay ``model`` out for ``layout`` with ``config``'s techniques, in this order: FP8
+    linears, TP (when ``tp > 1``, in ``mode``), context-parallel attention, expert-parallel
+    MoE layers, activation checkpointing / swap, ``torch.compile``, then FSDP per block (the
+    experts and the MoE's replicated parts in groups of their own) and on the root, with
+    ``config``'s precision, offload and the gradient divide factor of its accumulation.
+    ``fsdp`` adds ``fully_shard`` arguments. Without ``config``: ``TrainConfig()``'s (none of
+    them)."""
+    config = TrainConfig() if config is None else config
+    if config.fp8 != "none":
+        convert_blocks_to_float8(model, config.fp8)
     if layout.tp_size > 1:
         parallelize_module(
             model,
             layout.mesh,
             tp_plan(model.config, model),
             mode=mode,  # type: ignore[arg-type]
-            **_TP_AXES,
+            **_axes_of(layout.mesh.mesh),
         )
-    for block in model.layers.values():
-        fully_shard(block, mesh=layout.dp_mesh, **fsdp)
-    fully_shard(model, mesh=layout.dp_mesh, **fsdp)
+    if layout.cp_mesh is not None:
+        apply_context_parallel(model, layout.cp_mesh, layout.cp_variant)
+    if layout.expert_mesh is not None:
+        apply_expert_parallel(model, layout.expert_mesh)
+    blocks = list(model.layers.values())
+    apply_activation_policy(blocks, config)
+    if config.compile:
+        compile_blocks(blocks)
+    options = {**fsdp_precision(config, replicated=layout.dp_mesh.ndim == 2), **fsdp}
+    if config.offload in ("params", "both"):
+        options["offload_policy"] = CPUOffloadPolicy(pin_memory=layout.mesh.device_type != "cpu")
+    divide = layout.dp_mesh.mesh.size * config.grad_accum
+    if layout.expert_dp_mesh is not None:
+        shard_experts(model, layout.expert_dp_mesh, **options)
+    for block in blocks:
+        fully_shard(block, mesh=layout.dp_mesh, **options)
+    fully_shard(model, mesh=layout.dp_mesh, **options)
+    if config.grad_accum > 1:
+        model.set_gradient_divide_factor(float(divide))  # type: ignore[operator]
     return model

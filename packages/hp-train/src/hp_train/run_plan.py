@@ -28,7 +28,8 @@ from torch import nn
 from hp_dtensor.contract import parallel_plan_of
 from hp_dtensor.parallel import ParallelPlan
 from hp_muon import ChainedOptimizer
-from hp_train.config import ModelConfig, ParallelConfig, TrainConfig
+from hp_train.combinations import check_combination
+from hp_train.config import ConfigError, ModelConfig, ParallelConfig, TrainConfig
 from hp_train.dryrun.shapes import job_mesh, planned_model
 from hp_train.metrics import write_json
 from hp_train.model import Transformer
@@ -78,6 +79,13 @@ def resolve_run_plans(
         ConfigError: the model cannot be split ``tp`` ways or into ``pp`` stages.
     """
     check_model_fits(model_config, parallel)
+    check_combination(model_config, parallel, config)
+    if parallel.cp > 1 or parallel.ep > 1:
+        raise ConfigError(
+            f"--print-plan resolves the tensor-parallel and FSDP plan; it does not model "
+            f"{'--cp' if parallel.cp > 1 else '--ep'} yet (a run writes the plan it applied to "
+            "<out>/plan.json)"
+        )
     grid = job_mesh(parallel)
     plans: list[ParallelPlan] = []
     for k in range(parallel.pp):

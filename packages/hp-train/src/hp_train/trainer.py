@@ -26,9 +26,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hp_offload import OffloadedOptimizer
 from hp_train.checkpoint import StageOf, latest_checkpoint, load_checkpoint, save_checkpoint
+from hp_train.combinations import check_combination
 from hp_train.config import ConfigError, ModelConfig, ParallelConfig, TrainConfig
 from hp_train.config_file import CONFIG_FILE, dump_toml
+from hp_train.context import shard_batch
 from hp_train.data import Batch, DataSpec, TrainData, build_data
 from hp_train.logs import close_logging, setup_logging
 from hp_train.metrics import MetricsWriter, peak_memory_bytes, read_metrics, write_json
@@ -186,11 +189,7 @@ class Trainer:
                 f"seq_len={config.seq_len} exceeds the model's max_seq_len="
                 f"{model_config.max_seq_len}"
             )
-        if config.eval_every and parallel.pp > 1:
-            raise ConfigError(
-                "eval_every needs a forward-only pipeline schedule, which hp-train's pipeline "
-                "does not run yet: use eval_every=0 with pp > 1"
-            )
+        check_combination(model_config, parallel, config)
         self.tokenizer = run_tokenizer(config)
         check_vocabulary(model_config, self.tokenizer)
         self.model_config = model_config
@@ -264,7 +263,7 @@ class Trainer:
         # With tp == 1 no TP plan is applied: resolve the (unstyled) plan before FSDP replaces
         # the parameters by their flat pieces.
         unstyled = resolve_tp_plan(model, self.layout.mesh) if self.layout.tp_size == 1 else None
-        parallelize(model, self.layout)
+        parallelize(model, self.layout, config=self.config)
         if self.options.init_from is not None and not self._will_resume():
             from hp_train.hf import load_hf_weights
 
@@ -340,13 +339,35 @@ class Trainer:
         dist.all_reduce(reduced)
         return float(reduced) / (self.runtime.world_size // self.parallel.pp)
 
+    def _loss(self, batch: Batch) -> torch.Tensor:
+        """The language-model loss of ``batch`` (this rank's sequences): under context
+        parallelism of this rank's columns of them."""
+        if self.layout.cp_mesh is None:
+            return lm_loss(self.model(batch.inputs), batch.targets)
+        part = shard_batch(batch, self.layout.cp_mesh)
+        return lm_loss(self.model(part.inputs, positions=part.positions), part.targets)
+
+    def _forward_backward(self, batch: Batch) -> float:
+        """Forward and backward of ``batch`` in ``grad_accum`` micro-steps (FSDP divides the
+        summed gradients by the micro-steps too: ``hp_train.parallelize``); their mean loss.
+        Under HSDP the replicas' all-reduce waits for the last micro-step."""
+        steps = self.config.grad_accum
+        hsdp = steps > 1 and self.parallel.dp_replicate > 1
+        total = 0.0
+        inputs, targets = batch.inputs.chunk(steps), batch.targets.chunk(steps)
+        for index, (x, y) in enumerate(zip(inputs, targets, strict=True)):
+            if hsdp:
+                self.model.set_requires_all_reduce(index == steps - 1)  # type: ignore[operator]
+            loss = self._loss(Batch(x, y))
+            loss.backward()
+            total += loss.item()
+        return total / steps
+
     def train_step(self, step: int, monitored: bool) -> dict[str, Any]:
         """Forward, backward and optimizer step of ``step``; its metrics record."""
         batch = self._local_batch(step)
         if self.pipeline is None:
-            loss = lm_loss(self.model(batch.inputs), batch.targets)
-            loss.backward()
-            local_lm = loss.item()
+            local_lm = self._forward_backward(batch)
         else:
             local_lm = self.pipeline.step(batch.inputs, batch.targets)
         record: dict[str, Any] = {"step": step, "lr": self.schedule.get_last_lr()}
@@ -354,10 +375,13 @@ class Trainer:
         if aux is not None:
             record["moe_aux_loss"] = aux
         before = None
-        if monitored:
+        if self.config.clip_grad_norm > 0:
+            record["grad_norm"] = self._clip(self.config.clip_grad_norm)
+        elif monitored:
             record["grad_norm"] = self._grad_norm()
+        if monitored:
             before = snapshot(self.model)
-        self.optimizer.step()
+        self.stepper.step()
         self.schedule.step()
         if monitored:
             record["layers"] = {k: asdict(v) for k, v in local_norms(self.model, before).items()}
@@ -366,6 +390,17 @@ class Trainer:
         if monitored:
             self._monitor(record, local_lm)
         return record
+
+    def _clip(self, max_norm: float) -> float:
+        """Scale every gradient so that the global norm is at most ``max_norm`` (as
+        ``torch.nn.utils.clip_grad_norm_``); the norm before clipping."""
+        norm = self._grad_norm()
+        factor = max_norm / (norm + 1e-6)
+        if factor < 1.0:
+            for param in self.model.parameters():
+                if param.grad is not None:
+                    param.grad.mul_(factor)
+        return norm
 
     def _aux_loss(self) -> float | None:
         """The MoE load-balancing loss of the last forward (summed over the pipeline's
@@ -428,8 +463,7 @@ class Trainer:
         device = self.runtime.device
         total = 0.0
         for batch in batches:
-            logits = self.model(batch.inputs.to(device))
-            total += float(lm_loss(logits, batch.targets.to(device)))
+            total += float(self._loss(Batch(batch.inputs.to(device), batch.targets.to(device))))
         return self._global_mean(total / len(batches))
 
     # ------------------------------------------------------------------------------ save
@@ -456,6 +490,7 @@ class Trainer:
     def _run(self) -> Summary:
         self.build()
         start = self.resume()
+        self.stepper = self._stepper()
         self.schedule = build_schedule(self.optimizer, self.config, start)
         config = self.config
         metrics_path = self.out / "metrics.jsonl"
@@ -508,6 +543,15 @@ class Trainer:
             if board is not None:
                 board.close()
         return self._summary(start, losses, eval_losses, times, last_checkpoint)
+
+    def _stepper(self) -> torch.optim.Optimizer | OffloadedOptimizer:
+        """What steps the parameters: the optimizer, or with ``offload`` of the optimizer an
+        ``hp_offload.OffloadedOptimizer`` around it (made after a resume loaded the state,
+        which it then moves to host memory; the schedule and checkpoints keep using the
+        wrapped optimizer, whose groups and state are the same objects)."""
+        if self.config.offload not in ("optimizer", "both"):
+            return self.optimizer
+        return OffloadedOptimizer(self.optimizer, device=self.runtime.device)
 
     def _tensorboard(self, start: int) -> TensorBoardLog | None:
         if not self.options.tensorboard or not self.is_main:
