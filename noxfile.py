@@ -30,9 +30,10 @@ import json
 import os
 import shutil
 import tarfile
+import time
 import tomllib
 import zipfile
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -361,7 +362,7 @@ def build_all(session: nox.Session) -> None:
             chosen = sorted(
                 _normalize(item["metadata"]["name"])
                 for item in json.loads(report.read_text())["install"]
-                if _normalize(item["metadata"]["name"]).startswith("hp-")
+                if _normalize(item["metadata"]["name"]) in PACKAGES
             )
             if chosen != sorted(closure_names):
                 session.error(
@@ -376,6 +377,37 @@ def build_all(session: nox.Session) -> None:
             failed.append(name)
     if failed:
         session.error(f"isolated install failed: {', '.join(failed)}")
+    _umbrella_quickstart(session, wheels, links)
+
+
+#: The umbrella distribution (``pip install hyper-parallel``: the whole library stack) and the
+#: quick start build-all runs against its wheel installed alone in a fresh venv.
+UMBRELLA = "hyper-parallel"
+UMBRELLA_QUICKSTART = PACKAGES_DIR / UMBRELLA / "tests" / "quickstart_script.py"
+
+
+def _umbrella_quickstart(
+    session: nox.Session, wheels: Mapping[str, Path], links: Sequence[str]
+) -> None:
+    """``pip install hyper-parallel`` into a fresh venv, its hp-* packages from the built wheels
+    only (``--no-index``, constrained), then upstream's quick start on it (world 1). The venv
+    gets the third-party requirements (torch) first, from the usual index."""
+    if UMBRELLA not in wheels:
+        return
+    start = time.monotonic()
+    tmp = Path(session.create_tmp())  # relative to the repository root, where nox started
+    venv = (tmp if tmp.is_absolute() else ROOT / tmp) / "umbrella-venv"
+    shutil.rmtree(venv, ignore_errors=True)
+    session.run("python", "-m", "venv", str(venv))  # the base interpreter: nothing installed
+    python = str(venv / "bin" / "python")
+    names = closure(UMBRELLA, with_test=False)
+    third_party = sorted({r for name in names for r in PACKAGES[name].requires})
+    pip = (python, "-m", "pip", "install", "--quiet", *PIP_ARGS)
+    session.run(*pip, *third_party, env=PIP_ENV, external=True)
+    spec = f"{UMBRELLA}=={_version(wheels[UMBRELLA])}"
+    session.run(*pip, "--no-index", *links, spec, env=PIP_ENV, external=True)
+    session.run(python, str(UMBRELLA_QUICKSTART), env=TEST_ENV, external=True)
+    session.log(f"{spec} from the built wheels, quick start: {time.monotonic() - start:.0f} s")
 
 
 def _version(wheel: Path) -> str:

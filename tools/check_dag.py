@@ -78,7 +78,27 @@ ALLOWED_DEPS: Mapping[str, frozenset[str]] = {
         {"hp_layout", "hp_dtensor", "hp_kernels", "hp_fsdp", "hp_muon", "hp_mpmd", "hp_offload"}
     )
     | TEST_ONLY,
+    # The umbrella on top of everything (HyperParallel's names over the libraries; hp-train only
+    # as its `train` extra); no package may import or depend on it (see UMBRELLA).
+    "hyper_parallel": frozenset(
+        {
+            "hp_layout",
+            "hp_dtensor",
+            "hp_kernels",
+            "hp_fsdp",
+            "hp_muon",
+            "hp_mpmd",
+            "hp_offload",
+            "hp_train",
+        }
+    )
+    | TEST_ONLY,
 }
+
+#: Packages of this repository whose names lack the ``hp`` prefix: the umbrella distribution
+#: ``hyper-parallel``. They count as hp packages for every check (so an import of one from
+#: another package is checked against the DAG table, where no row allows it).
+UMBRELLA: frozenset[str] = frozenset({"hyper_parallel"})
 
 
 @dataclass(frozen=True)
@@ -165,7 +185,7 @@ def dist_name(module: str) -> str:
 
 
 def is_hp(module_or_dist: str) -> bool:
-    return module_or_dist.startswith(("hp_", "hp-"))
+    return module_or_dist.startswith(("hp_", "hp-")) or import_name(module_or_dist) in UMBRELLA
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,142 @@
+"""``hyper_parallel.core.fully_shard.api``: upstream's ``fully_shard`` (HSDP) on
+``hp_fsdp.fully_shard``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar, overload
+
+from torch import nn
+
+from hp_dtensor import DeviceMesh, DTensor
+from hp_fsdp import MixedPrecisionPolicy, OffloadPolicy
+from hp_fsdp import fully_shard as hp_fully_shard
+from hyper_parallel.errors import not_offered
+from hyper_parallel.migration import adapts
+
+__all__ = ["fully_shard"]
+
+_M = TypeVar("_M", bound=nn.Module)
+
+
+def _modules(module: nn.Module | Iterable[nn.Module]) -> list[nn.Module]:
+    return [module] if isinstance(module, nn.Module) else list(module)
+
+
+@overload
+def fully_shard(
+    module: _M,
+    *,
+    mesh: DeviceMesh | None = None,
+    reshard_after_forward: bool = True,
+    shard_placement_fn: Callable[[nn.Parameter], object] | None = None,
+    mp_policy: MixedPrecisionPolicy | Any | None = None,
+    offload_policy: OffloadPolicy | Any | None = None,
+    ignored_params: set[nn.Parameter] | None = None,
+    replicate_params: set[nn.Parameter] | None = None,
+    comm_fusion: bool = False,
+    comm_fusion_zero_copy: bool | None = None,
+    sharded_accumulated_grad: bool = False,
+) -> _M: ...
+
+
+@overload
+def fully_shard(
+    module: list[_M],
+    *,
+    mesh: DeviceMesh | None = None,
+    reshard_after_forward: bool = True,
+    shard_placement_fn: Callable[[nn.Parameter], object] | None = None,
+    mp_policy: MixedPrecisionPolicy | Any | None = None,
+    offload_policy: OffloadPolicy | Any | None = None,
+    ignored_params: set[nn.Parameter] | None = None,
+    replicate_params: set[nn.Parameter] | None = None,
+    comm_fusion: bool = False,
+    comm_fusion_zero_copy: bool | None = None,
+    sharded_accumulated_grad: bool = False,
+) -> list[_M]: ...
+
+
+@adapts(
+    "hp_fsdp.fully_shard",
+    "upstream's HSDP arguments; DTensor (`shard_module`) parameters' gradients summed",
+)
+def fully_shard(
+    module: Any,
+    *,
+    mesh: DeviceMesh | None = None,
+    reshard_after_forward: bool = True,
+    shard_placement_fn: Callable[[nn.Parameter], object] | None = None,
+    mp_policy: MixedPrecisionPolicy | Any | None = None,
+    offload_policy: OffloadPolicy | Any | None = None,
+    ignored_params: set[nn.Parameter] | None = None,
+    replicate_params: set[nn.Parameter] | None = None,
+    comm_fusion: bool = False,
+    comm_fusion_zero_copy: bool | None = None,
+    sharded_accumulated_grad: bool = False,
+) -> Any:
+    """Shard ``module``'s parameters over ``mesh`` (1-d: shard; 2-d: replicate x shard, HSDP).
+
+    Apply bottom-up (each block, then the root), as upstream. The arguments are upstream's:
+
+    * ``mesh``: default all ranks; a model sharded by :func:`~hyper_parallel.shard_module`
+      needs its data-parallel sub-mesh (``mesh["dp"]``);
+    * ``reshard_after_forward``, ``mp_policy``, ``offload_policy``: as hp-fsdp (its
+      ``MixedPrecisionPolicy`` / ``CPUOffloadPolicy``, or torch's);
+    * ``comm_fusion``, ``comm_fusion_zero_copy``: accepted, nothing to choose: hp-fsdp always
+      keeps one flat buffer per group that the all-gather and reduce-scatter use in place;
+    * ``shard_placement_fn``, ``ignored_params``, ``replicate_params``,
+      ``sharded_accumulated_grad``: not offered (the error says what to use).
+
+    Gradients of DTensor parameters (a :func:`~hyper_parallel.shard_module` model, whose loss
+    is a global DTensor value) are summed over the data-parallel ranks, upstream's default for
+    DTensor paths; gradients of plain parameters are averaged (each rank's loss is its own
+    mean), as upstream and FSDP2.
+
+    Returns:
+        ``module`` (the list, for a list: its modules are sharded as one group).
+    """
+    if shard_placement_fn is not None:
+        raise not_offered(
+            "fully_shard(shard_placement_fn=...)",
+            "hp-fsdp shards every parameter on dim 0 of a flat buffer",
+        )
+    if ignored_params or replicate_params:
+        which = "ignored_params" if ignored_params else "replicate_params"
+        raise not_offered(
+            f"fully_shard({which}=...)",
+            "leave those parameters in a module you do not pass to fully_shard (and, for "
+            "replicated ones, all-reduce their gradients yourself, e.g. with "
+            "hp_mpmd.all_reduce_gradients)",
+        )
+    if sharded_accumulated_grad:
+        raise not_offered(
+            "fully_shard(sharded_accumulated_grad=True) (MindSpore only upstream)",
+            "under pipelining, hp_mpmd.PipelineSchedule(before_weight_gradients=...) with "
+            "hp-fsdp's set_requires_all_reduce(last) reduce-scatters every microbatch and "
+            "all-reduces once per step",
+        )
+    del comm_fusion, comm_fusion_zero_copy  # always fused and in place here
+    modules = _modules(module)
+    dtensor_params = any(
+        isinstance(p, DTensor) for m in modules for p in m.parameters(recurse=True)
+    )
+    if mesh is None and dtensor_params:
+        raise ValueError(
+            "fully_shard: the module holds DTensor parameters (shard_module / "
+            "parallelize_module(mode='validation')); pass their data-parallel sub-mesh, e.g. "
+            "fully_shard(model, mesh=mesh['dp'])"
+        )
+    hp_fully_shard(
+        module,
+        mesh=mesh,
+        reshard_after_forward=reshard_after_forward,
+        mp_policy=mp_policy,
+        offload_policy=offload_policy,
+    )
+    if dtensor_params:
+        for sharded in modules:
+            # Upstream sums DTensor parameters' gradients (reduce_op_type "sum"): the loss of a
+            # DTensor model is already the global value.
+            sharded.set_gradient_divide_factor(1.0)  # type: ignore[operator]
+    return module
