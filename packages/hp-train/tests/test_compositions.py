@@ -38,9 +38,14 @@ DENSE = ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max
 DEEP = ModelConfig(dim=32, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=32)
 
 
-def _moe(aux: float) -> ModelConfig:
+def _moe(aux: float, expert_ffn_dim: int = 32) -> ModelConfig:
     moe = MoEConfig(
-        n_experts=4, top_k=2, expert_ffn_dim=32, every=2, n_shared_experts=1, aux_loss_weight=aux
+        n_experts=4,
+        top_k=2,
+        expert_ffn_dim=expert_ffn_dim,
+        every=2,
+        n_shared_experts=1,
+        aux_loss_weight=aux,
     )
     return ModelConfig(
         dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=32, moe=moe
@@ -150,6 +155,15 @@ COMPOSITIONS: dict[str, tuple[ModelConfig, ParallelConfig, dict[str, Any]]] = {
         ParallelConfig(dp_replicate=2, dp_shard=2, ep=2),
         {"ac": "full"},
     ),
+    # The MoE whole on each tp rank (adjoint convention, load-balancing loss seeded once).
+    "tp2 (MoE)": (MOE, ParallelConfig(tp=2), {}),
+    # Experts whole on each tp rank, or split over it: each MoE in an exact region over tp.
+    "fsdp2 x ep2 x tp2 (MoE)": (MOE, ParallelConfig(dp_shard=2, ep=2, tp=2), {}),
+    "fsdp2 x ep2 x tp2, ep-tp (MoE)": (
+        MOE,
+        ParallelConfig(dp_shard=2, ep=2, tp=2, ep_tp=True),
+        {},
+    ),
     "pp2 x tp2, full ac": (DEEP, ParallelConfig(pp=2, tp=2), {"ac": "full", "microbatches": 2}),
     "fsdp4, clip 0.5": (DENSE, ParallelConfig(dp_shard=4), {"clip_grad_norm": 0.5}),
     "fsdp2 x tp2, compile": (DENSE, ParallelConfig(dp_shard=2, tp=2), {"compile": True}),
@@ -253,7 +267,12 @@ REFUSED: dict[str, tuple[ModelConfig, ParallelConfig, TrainConfig]] = {
         ParallelConfig(dp_shard=8, ep=8),
         _config(),
     ),
-    "--ep N>1|--tp N>1": (MOE, ParallelConfig(dp_shard=2, ep=2, tp=2), _config()),
+    "--ep-tp|--ep 1 or --tp 1": (MOE, ParallelConfig(dp_shard=2, ep=2, ep_tp=True), _config()),
+    "--ep-tp|--expert-ffn-dim H not divisible by --tp": (
+        _moe(0.5, expert_ffn_dim=31),
+        ParallelConfig(dp_shard=2, ep=2, tp=2, ep_tp=True),
+        _config(),
+    ),
     "--ep N>1|--cp N>1": (MOE, ParallelConfig(dp_shard=2, ep=2, cp=2), _config()),
     "--ep N>1|--pp N>1": (MOE, ParallelConfig(dp_shard=2, ep=2, pp=2), _config(microbatches=2)),
     "--cp N>1|--pp N>1": (DEEP, ParallelConfig(cp=2, pp=2), _config(microbatches=2)),
@@ -354,6 +373,8 @@ def test_command_line_sets_every_technique() -> None:
     assert config.fp8_all_gather
     assert config.compile
     assert parse(["--experts", "4", "--ep", "2"], 4)[1].ep == 2
+    ep_tp = parse(["--experts", "4", "--ep", "2", "--tp", "2", "--ep-tp"], 4)[1]
+    assert (ep_tp.ep, ep_tp.tp, ep_tp.ep_tp) == (2, 2, True)
 
 
 @pytest.mark.parametrize("bad", ["budget", "budget:x", "budget:-1", "partial"])

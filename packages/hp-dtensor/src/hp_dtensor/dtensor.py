@@ -10,18 +10,24 @@ is an error naming the op and the input layouts; nothing falls back to a gather.
 Gradients: each rank's local tensor is an autograd variable of its own, and the local
 gradient holds the global gradient in the dual layout (:func:`hp_dtensor.grad_layout`):
 ``.grad`` of a Replicate parameter is ``Partial(sum)`` until reduced.
+
+:meth:`DTensor.full_tensor` follows ``torch.distributed.tensor``: its result is the same
+tensor on every rank, so the gradient flowing back into it is taken as ``Replicate`` (one
+loss, computed on every rank), not as one contribution per rank. :meth:`DTensor.to_local`
+keeps the dual convention (a rank's use of its local tensor is its own contribution).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 from hp_dtensor.device_mesh import DeviceMesh
+from hp_dtensor.gradients import grad_layout
 from hp_dtensor.redistribute import redistribute_local
-from hp_layout import Layout, Placement, Replicate, Shard, Topology
+from hp_layout import Layout, Partial, Placement, ReduceOp, Replicate, Shard, Topology
 
 __all__ = ["DTensor", "distribute_tensor"]
 
@@ -75,7 +81,16 @@ class DTensor(torch.Tensor):
         return self._dist_layout.placements
 
     def to_local(self) -> torch.Tensor:
-        """This rank's shard (differentiable: its gradient flows back into the DTensor)."""
+        """This rank's shard (differentiable: its gradient flows back into the DTensor).
+
+        The gradient of the local tensor is taken in the dual layout
+        (:func:`hp_dtensor.grad_layout`): on a ``Replicate`` axis each rank's gradient is its
+        own contribution (``Partial(sum)``), so a loss computed from a replicated local tensor
+        on every rank counts once per rank. This differs from
+        ``torch.distributed.tensor.DTensor.to_local()``, whose default takes that gradient as
+        ``Replicate`` (counted once); it is kept because tensor-parallel boundaries and sharders
+        rely on it. For torch's reading of a replicated value, use :meth:`full_tensor`.
+        """
         return _unwrap(self)
 
     def redistribute(
@@ -96,10 +111,34 @@ class DTensor(torch.Tensor):
         dst = self._dist_layout.with_placements(placements, shard_order)
         return _redistributed(self, dst, topology)
 
-    def full_tensor(self) -> torch.Tensor:
-        """The whole global tensor on every rank (differentiable)."""
-        replicated = self._dist_layout.with_placements([Replicate()] * self._device_mesh.ndim)
-        return _redistributed(self, replicated, None)._local
+    def full_tensor(self, *, grad_placements: Sequence[Placement] | None = None) -> torch.Tensor:
+        """The whole global tensor on every rank (differentiable, as in torch DTensor).
+
+        The result is the same tensor on every rank, so by default (``grad_placements=None``)
+        the gradient flowing back into it is taken as ``Replicate``: a loss computed from it on
+        every rank is *one* loss, and the source receives that loss's gradient, as
+        ``torch.distributed.tensor.DTensor.full_tensor()`` gives it -- a ``Shard`` source gets
+        its chunk of it, a ``Replicate`` or ``Partial`` source the gradient itself (in the
+        dual layout of :func:`hp_dtensor.grad_layout`: for a ``Replicate`` source, the
+        ``Partial(sum)`` local gradients sum to it, held on coordinate 0 of each replicated
+        axis; nothing is summed over the ranks).
+
+        ``grad_placements`` (one per mesh axis, ``Replicate()`` or ``Partial("sum")``), as in
+        torch, says how the gradient of the result is laid out instead: ``Partial("sum")`` on
+        an axis takes each rank's gradient as its own contribution, summed over that axis.
+        ``grad_placements=[Partial()] * mesh.ndim`` is the dual convention (each rank's loss
+        is a separate term of a total loss; what ``redistribute`` to ``Replicate`` followed
+        by :meth:`to_local` gives).
+        """
+        mesh = self._device_mesh
+        replicated = self._dist_layout.with_placements([Replicate()] * mesh.ndim)
+        given = _full_grad_layout(replicated, grad_placements)
+        local = _redistributed(self, replicated, None)._local
+        wanted = grad_layout(replicated)
+        if given == wanted or not (torch.is_grad_enabled() and local.requires_grad):
+            return local
+        apply = cast(Callable[..., torch.Tensor], _GradientAs.apply)
+        return apply(local, given, wanted, mesh)
 
     @classmethod
     def from_local(
@@ -169,6 +208,41 @@ class DTensor(torch.Tensor):
 
 def _unwrap(x: DTensor) -> torch.Tensor:
     return x._local
+
+
+def _full_grad_layout(replicated: Layout, grad_placements: Sequence[Placement] | None) -> Layout:
+    """The layout the gradient of ``full_tensor()``'s result is taken in (checked)."""
+    if grad_placements is None:
+        return replicated
+    placements = tuple(grad_placements)
+    if len(placements) != len(replicated.placements):
+        raise ValueError(
+            f"full_tensor(grad_placements=...) needs one placement per mesh axis "
+            f"({len(replicated.placements)}), got {list(placements)}"
+        )
+    for p in placements:
+        if not (isinstance(p, Replicate) or (isinstance(p, Partial) and p.op is ReduceOp.SUM)):
+            raise ValueError(
+                f"full_tensor(grad_placements=...) takes Replicate() or Partial('sum') per "
+                f"mesh axis (the result is whole on every rank), got {p!r}"
+            )
+    return replicated.with_placements(placements)
+
+
+class _GradientAs(torch.autograd.Function):
+    """Identity forward; backward reads the incoming local gradient as laid out ``given`` and
+    hands it on laid out ``wanted`` (the dual layout the redistribution's adjoint expects)."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, local: torch.Tensor, given: Layout, wanted: Layout, mesh: DeviceMesh
+    ) -> torch.Tensor:
+        ctx.given, ctx.wanted, ctx.mesh = given, wanted, mesh
+        return local.view_as(local)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        return redistribute_local(grad, ctx.given, ctx.wanted, ctx.mesh), None, None, None
 
 
 def _redistributed(x: DTensor, dst: Layout, topology: Topology | None) -> DTensor:

@@ -55,6 +55,12 @@ _TABLES = {
 }
 
 
+def _expert_note(parallel: ParallelConfig) -> str:
+    if parallel.ep == 1:
+        return ""
+    return f" (ep={parallel.ep}{', experts over tp' if parallel.ep_tp else ''})"
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hp-train", description=__doc__.split("\n\n")[0])
     p.add_argument(
@@ -88,6 +94,11 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--cp-variant", default="ring", choices=CP_VARIANTS)
     d.add_argument(
         "--ep", type=int, default=1, help="expert parallel (MoE), carved from --dp-shard"
+    )
+    d.add_argument(
+        "--ep-tp",
+        action="store_true",
+        help="with --ep and --tp: split each expert's hidden dim over tp too",
     )
     d.add_argument(
         "--microbatches",
@@ -251,10 +262,18 @@ def parse(
             cp=args.cp,
             cp_variant=args.cp_variant,
             ep=args.ep,
+            ep_tp=args.ep_tp,
         )
     else:
         parallel = ParallelConfig(
-            args.dp_replicate, args.dp_shard, args.tp, args.pp, args.cp, args.cp_variant, args.ep
+            args.dp_replicate,
+            args.dp_shard,
+            args.tp,
+            args.pp,
+            args.cp,
+            args.cp_variant,
+            args.ep,
+            args.ep_tp,
         )
     config = TrainConfig(
         steps=args.steps,
@@ -315,7 +334,7 @@ def _print_summary(
         f"dp_replicate={parallel.dp_replicate} x dp_shard={parallel.dp_shard} x tp={parallel.tp}"
         f"{f' x pp={parallel.pp}' if parallel.pp > 1 else ''}"
         f"{f' x cp={parallel.cp} ({parallel.cp_variant})' if parallel.cp > 1 else ''}"
-        f"{f' (ep={parallel.ep})' if parallel.ep > 1 else ''}"
+        f"{_expert_note(parallel)}"
         f" ({'MoE' if model.moe else 'dense'} dim {model.dim}, {model.n_layers} layers)\n"
         f"  loss {first:.4f} -> {last:.4f}; median step {summary.step_time_s * 1e3:.0f} ms, "
         f"{summary.tokens_per_s:.0f} tokens/s; peak memory per rank (MiB): {peaks}\n"

@@ -58,13 +58,18 @@ REFUSALS: tuple[Refusal, ...] = (
         lambda m, p, c: p.ep > 1 and m.moe is not None and m.moe.n_experts % p.ep != 0,
     ),
     Refusal(
-        "--ep N>1",
-        "--tp N>1",
-        "the expert-parallel plan lays the MoE out again after the tensor-parallel plan, and "
-        "the tensor-parallel gradient reduction of the MoE's parameters is then lost (measured: "
-        "1% off in the gradient norm); use --tp 1 with --ep, or --ep 1 (MoE layers whole on "
-        "every tp rank)",
-        lambda m, p, c: p.ep > 1 and p.tp > 1,
+        "--ep-tp",
+        "--ep 1 or --tp 1",
+        "expert-tensor parallelism splits each expert's hidden dim over tp inside the "
+        "expert-parallel layout; give both --ep N>1 and --tp N>1, or drop --ep-tp",
+        lambda m, p, c: p.ep_tp and (p.ep == 1 or p.tp == 1),
+    ),
+    Refusal(
+        "--ep-tp",
+        "--expert-ffn-dim H not divisible by --tp",
+        "each tp rank holds H / tp of every expert's hidden dim; choose --tp among the divisors "
+        "of H",
+        lambda m, p, c: p.ep_tp and m.moe is not None and m.moe.expert_ffn_dim % p.tp != 0,
     ),
     Refusal(
         "--ep N>1",

@@ -314,6 +314,12 @@ class ParallelConfig:
             ``dp_shard``; no ranks of its own): each of ``ep`` neighbouring data-parallel ranks
             holds ``n_experts / ep`` whole experts, and tokens travel to them by all-to-all.
             FSDP shards the experts over the ``dp_shard / ep`` ranks holding the same ones.
+            With ``tp > 1`` the ``tp`` ranks of a data-parallel rank route the same tokens:
+            each keeps its experts whole (computed ``tp`` times) unless ``ep_tp``.
+        ep_tp: expert-tensor parallelism (with ``ep > 1`` and ``tp > 1``): each expert's hidden
+            dim is split over the ``tp`` axis as well (``hp_dtensor.parallel
+            .ExpertTensorParallel``), so the ``tp`` ranks share its matmuls instead of
+            repeating them.
     """
 
     dp_replicate: int = 1
@@ -323,6 +329,7 @@ class ParallelConfig:
     cp: int = 1
     cp_variant: str = "ring"
     ep: int = 1
+    ep_tp: bool = False
 
     def __post_init__(self) -> None:
         for name in ("dp_replicate", "dp_shard", "tp", "pp", "cp", "ep"):
@@ -355,6 +362,7 @@ class ParallelConfig:
         cp: int = 1,
         cp_variant: str = "ring",
         ep: int = 1,
+        ep_tp: bool = False,
     ) -> ParallelConfig:
         """The configuration whose ``dp_shard`` takes every rank the other axes leave."""
         rest = dp_replicate * tp * pp * cp
@@ -362,7 +370,7 @@ class ParallelConfig:
             raise ConfigError(
                 f"world size {world_size} is not divisible by dp_replicate x cp x tp x pp = {rest}"
             )
-        return ParallelConfig(dp_replicate, world_size // rest, tp, pp, cp, cp_variant, ep)
+        return ParallelConfig(dp_replicate, world_size // rest, tp, pp, cp, cp_variant, ep, ep_tp)
 
 
 @dataclass(frozen=True)

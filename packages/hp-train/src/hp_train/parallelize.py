@@ -7,7 +7,7 @@ Tensor parallelism follows Megatron's plan (``hp_dtensor.parallel.transformer_tp
 the dense parts (q/k/v biases are split with their heads, per-head q/k norms and an output
 bias are replicated; with tied embeddings the head multiplies by the embedding's local rows
 of the vocabulary and its logits are gathered, :class:`TiedHeadParallel`); MoE experts stay
-whole on every tensor-parallel rank (expert parallelism is hp-dtensor's, not yet here). FSDP
+whole on every tensor-parallel rank unless expert parallel (``hp_train.expert``). FSDP
 (``hp_fsdp.fully_shard``) then shards every block and the root over the data-parallel axes:
 1-d over ``dp_shard``, HSDP over ``(dp_replicate, dp_shard)``. FSDP is applied even to one
 data-parallel rank, so checkpoints and gradient norms take one path at every size.
@@ -38,7 +38,7 @@ from hp_train.activations import apply_activation_policy
 from hp_train.compiled import compile_blocks
 from hp_train.config import ConfigError, ModelConfig, ParallelConfig, TrainConfig
 from hp_train.context import apply_context_parallel
-from hp_train.expert import apply_expert_parallel, shard_experts
+from hp_train.expert import apply_expert_parallel, seed_aux_loss_once, shard_experts
 from hp_train.model import TiedHead, Transformer
 from hp_train.precision import convert_blocks_to_float8, fsdp_precision
 
@@ -84,6 +84,8 @@ class Layout3D:
         expert_dp_mesh: with ``ep > 1``, the sub-mesh FSDP shards the experts over (the ranks
             holding the same experts: ``expert_shard``, with ``dp_replicate`` under HSDP).
         cp_variant: the context-parallel attention, ``"ring"`` or ``"ulysses"``.
+        experts_split_over_tp: each expert's hidden dim is split over ``tp`` as well
+            (``--ep-tp``).
     """
 
     mesh: DeviceMesh
@@ -96,6 +98,7 @@ class Layout3D:
     expert_mesh: DeviceMesh | None = None
     expert_dp_mesh: DeviceMesh | None = None
     cp_variant: str = "ring"
+    experts_split_over_tp: bool = False
 
     @property
     def cp_size(self) -> int:
@@ -213,6 +216,7 @@ def build_layout(parallel: ParallelConfig, device_type: str) -> Layout3D:
         expert_mesh,
         expert_dp_mesh,
         parallel.cp_variant,
+        parallel.ep_tp,
     )
 
 
@@ -323,7 +327,11 @@ def parallelize(
     if layout.cp_mesh is not None:
         apply_context_parallel(model, layout.cp_mesh, layout.cp_variant)
     if layout.expert_mesh is not None:
-        apply_expert_parallel(model, layout.expert_mesh)
+        apply_expert_parallel(
+            model, layout.expert_mesh, split_experts_over_tp=layout.experts_split_over_tp
+        )
+    elif layout.tp_size > 1:
+        seed_aux_loss_once(model, layout.mesh)
     blocks = list(model.layers.values())
     apply_activation_policy(blocks, config)
     if config.compile:

@@ -24,6 +24,11 @@ from hp_dtensor.parallel.context_plan import (
     ContextParallelPlan,
     SequenceSharding,
 )
+from hp_dtensor.parallel.exact_region import (
+    exact_gradients_of,
+    partial_gradients_of,
+    run_in_exact_region,
+)
 from hp_dtensor.parallel.init import MaterializeError, materialize
 from hp_dtensor.parallel.loss import GradConvention, loss_parallel, vocab_parallel_cross_entropy
 from hp_dtensor.parallel.moe import GroupedExperts, MoE, Routing, SharedExperts, TopKRouter
@@ -104,6 +109,7 @@ __all__ = [
     "check_gradients",
     "context_parallel_cross_entropy",
     "distributed_dropout",
+    "exact_gradients_of",
     "gather_sequence",
     "global_token_mean",
     "local_positions",
@@ -111,9 +117,11 @@ __all__ = [
     "materialize",
     "parallel_dropout_forward",
     "parallelize_module",
+    "partial_gradients_of",
     "random_region",
     "resolve",
     "resolve_plan",
+    "run_in_exact_region",
     "sequence_sharding",
     "shard_sequence",
     "take_region",

@@ -332,6 +332,13 @@ class MoE(nn.Module):
     After each forward, ``last_counts`` holds the tokens per expert (over all tokens, also
     under expert parallelism) and ``last_aux_loss`` the auxiliary loss (this rank's additive
     term under expert parallelism; the terms of all ranks sum to the loss).
+
+    ``aux_grad_seed`` (default 1) is the gradient the single-device forward seeds the
+    auxiliary loss with. A MoE kept whole on every rank of a tensor-parallel axis whose
+    gradients follow the adjoint convention (partial per rank, summed over the axis, as
+    replicated parameters of this package's production plans) computes the same auxiliary
+    loss on each of them: seed it with 1 on one rank of the axis and 0 on the others, so it
+    counts once.
     """
 
     def __init__(
@@ -366,6 +373,7 @@ class MoE(nn.Module):
         self.shared = SharedExperts(dim, shared_hidden) if shared_hidden > 0 else None
         self.last_counts: torch.Tensor | None = None
         self.last_aux_loss: torch.Tensor | None = None
+        self.aux_grad_seed = 1.0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Single device: every token to its top-k experts, weighted sum, plus shared experts."""
@@ -378,7 +386,9 @@ class MoE(nn.Module):
         if self.shared is not None:
             out = out + self.shared(tokens)
         self.last_counts = routing.counts.detach()
-        out = self.finish(out, routing.scores, routing.counts, tokens.shape[0])
+        out = self.finish(
+            out, routing.scores, routing.counts, tokens.shape[0], aux_grad=self.aux_grad_seed
+        )
         return out.view_as(x)
 
     def finish(
