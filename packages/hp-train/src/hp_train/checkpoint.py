@@ -11,13 +11,28 @@ Under pipeline parallelism each stage's ranks hold a different optimizer (other 
 in its groups), so its parameter groups are saved under ``optim_groups.stage_<s>_of_<pp>``
 instead of ``optim.param_groups``; tensors keep their model-wide names. Such a checkpoint
 resumes with the same number of stages (any data and tensor-parallel sizes).
+
+Integrity: once every rank has written its files (and rank 0 the text files), the ranks hash
+them (each a share, SHA-256) and rank 0 writes ``manifest.json`` (every file's size and
+SHA-256) into the ``.partial`` directory before the rename; a complete checkpoint therefore
+always has one. :func:`verify_checkpoint` checks a checkpoint against it before a load (each
+rank a share of the files, then one gather so that every rank reaches the same verdict): a
+missing file, another size (truncated, or appended to), another SHA-256 (bytes overwritten in
+place) or an empty ``.metadata`` is a problem that names the file. A checkpoint written before
+manifests existed (none in it) is accepted unverified, after a structural check (its
+``.metadata`` reads and every file it points into exists and is long enough), and the caller
+says so. A save that fails on any rank (a full disk) raises :class:`CheckpointWriteError` on
+every rank and leaves only the ``.partial`` directory: the latest complete checkpoint stays
+what it was.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import re
 import shutil
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,6 +40,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
@@ -32,21 +48,73 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from hp_fsdp import get_optimizer_state_dict, set_optimizer_state_dict
 
 __all__ = [
+    "MANIFEST_FILE",
     "PARTIAL_SUFFIX",
+    "CheckpointCorruptError",
+    "CheckpointError",
     "CheckpointMismatchError",
+    "CheckpointWriteError",
     "StageOf",
+    "Verification",
+    "checkpoints_newest_first",
     "latest_checkpoint",
     "load_checkpoint",
     "save_checkpoint",
+    "verify_checkpoint",
+    "write_manifest",
 ]
 
 PARTIAL_SUFFIX = ".partial"
+#: Every file of a checkpoint with its size and SHA-256, written last (before the rename).
+MANIFEST_FILE = "manifest.json"
+_MANIFEST_VERSION = 1
+_METADATA = ".metadata"
 _NAME = re.compile(r"^step_(\d+)$")
 _STAGE_GROUPS = re.compile(r"^optim_groups\.stage_\d+_of_(\d+)\.")
 
 
 class CheckpointMismatchError(ValueError):
     """A checkpoint saved with a pipeline layout this run cannot take."""
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be read or written (raised on every rank alike)."""
+
+
+class CheckpointCorruptError(CheckpointError):
+    """A checkpoint whose files do not match its manifest (or, for ``--resume``, no
+    checkpoint that verifies); the message names each checkpoint and file."""
+
+
+class CheckpointWriteError(CheckpointError):
+    """A save failed on some rank (a full disk, a permission); the half-written checkpoint is
+    left as ``.partial`` and the previous complete ones are untouched."""
+
+
+@dataclass(frozen=True)
+class Verification:
+    """What :func:`verify_checkpoint` found.
+
+    Attributes:
+        path: the checkpoint.
+        problems: what is wrong, each naming the file (``__1_0.distcp: missing``); empty when
+            the checkpoint can be loaded.
+        verified: a manifest was there and every file matched it (False for a checkpoint
+            written before manifests existed, accepted after a structural check only).
+    """
+
+    path: Path
+    problems: tuple[str, ...]
+    verified: bool
+
+    @property
+    def ok(self) -> bool:
+        """Whether the checkpoint can be loaded."""
+        return not self.problems
+
+    def describe(self) -> str:
+        """``<path>: <problem>; <problem>``."""
+        return f"{self.path}: {'; '.join(self.problems) or 'ok'}"
 
 
 @dataclass(frozen=True)
@@ -90,6 +158,21 @@ def _step_dir(root: Path, step: int) -> Path:
     return root / f"step_{step:06d}"
 
 
+def checkpoints_newest_first(root: str | Path) -> list[tuple[int, Path]]:
+    """Every checkpoint directory ``step_<n>`` under ``root`` (not the ``.partial`` ones),
+    the highest step first, complete or not: what ``--resume`` tries in turn
+    (:func:`verify_checkpoint` says which can be loaded)."""
+    base = Path(root)
+    if not base.is_dir():
+        return []
+    found = []
+    for entry in base.iterdir():
+        match = _NAME.match(entry.name)
+        if match and entry.is_dir():
+            found.append((int(match.group(1)), entry))
+    return sorted(found, reverse=True)
+
+
 def latest_checkpoint(root: str | Path) -> tuple[int, Path] | None:
     """The complete checkpoint with the highest step under ``root`` (None if there is none)."""
     base = Path(root)
@@ -117,21 +200,225 @@ def save_checkpoint(
     the data loader's position and the run's configuration."""
     final = _step_dir(Path(root), step)
     partial = final.with_name(final.name + PARTIAL_SUFFIX)
-    if dist.get_rank() == 0:
+
+    def start() -> None:
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
-    dist.barrier()
-    dcp_save(_state(model, optimizer, step, stage), checkpoint_id=str(partial))
-    if dist.get_rank() == 0:
+
+    def write_files() -> None:
         for name, text in (files or {}).items():
             (partial / name).write_text(text)
-    dist.barrier()
-    if dist.get_rank() == 0:
+
+    def complete() -> None:
         if final.exists():
             shutil.rmtree(final)
         partial.rename(final)
-    dist.barrier()
+
+    # Each step on rank 0 tells every rank how it went (the others wait for it), so that a
+    # failure there raises everywhere instead of leaving the others in a barrier.
+    _on_rank_0(start, partial)
+    try:
+        dcp_save(_state(model, optimizer, step, stage), checkpoint_id=str(partial))
+    except CheckpointException as exc:
+        raise CheckpointWriteError(_write_failure(partial, exc)) from exc
+    _on_rank_0(write_files, partial)
+    write_manifest(partial)
+    _on_rank_0(complete, partial)
     return final
+
+
+def _write_failure(partial: Path, exc: CheckpointException) -> str:
+    causes = "; ".join(
+        f"rank {rank}: {_cause(failure)}" for rank, failure in sorted(exc.failures.items())
+    )
+    return (
+        f"could not write checkpoint {partial} ({causes}); it stays incomplete (.partial, "
+        "never taken by --resume) and the earlier checkpoints are untouched"
+    )
+
+
+def _cause(failure: object) -> str:
+    error = failure[0] if isinstance(failure, tuple) and failure else failure
+    return f"{type(error).__name__}: {error}" if isinstance(error, BaseException) else str(error)
+
+
+def _on_rank_0(work: Callable[[], None], partial: Path) -> None:
+    """``work()`` on rank 0, its failure (OSError) raised on every rank (collective)."""
+    failure: list[str | None] = [None]
+    if dist.get_rank() == 0:
+        try:
+            work()
+        except OSError as exc:
+            failure[0] = f"rank 0: {type(exc).__name__}: {exc}"
+    dist.broadcast_object_list(failure, src=0)
+    if failure[0] is not None:
+        raise CheckpointWriteError(
+            f"could not write checkpoint {partial} ({failure[0]}); it stays incomplete "
+            "(.partial, never taken by --resume) and the earlier checkpoints are untouched"
+        )
+
+
+def _sha256(path: Path) -> str:
+    with path.open("rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _gather(value: object) -> list[object]:
+    gathered: list[object] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, value)
+    return gathered
+
+
+def _names_from_rank_0(folder: Path) -> list[str]:
+    """The files of ``folder`` as rank 0 lists them (broadcast: every rank the same list)."""
+    names: list[object] = [None]
+    if dist.get_rank() == 0:
+        names[0] = sorted(
+            p.name for p in folder.iterdir() if p.is_file() and p.name != MANIFEST_FILE
+        )
+    dist.broadcast_object_list(names, src=0)
+    assert isinstance(names[0], list)
+    return names[0]
+
+
+def write_manifest(folder: str | Path) -> None:
+    """Hash every file of the checkpoint being written in ``folder`` (each rank a share)
+    and have rank 0 write :data:`MANIFEST_FILE` (collective; after every rank has written
+    its files).
+
+    Raises:
+        CheckpointWriteError: a file could not be read or the manifest written (every rank).
+    """
+    base = Path(folder)
+    names = _names_from_rank_0(base)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mine: dict[str, object] = {}
+    try:
+        for name in names[rank::world]:
+            path = base / name
+            mine[name] = {"size": path.stat().st_size, "sha256": _sha256(path)}
+    except OSError as exc:
+        mine = {"error": f"rank {rank}: {type(exc).__name__}: {exc}"}
+    entries: dict[str, object] = {}
+    for part in _gather(mine):
+        assert isinstance(part, dict)
+        if "error" in part:
+            raise CheckpointWriteError(f"could not hash checkpoint {base} ({part['error']})")
+        entries.update(part)
+
+    def write() -> None:
+        manifest = {
+            "version": _MANIFEST_VERSION,
+            "hash": "sha256",
+            "files": {name: entries[name] for name in names},
+        }
+        (base / MANIFEST_FILE).write_text(json.dumps(manifest, indent=1) + "\n")
+
+    _on_rank_0(write, base)
+
+
+def _read_manifest(path: Path) -> tuple[dict[str, dict[str, Any]] | None, list[str]]:
+    """The manifest's files (None: there is no manifest) and any problem reading it."""
+    file = path / MANIFEST_FILE
+    if not file.is_file():
+        return None, []
+    try:
+        manifest = json.loads(file.read_text())
+        files = manifest["files"]
+        if manifest.get("version") != _MANIFEST_VERSION or not isinstance(files, dict):
+            raise ValueError(f"version {manifest.get('version')!r}")
+        for entry in files.values():
+            int(entry["size"]), str(entry["sha256"])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        return {}, [f"{MANIFEST_FILE}: unreadable ({type(exc).__name__}: {exc})"]
+    return files, []
+
+
+def _structure_problems(path: Path) -> list[str]:
+    """A checkpoint without a manifest: ``.metadata`` reads and every file it points into
+    exists and holds the bytes it points at."""
+    try:
+        storage = FileSystemReader(str(path)).read_metadata().storage_data
+    except Exception as exc:  # anything torch raises on a damaged file
+        return [f"{_METADATA}: unreadable ({type(exc).__name__}: {exc})"]
+    needed: dict[str, int] = {}
+    for info in storage.values():
+        end = int(info.offset) + int(info.length)
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), end)
+    problems = []
+    for name, end in sorted(needed.items()):
+        file = path / name
+        if not file.is_file():
+            problems.append(f"{name}: missing")
+        elif file.stat().st_size < end:
+            problems.append(
+                f"{name}: {file.stat().st_size} bytes, {_METADATA} points up to byte {end} "
+                "(truncated)"
+            )
+    return problems
+
+
+def _plan(path: Path) -> dict[str, Any]:
+    """Rank 0's part of a verification: whether the checkpoint is there, its manifest."""
+    if not path.is_dir():
+        return {"problems": ["no such checkpoint directory"], "files": None}
+    metadata = path / _METADATA
+    if not metadata.is_file():
+        return {"problems": [f"{_METADATA}: missing"], "files": None}
+    files, problems = _read_manifest(path)
+    if metadata.stat().st_size == 0:
+        problems.insert(0, f"empty {_METADATA} (0 bytes)")
+    if problems:
+        return {"problems": problems, "files": None}
+    if files is None:
+        return {"problems": _structure_problems(path), "files": None}
+    return {"problems": [], "files": files}
+
+
+def _file_problems(
+    path: Path, files: Mapping[str, Mapping[str, Any]], names: list[str]
+) -> list[str]:
+    problems = []
+    for name in names:
+        entry, file = files[name], path / name
+        if not file.is_file():
+            problems.append(f"{name}: missing")
+            continue
+        size = file.stat().st_size
+        if size != int(entry["size"]):
+            problems.append(f"{name}: {size} bytes, the manifest says {entry['size']}")
+        elif _sha256(file) != entry["sha256"]:
+            problems.append(f"{name}: SHA-256 differs from the manifest's (same size)")
+    return problems
+
+
+def verify_checkpoint(path: str | Path) -> Verification:
+    """Check a checkpoint before loading it (collective: every rank calls it and gets the
+    same :class:`Verification`).
+
+    Rank 0 reads the manifest and broadcasts it; each rank checks a share of the files (size,
+    then SHA-256); one gather gives every rank every problem, in the manifest's order."""
+    folder = Path(path)
+    plan: list[object] = [_plan(folder) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(plan, src=0)
+    found = plan[0]
+    assert isinstance(found, dict)
+    files = found["files"]
+    if files is None:
+        return Verification(folder, tuple(found["problems"]), verified=False)
+    names = sorted(files)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    try:
+        mine = _file_problems(folder, files, names[rank::world])
+    except OSError as exc:
+        mine = [f"rank {rank} could not read it: {type(exc).__name__}: {exc}"]
+    problems: list[str] = []
+    for part in _gather(mine):
+        assert isinstance(part, list)
+        problems += part
+    order = {name: i for i, name in enumerate(names)}
+    problems.sort(key=lambda p: order.get(p.split(":")[0], len(order)))
+    return Verification(folder, tuple(problems), verified=not problems)
 
 
 def load_checkpoint(
@@ -145,6 +432,9 @@ def load_checkpoint(
 
     Raises:
         CheckpointMismatchError: the checkpoint was saved with another number of pipeline stages.
+        CheckpointCorruptError: torch could not read it (on every rank; the message names the
+            checkpoint and each rank's error). :func:`verify_checkpoint` first finds the damage
+            a manifest can show.
     """
     saved = _saved_stages(Path(path))
     wanted = 1 if stage is None else stage.stages
@@ -154,7 +444,13 @@ def load_checkpoint(
             f"resume with --pp {saved} (the data and tensor-parallel sizes may change)"
         )
     state = _state(model, optimizer, 0, stage)
-    dcp_load(state, checkpoint_id=str(path))
+    try:
+        dcp_load(state, checkpoint_id=str(path))
+    except CheckpointException as exc:
+        causes = "; ".join(
+            f"rank {rank}: {_cause(failure)}" for rank, failure in sorted(exc.failures.items())
+        )
+        raise CheckpointCorruptError(f"could not load checkpoint {path} ({causes})") from exc
     model.load_state_dict(state["model"])
     optim_sd = state["optim"]
     if stage is not None:

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from hp_train.checkpoint import CheckpointError
 from hp_train.config import (
     CP_VARIANTS,
     FP8_RECIPES,
@@ -33,12 +34,13 @@ from hp_train.config import (
     TrainConfig,
 )
 from hp_train.config_file import option_tables, read_config_file, resolved_tables
+from hp_train.nonfinite import NonFiniteError
 from hp_train.presets import model_configs
 from hp_train.run_plan import plan_report
 from hp_train.runtime import init_runtime, shutdown
 from hp_train.trainer import RunOptions, Summary, train
 
-__all__ = ["MODEL_PRESETS", "main", "parse"]
+__all__ = ["EXIT_CHECKPOINT", "EXIT_CONFIG", "EXIT_NONFINITE", "MODEL_PRESETS", "main", "parse"]
 
 #: Named model sizes (``--model``; the one table the dry run uses too, ``hp_train.presets``);
 #: explicit size flags override a preset's fields.
@@ -124,6 +126,13 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--grad-accum", type=int, default=1, help="micro-steps per optimizer step")
     t.add_argument("--clip-grad-norm", type=float, default=0.0, help="max global norm (0: off)")
     t.add_argument(
+        "--skip-nonfinite",
+        type=int,
+        default=0,
+        help="skip up to N steps whose loss or gradients are NaN/inf (no optimizer step), then "
+        "stop; 0: stop at the first (exit code 3)",
+    )
+    t.add_argument(
         "--ac", default="none", help="activation checkpointing: none, full, selective, budget:<MiB>"
     )
     t.add_argument("--swap", action="store_true", help="swap kept activations to host memory")
@@ -164,7 +173,13 @@ def _parser() -> argparse.ArgumentParser:
     r = p.add_argument_group("run")
     r.add_argument("--out", type=Path, default=Path("hp_train_out"))
     r.add_argument("--checkpoint-every", type=int, default=0)
-    r.add_argument("--resume", action="store_true")
+    r.add_argument("--resume", action="store_true", help="from the newest checkpoint that verifies")
+    r.add_argument(
+        "--resume-from",
+        type=Path,
+        default=None,
+        help="resume from this checkpoint directory (an error if it does not verify)",
+    )
     r.add_argument("--validate", action="store_true")
     r.add_argument("--validate-steps", type=int, default=2)
     r.add_argument("--quiet", action="store_true")
@@ -300,6 +315,7 @@ def parse(
         pp_schedule=args.pp_schedule,
         grad_accum=args.grad_accum,
         clip_grad_norm=args.clip_grad_norm,
+        skip_nonfinite=args.skip_nonfinite,
         ac=args.ac,
         swap=args.swap,
         offload=args.offload,
@@ -312,6 +328,7 @@ def parse(
     options = RunOptions(
         out_dir=args.out,
         resume=args.resume,
+        resume_from=args.resume_from,
         validate=args.validate,
         validate_steps=args.validate_steps,
         quiet=args.quiet,
@@ -339,9 +356,20 @@ def _print_summary(
         f"  loss {first:.4f} -> {last:.4f}; median step {summary.step_time_s * 1e3:.0f} ms, "
         f"{summary.tokens_per_s:.0f} tokens/s; peak memory per rank (MiB): {peaks}\n"
         + _eval_line(summary)
+        + _skipped_line(summary)
         + f"  wrote {', '.join(str(out / name) for name in written)}"
         + (f", checkpoint {summary.checkpoint}" if summary.checkpoint else ""),
         flush=True,
+    )
+
+
+def _skipped_line(summary: Summary) -> str:
+    if not summary.skipped_steps:
+        return ""
+    steps = ", ".join(str(s) for s in summary.skipped_steps)
+    return (
+        f"  skipped {len(summary.skipped_steps)} step(s) with a non-finite loss or gradient "
+        f"(--skip-nonfinite): {steps}\n"
     )
 
 
@@ -373,8 +401,19 @@ def _print_plan(argv: Sequence[str] | None, pre: argparse.Namespace) -> int:
     return 0
 
 
+#: Exit codes of :func:`main` besides 0: a configuration error (the message on stderr).
+EXIT_CONFIG = 2
+#: Training stopped on a non-finite loss, gradient or parameter (``NonFiniteError``).
+EXIT_NONFINITE = 3
+#: A checkpoint could not be loaded (none verifies, ``--resume-from`` does not) or written.
+EXIT_CHECKPOINT = 4
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run training; returns the process exit code (2 for a configuration error)."""
+    """Run training; returns the process exit code (every rank the same): 0, or
+    :data:`EXIT_CONFIG`, :data:`EXIT_NONFINITE`, :data:`EXIT_CHECKPOINT`. The trainer logged
+    the last two's message (rank 0's stderr, every rank's log file); a configuration error is
+    printed here."""
     try:
         pre = parse_args(argv)
     except ConfigError as exc:
@@ -399,6 +438,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         if dist.get_rank() == 0:
             print(f"hp-train: {exc}", file=sys.stderr)
         dist.destroy_process_group()
-        return 2
+        return EXIT_CONFIG
+    except NonFiniteError:
+        shutdown()  # every rank raised it at the same step: none is left in a collective
+        return EXIT_NONFINITE
+    except CheckpointError:
+        shutdown()
+        return EXIT_CHECKPOINT
     shutdown()
     return 0

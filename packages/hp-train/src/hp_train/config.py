@@ -414,6 +414,10 @@ class TrainConfig:
             (under HSDP the replicas' all-reduce runs once, after the last).
         clip_grad_norm: clip the global gradient norm to this value before each optimizer
             step (0: no clipping).
+        skip_nonfinite: how many steps with a non-finite global loss or gradient the run may
+            skip (their gradients dropped, no optimizer step, as ``torch.amp.GradScaler``
+            skips an overflowing step; counted over the whole run) before it stops with
+            ``hp_train.nonfinite.NonFiniteError``; 0: stop at the first.
         ac: activation checkpointing of every block: ``"none"``, ``"full"`` (keep only the
             block's input, recompute the rest in backward), ``"selective"`` (keep the outputs of
             matmuls and attention, recompute the cheap ops) or ``"budget:<MiB>"`` (keep the
@@ -460,6 +464,7 @@ class TrainConfig:
     pp_schedule: str = "1f1b"
     grad_accum: int = 1
     clip_grad_norm: float = 0.0
+    skip_nonfinite: int = 0
     ac: str = "none"
     swap: bool = False
     offload: str = "none"
@@ -476,6 +481,15 @@ class TrainConfig:
         if not (math.isfinite(self.clip_grad_norm) and self.clip_grad_norm >= 0):
             raise ConfigError(
                 f"clip_grad_norm must be a finite number >= 0 (0: off), got {self.clip_grad_norm}"
+            )
+        if (
+            isinstance(self.skip_nonfinite, bool)
+            or not isinstance(self.skip_nonfinite, int)
+            or self.skip_nonfinite < 0
+        ):
+            raise ConfigError(
+                f"skip_nonfinite must be an integer >= 0 (0: stop at the first non-finite "
+                f"step), got {self.skip_nonfinite!r}"
             )
         self.ac_budget_bytes  # noqa: B018 - parses ``ac``, raising ConfigError
         for name, value, allowed in (

@@ -23,10 +23,11 @@ __all__ = ["RECORD_FILE", "RESUMABLE_FIELDS", "read_record", "resume_conflicts",
 RECORD_FILE = "hp_train_config.json"
 
 #: Fields a resumed run may change, as ``table.field``: how long it runs, how often it logs,
-#: evaluates and checkpoints, and the data and tensor-parallel sizes (checkpoints are
-#: resharded on load; the pipeline depth is checked by the checkpoint itself, and the batch
-#: split follows from the global batch, which must not change). Every other field shapes the
-#: model, the data order or the optimizer's trajectory and must equal the checkpoint's.
+#: evaluates and checkpoints, how many non-finite steps it may skip, and the data and
+#: tensor-parallel sizes (checkpoints are resharded on load; the pipeline depth is checked by
+#: the checkpoint itself, and the batch split follows from the global batch, which must not
+#: change). Every other field shapes the model, the data order or the optimizer's trajectory
+#: and must equal the checkpoint's.
 RESUMABLE_FIELDS: frozenset[str] = frozenset(
     {
         "training.steps",
@@ -35,6 +36,7 @@ RESUMABLE_FIELDS: frozenset[str] = frozenset(
         "training.eval_every",
         "training.eval_batches",
         "training.divergence_threshold",
+        "training.skip_nonfinite",
         "training.deterministic",
         "training.streaming",
         "parallel.dp_replicate",

@@ -9,6 +9,13 @@ events (``--tensorboard``) into the output folder; every rank logs to
 ``<out>/logs/rank_<r>.log``; checkpoints go to ``<out>/checkpoints``, each with the data
 loader's position (``data_state.json``) and the run's configuration, so a resumed run sees
 the batches an uninterrupted one would and refuses a configuration it cannot continue.
+
+Faults: every step checks, before the optimizer step, that the global loss and gradients are
+finite (:mod:`hp_train.nonfinite`); a non-finite one stops the run with
+:class:`~hp_train.nonfinite.NonFiniteError` naming the first non-finite parameter or gradient
+(or, with ``skip_nonfinite``, skips the step), and no checkpoint is written from non-finite
+state. ``--resume`` loads the newest checkpoint that verifies against its manifest
+(:func:`hp_train.checkpoint.verify_checkpoint`), saying which it skipped and why.
 """
 
 from __future__ import annotations
@@ -27,7 +34,17 @@ import torch
 import torch.distributed as dist
 
 from hp_offload import OffloadedOptimizer
-from hp_train.checkpoint import StageOf, latest_checkpoint, load_checkpoint, save_checkpoint
+from hp_train.checkpoint import (
+    CheckpointCorruptError,
+    CheckpointError,
+    StageOf,
+    Verification,
+    checkpoints_newest_first,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+    verify_checkpoint,
+)
 from hp_train.combinations import check_combination
 from hp_train.config import ConfigError, ModelConfig, ParallelConfig, TrainConfig
 from hp_train.config_file import CONFIG_FILE, dump_toml
@@ -37,6 +54,7 @@ from hp_train.logs import close_logging, setup_logging
 from hp_train.metrics import MetricsWriter, peak_memory_bytes, read_metrics, write_json
 from hp_train.model import Transformer, lm_loss
 from hp_train.monitor import divergent_ranks, global_grad_norm, local_norms, rank_losses, snapshot
+from hp_train.nonfinite import NonFiniteError, count_nonfinite, first_nonfinite, nonfinite_state
 from hp_train.optim import build_optimizer, build_schedule
 from hp_train.parallelize import build_layout, check_model_fits, parallelize, resolve_tp_plan
 from hp_train.pipeline import PipelineRunner, build_pipeline, keep_stage, stage_boundaries
@@ -63,6 +81,7 @@ from hp_train.tokenizer import ByteTokenizer, TextTokenizer, load_tokenizer
 
 __all__ = [
     "DATA_STATE_FILE",
+    "SKIPPED_FILE",
     "RunOptions",
     "Summary",
     "Trainer",
@@ -74,6 +93,13 @@ __all__ = [
 
 #: The data loader's position, in every checkpoint.
 DATA_STATE_FILE = "data_state.json"
+#: The steps skipped for non-finite values so far (``skip_nonfinite``), in every checkpoint.
+SKIPPED_FILE = "skipped_steps.json"
+#: Fields of the run record a resume may change besides ``run_record.RESUMABLE_FIELDS``: how
+#: many non-finite steps to tolerate (resuming a run that stopped on one with
+#: ``--skip-nonfinite N`` is what the option is for; checkpoints written before it existed
+#: do not record it).
+_ALSO_RESUMABLE = ("training.skip_nonfinite",)
 
 
 @dataclass(frozen=True)
@@ -82,7 +108,10 @@ class RunOptions:
 
     Attributes:
         out_dir: metrics, plot, logs and checkpoints.
-        resume: continue from the latest complete checkpoint in ``out_dir/checkpoints``.
+        resume: continue from the newest checkpoint in ``out_dir/checkpoints`` that verifies
+            against its manifest (skipping, with a warning naming the file, any that do not).
+        resume_from: continue from this checkpoint directory (verified; an error if it does
+            not verify or does not exist); implies ``resume``.
         validate: before training, run the tensor-parallel plan in validation mode against a
             single-device run for ``validate_steps`` steps (raises on the first mismatch).
         validate_steps: steps of that check.
@@ -97,6 +126,7 @@ class RunOptions:
 
     out_dir: Path
     resume: bool = False
+    resume_from: Path | None = None
     validate: bool = False
     validate_steps: int = 2
     quiet: bool = False
@@ -118,6 +148,8 @@ class Summary:
         checkpoint: the last checkpoint written, if any.
         eval_losses: the held-out loss of every evaluation of this invocation, by the step
             after which it ran (``eval_every``).
+        skipped_steps: the steps skipped for a non-finite loss or gradient
+            (``skip_nonfinite``) over the whole run, a resumed one's earlier ones included.
     """
 
     losses: dict[int, float]
@@ -127,6 +159,7 @@ class Summary:
     peak_memory_bytes: list[int | None]
     checkpoint: str | None
     eval_losses: dict[int, float] = field(default_factory=dict)
+    skipped_steps: list[int] = field(default_factory=list)
 
 
 def _set_determinism(config: TrainConfig) -> None:
@@ -201,6 +234,7 @@ class Trainer:
         self.out = options.out_dir
         self.checkpoints = self.out / "checkpoints"
         self.tokens_per_step = config.global_batch * config.seq_len
+        self.skipped: list[int] = []
         self.log = setup_logging(self.out, runtime.rank, quiet=options.quiet)
 
     # ----------------------------------------------------------------------------- build
@@ -284,28 +318,41 @@ class Trainer:
 
     # ---------------------------------------------------------------------------- resume
     def _will_resume(self) -> bool:
-        return self.options.resume and latest_checkpoint(self.checkpoints) is not None
+        if self.options.resume_from is not None:
+            return True
+        return self.options.resume and bool(checkpoints_newest_first(self.checkpoints))
 
     def resume(self) -> int:
-        """With ``resume``: load the latest complete checkpoint (weights, optimizer, data
-        position) and return its step; else 0.
+        """With ``resume``: load the newest checkpoint that verifies (weights, optimizer,
+        data position, skipped steps) and return its step; with ``resume_from`` that one;
+        else 0 (collective).
 
         Raises:
             ConfigError: the checkpoint's run differs from this one in a field a resume cannot
-                change (the message names each).
+                change (the message names each); ``resume_from`` does not exist or is a folder
+                of checkpoints.
+            CheckpointCorruptError: ``resume_from`` does not verify, or checkpoints exist and
+                none verifies (the message names each and its bad file).
         """
-        if not self.options.resume:
+        if self.options.resume_from is not None:
+            path = self._chosen_checkpoint(Path(self.options.resume_from))
+        elif not self.options.resume:
             return 0
-        found = latest_checkpoint(self.checkpoints)
-        if found is None:
-            self.log.info(
-                "--resume: no complete checkpoint in %s; starting at step 0", self.checkpoints
-            )
-            return 0
-        path = found[1]
+        else:
+            found = self._newest_good_checkpoint()
+            if found is None:
+                self.log.info(
+                    "--resume: no complete checkpoint in %s; starting at step 0", self.checkpoints
+                )
+                return 0
+            path = found
         saved = read_record(path)
         if saved is not None:
-            conflicts = resume_conflicts(saved, self.record)
+            conflicts = [
+                c
+                for c in resume_conflicts(saved, self.record)
+                if not c.startswith(tuple(f"{name}:" for name in _ALSO_RESUMABLE))
+            ]
             if conflicts:
                 raise ConfigError(
                     f"--resume: {path} was written by a run this one cannot continue; these "
@@ -316,8 +363,63 @@ class Trainer:
         state_file = path / DATA_STATE_FILE
         if state_file.is_file():
             self.data.load_state_dict(json.loads(state_file.read_text()))
+        skipped_file = path / SKIPPED_FILE
+        if skipped_file.is_file():
+            self.skipped = [int(s) for s in json.loads(skipped_file.read_text())["skipped_steps"]]
         self.log.info("resumed from %s (step %d)", path, step)
         return step
+
+    def _newest_good_checkpoint(self) -> Path | None:
+        """The newest checkpoint of ``out/checkpoints`` that verifies (None: there is none at
+        all), each one skipped logged with its problem (collective)."""
+        skipped: list[Verification] = []
+        for _, path in checkpoints_newest_first(self.checkpoints):
+            verdict = verify_checkpoint(path)
+            if verdict.ok:
+                self._note_unverified(verdict)
+                return path
+            self.log.warning(
+                "--resume: skipping checkpoint %s: %s; trying the next older one",
+                path,
+                "; ".join(verdict.problems),
+            )
+            skipped.append(verdict)
+        if skipped:
+            raise CheckpointCorruptError(
+                f"--resume: no checkpoint in {self.checkpoints} verifies ("
+                + "; ".join(v.describe() for v in skipped)
+                + "). Put a good copy back and pass it with --resume-from, or start over "
+                "without --resume"
+            )
+        return None
+
+    def _chosen_checkpoint(self, path: Path) -> Path:
+        """``resume_from``, verified (collective)."""
+        if not path.is_dir():
+            raise ConfigError(f"--resume-from {path}: no such checkpoint directory")
+        inside = checkpoints_newest_first(path)
+        if not (path / ".metadata").exists() and inside:
+            raise ConfigError(
+                f"--resume-from {path} is a folder of checkpoints, not one: pass one of them "
+                f"(the newest is {inside[0][1]}), or --resume to take the newest that verifies"
+            )
+        verdict = verify_checkpoint(path)
+        if not verdict.ok:
+            raise CheckpointCorruptError(
+                f"--resume-from {path} does not verify: {'; '.join(verdict.problems)}. Pick "
+                "another checkpoint (--resume takes the newest that verifies)"
+            )
+        self._note_unverified(verdict)
+        return path
+
+    def _note_unverified(self, verdict: Verification) -> None:
+        if not verdict.verified:
+            self.log.warning(
+                "checkpoint %s has no manifest.json (written before hp-train checksummed its "
+                "checkpoints): loading it unverified (its .metadata reads and its files are "
+                "long enough)",
+                verdict.path,
+            )
 
     # ------------------------------------------------------------------------------ step
     def _local_batch(self, step: int) -> Batch:
@@ -364,7 +466,17 @@ class Trainer:
         return total / steps
 
     def train_step(self, step: int, monitored: bool) -> dict[str, Any]:
-        """Forward, backward and optimizer step of ``step``; its metrics record."""
+        """Forward, backward and optimizer step of ``step``; its metrics record.
+
+        Before the optimizer step the global loss and gradients are checked (one all-reduce
+        with the loss's; the gradient norm too where it is computed): a non-finite one stops
+        the run, or with ``skip_nonfinite`` skips the step (gradients dropped, no optimizer
+        step; the LR schedule, a function of the step, and the data move on).
+
+        Raises:
+            NonFiniteError: a non-finite loss or gradient (more than ``skip_nonfinite`` times,
+                or with a non-finite parameter, where skipping cannot help); on every rank.
+        """
         batch = self._local_batch(step)
         if self.pipeline is None:
             local_lm = self._forward_backward(batch)
@@ -374,22 +486,86 @@ class Trainer:
         aux = self._aux_loss()
         if aux is not None:
             record["moe_aux_loss"] = aux
-        before = None
-        if self.config.clip_grad_norm > 0:
-            record["grad_norm"] = self._clip(self.config.clip_grad_norm)
-        elif monitored:
-            record["grad_norm"] = self._grad_norm()
-        if monitored:
-            before = snapshot(self.model)
-        self.stepper.step()
-        self.schedule.step()
-        if monitored:
-            record["layers"] = {k: asdict(v) for k, v in local_norms(self.model, before).items()}
+        record["loss"], bad_grads = self._global_loss(local_lm)
+        finite = math.isfinite(record["loss"]) and not bad_grads
+        if finite:
+            if self.config.clip_grad_norm > 0:
+                record["grad_norm"] = self._clip(self.config.clip_grad_norm)
+            elif monitored:
+                record["grad_norm"] = self._grad_norm()
+            finite = math.isfinite(record.get("grad_norm", 0.0))
+        if finite:
+            before = snapshot(self.model) if monitored else None
+            self.stepper.step()
+            self.schedule.step()
+            if monitored:
+                record["layers"] = {
+                    k: asdict(v) for k, v in local_norms(self.model, before).items()
+                }
+        else:
+            self._skip_or_stop(step, record, bad_grads)
+            with warnings.catch_warnings():
+                # A skipped first step steps the schedule before the optimizer, on purpose.
+                warnings.filterwarnings(
+                    "ignore", "Detected call of `lr_scheduler.step", UserWarning
+                )
+                self.schedule.step()
         self.optimizer.zero_grad(set_to_none=True)
-        record["loss"] = self._global_mean(local_lm)
         if monitored:
-            self._monitor(record, local_lm)
+            self._monitor(record, local_lm, warn=finite)
         return record
+
+    def _global_loss(self, local: float) -> tuple[float, int]:
+        """:meth:`_global_mean` of the local loss and the number of non-finite gradient
+        pieces over all ranks, in one all-reduce."""
+        bad = count_nonfinite(p.grad for p in self.model.parameters())
+        reduced = torch.tensor([local, float(bad)], dtype=torch.float64)
+        dist.all_reduce(reduced)
+        return float(reduced[0]) / (self.runtime.world_size // self.parallel.pp), int(reduced[1])
+
+    def _stage(self) -> int:
+        return 0 if self.pipeline is None else self.pipeline.stage
+
+    def _skip_or_stop(self, step: int, record: dict[str, Any], bad_grads: int) -> None:
+        """A step whose loss or gradients are non-finite: name the first non-finite tensor
+        (collective), then count the skip or raise :class:`NonFiniteError`."""
+        report = first_nonfinite(self.model, self._stage())
+        found = []
+        if not math.isfinite(record["loss"]):
+            found.append(f"the global loss is {record['loss']}")
+        if bad_grads:
+            found.append(f"{bad_grads} gradient piece(s) over the ranks are non-finite")
+        elif "grad_norm" in record:
+            found.append(f"the global gradient norm is {record['grad_norm']}")
+        what = f"step {step}: {' and '.join(found)}; {report.describe()}"
+        record["nonfinite_at"] = None if report.first is None else report.first.describe()
+        limit = self.config.skip_nonfinite
+        if limit and report.parameter is None and len(self.skipped) < limit:
+            self.skipped.append(step)
+            record["skipped"] = True
+            record["skipped_steps"] = len(self.skipped)
+            self.log.warning(
+                "%s: skipped the step, no optimizer step (%d of at most %d, --skip-nonfinite)",
+                what,
+                len(self.skipped),
+                limit,
+            )
+            return
+        if report.parameter is not None:
+            why = "the weights themselves are non-finite, which skipping a step cannot mend"
+        elif limit:
+            why = f"more than --skip-nonfinite {limit} steps were non-finite ({self.skipped})"
+        else:
+            why = "stopped before the optimizer step applied it"
+        latest = latest_checkpoint(self.checkpoints)
+        raise NonFiniteError(
+            f"{what}; {why}. No checkpoint holds non-finite state (the latest is "
+            f"{'none' if latest is None else latest[1]}). Lower the learning rate, clip with "
+            "--clip-grad-norm, or skip such steps with --skip-nonfinite N",
+            step,
+            report,
+            record,
+        )
 
     def _clip(self, max_norm: float) -> float:
         """Scale every gradient so that the global norm is at most ``max_norm`` (as
@@ -427,13 +603,14 @@ class Trainer:
         dist.all_reduce(square, group=self.pipeline.pp_group)
         return math.sqrt(float(square))
 
-    def _monitor(self, record: dict[str, Any], local_lm: float) -> None:
-        """Per-rank losses (warning on divergent ranks) and peak memory into ``record``."""
+    def _monitor(self, record: dict[str, Any], local_lm: float, warn: bool = True) -> None:
+        """Per-rank losses (warning on divergent ranks unless ``warn`` is off: a skipped
+        non-finite step was reported already) and peak memory into ``record``."""
         per_rank = rank_losses(local_lm)
         record["rank_losses"] = per_rank
         holders = self._loss_ranks()
         for d in divergent_ranks(per_rank, self.config.divergence_threshold, holders):
-            if self.is_main:
+            if self.is_main and warn:
                 warnings.warn(d.message(), stacklevel=1)
         peaks: list[object] = [None] * self.runtime.world_size
         dist.all_gather_object(peaks, peak_memory_bytes(self.runtime.device))
@@ -468,10 +645,29 @@ class Trainer:
 
     # ------------------------------------------------------------------------------ save
     def save(self, step: int) -> Path:
-        """A checkpoint after ``step`` steps, with the data position and the configuration."""
+        """A checkpoint after ``step`` steps, with the data position and the configuration
+        (collective).
+
+        Raises:
+            NonFiniteError: a parameter or optimizer state tensor is non-finite (an optimizer
+                step of finite gradients overflowed); nothing is written.
+            CheckpointWriteError: a rank could not write (the earlier checkpoints stay).
+        """
+        bad = torch.tensor([float(nonfinite_state(self.model, self.optimizer))])
+        dist.all_reduce(bad)
+        if float(bad):
+            report = first_nonfinite(self.model, self._stage(), self.optimizer)
+            raise NonFiniteError(
+                f"after step {step - 1}: {report.describe()}; not writing checkpoint "
+                f"step_{step:06d} from non-finite state. Lower the learning rate or clip "
+                "with --clip-grad-norm",
+                step - 1,
+                report,
+            )
         files = {
             DATA_STATE_FILE: json.dumps(self.data.state_dict()),
             RECORD_FILE: json.dumps(self.record, indent=1),
+            SKIPPED_FILE: json.dumps({"skipped_steps": self.skipped}),
         }
         if self.options.options is not None:
             files[CONFIG_FILE] = dump_toml(self.options.options)
@@ -484,6 +680,9 @@ class Trainer:
         """Build, resume, train to ``config.steps``, report (collective)."""
         try:
             return self._run()
+        except (NonFiniteError, CheckpointError) as exc:
+            self.log.error("%s", exc)
+            raise
         finally:
             close_logging()
 
@@ -494,7 +693,7 @@ class Trainer:
         self.schedule = build_schedule(self.optimizer, self.config, start)
         config = self.config
         metrics_path = self.out / "metrics.jsonl"
-        if self.is_main and not self.options.resume:
+        if self.is_main and not (self.options.resume or self.options.resume_from):
             metrics_path.unlink(missing_ok=True)  # a new run; a resumed one appends
         metrics = MetricsWriter(metrics_path) if self.is_main else None
         board = self._tensorboard(start)
@@ -507,7 +706,12 @@ class Trainer:
             for step in range(start, config.steps):
                 began = time.perf_counter()
                 last = step == config.steps - 1
-                record = self.train_step(step, monitored=step % config.log_every == 0 or last)
+                try:
+                    record = self.train_step(step, monitored=step % config.log_every == 0 or last)
+                except NonFiniteError as exc:
+                    if metrics is not None and exc.record is not None:
+                        metrics.write(exc.record)
+                    raise
                 elapsed = time.perf_counter() - began
                 times.append(elapsed)
                 losses[step] = record["loss"]
@@ -580,6 +784,7 @@ class Trainer:
             peak_memory_bytes=[p if isinstance(p, int) else None for p in peaks],
             checkpoint=last_checkpoint,
             eval_losses=eval_losses,
+            skipped_steps=list(self.skipped),
         )
 
     def _plot(self) -> None:
