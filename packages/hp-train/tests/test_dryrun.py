@@ -137,7 +137,7 @@ def test_505b_preset_counts_and_runs_at_768_ranks_fast() -> None:
         preset.model,
         ParallelConfig(1, 768, 1, 1),
         topology_preset("ascend_supernode"),
-        StepShape(preset.global_batch, preset.seq_len, microbatches=2, recompute=True),
+        StepShape(preset.global_batch, preset.seq_len, microbatches=2, ac="full"),
         model_name="moe_505b",
     )
     assert time.perf_counter() - start < 30

@@ -6,11 +6,23 @@ parallelism from the plan the trainer resolves on it (``hp_dtensor.parallel.reso
 parameter's layout from both (:func:`predicted_layouts`, what ``layout_of`` reports in the real
 run), the fits check and the model presets from the trainer's, costs from
 ``hp_layout.Topology``'s alpha-beta model, Muon traffic from ``hp_muon``'s plan (or
-analytically at scale), compute from a FLOPs model. Every
-planning function is pure and returns frozen dataclasses; :mod:`~hp_train.dryrun.report`
+analytically at scale), compute from a FLOPs model; expert and context parallelism's
+collectives from the runtime's exchanges (:mod:`~hp_train.dryrun.expert_comm`,
+:mod:`~hp_train.dryrun.context_comm`), checkpointing policies' activations
+(:mod:`~hp_train.dryrun.activation`), the pipeline's bubble from hp-mpmd's plan and simulator
+(:mod:`~hp_train.dryrun.schedule`), the trainer's refused pairs from
+:mod:`hp_train.combinations` (:mod:`~hp_train.dryrun.refusals`), the paper reproduction in
+:mod:`~hp_train.dryrun.reproduce`. Every planning function is pure and returns frozen
+dataclasses; :mod:`~hp_train.dryrun.report`
 formats them and :mod:`~hp_train.dryrun.cli` is ``hp-dryrun`` / ``python -m hp_train.dryrun``.
 """
 
+from hp_train.dryrun.activation import (
+    BlockActivations,
+    KeptActivations,
+    block_activations,
+    kept_activations,
+)
 from hp_train.dryrun.comm import KINDS, CollectiveRecord, RankGrid
 from hp_train.dryrun.memory import MemoryBreakdown, memory_breakdown
 from hp_train.dryrun.muon_traffic import MuonTraffic, muon_traffic
@@ -26,7 +38,10 @@ from hp_train.dryrun.presets import (
     model_preset,
     topology_preset,
 )
-from hp_train.dryrun.search import SearchResult, search
+from hp_train.dryrun.refusals import check_runtime_accepts
+from hp_train.dryrun.reproduce import PAPER, Reproduction, format_reproduction, reproduce_paper
+from hp_train.dryrun.schedule import PipelineTiming, pipeline_timing
+from hp_train.dryrun.search import SearchResult, SearchSpace, search
 from hp_train.dryrun.shapes import (
     GroupSpec,
     ParamSpec,
@@ -37,7 +52,7 @@ from hp_train.dryrun.shapes import (
     predicted_layouts,
     resolved_plan,
 )
-from hp_train.dryrun.workload import BF16_MIXED, FP32, Precision, StepShape
+from hp_train.dryrun.workload import BF16_MIXED, FP32, RUNTIMES, Precision, StepShape
 
 __all__ = [
     "BF16_MIXED",
@@ -46,34 +61,47 @@ __all__ = [
     "KINDS",
     "MODEL_PRESETS",
     "MOE_505B_PARAMS",
+    "PAPER",
     "PREDICTED_KINDS",
+    "RUNTIMES",
+    "BlockActivations",
     "CollectiveRecord",
     "Device",
     "DryRun",
     "DryRunError",
     "GroupSpec",
+    "KeptActivations",
     "KindSummary",
     "MemoryBreakdown",
     "ModelPreset",
     "MuonTraffic",
     "ParamSpec",
+    "PipelineTiming",
     "Precision",
     "Prediction",
     "RankGrid",
+    "Reproduction",
     "SearchResult",
+    "SearchSpace",
     "StageResult",
     "StepShape",
     "StepTime",
+    "block_activations",
+    "check_runtime_accepts",
     "dry_run",
+    "format_reproduction",
     "fsdp_groups",
+    "kept_activations",
     "memory_breakdown",
     "model_parameters",
     "model_preset",
     "muon_traffic",
     "parameter_count",
+    "pipeline_timing",
     "planned_model",
     "predict_for_run",
     "predicted_layouts",
+    "reproduce_paper",
     "resolved_plan",
     "search",
     "topology_preset",

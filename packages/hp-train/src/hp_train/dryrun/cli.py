@@ -3,10 +3,17 @@
 Examples::
 
     python -m hp_train.dryrun --model moe_505b --topology ascend_supernode \\
-        --dp-shard 768 --microbatches 2 --recompute
-    python -m hp_train.dryrun --model moe_505b --topology ascend_supernode \\
-        --search --memory-limit-gib 64
+        --dp-shard 768 --ep 32 --microbatches 2 --ac full
+    python -m hp_train.dryrun --model moe_505b --topology ascend_supernode --search
+    python -m hp_train.dryrun --reproduce-paper
     python -m hp_train.dryrun --model tiny-moe --dp-shard 2 --tp 2 --rank 1 --print-plan
+
+The flags are the trainer's names (``--ep``, ``--ep-tp``, ``--cp``, ``--cp-variant``,
+``--ac``, ``--offload``, ``--mixed-precision``, ``--grad-reduce-dtype``, ``--fp8``,
+``--fp8-all-gather``, ``--pp-schedule``); a pair the trainer refuses
+(:mod:`hp_train.combinations`) is refused with its message. ``--search`` keeps what fits
+``--memory-limit-gib`` (default: the device preset's memory); ``--reproduce-paper`` prints
+:mod:`~hp_train.dryrun.reproduce`'s report.
 
 ``--print-plan`` prints the plan the trainer resolves for the rank's model (its pipeline stage)
 with each parameter's FSDP flat slot and optimizer group
@@ -21,14 +28,31 @@ import argparse
 import sys
 from dataclasses import replace
 
-from hp_train.config import ConfigError, ModelConfig, MoEConfig, ParallelConfig
+from hp_train.config import (
+    CP_VARIANTS,
+    FP8_RECIPES,
+    MIXED_PRECISIONS,
+    OFFLOAD_TARGETS,
+    PIPELINE_SCHEDULE_NAMES,
+    ConfigError,
+    ModelConfig,
+    MoEConfig,
+    ParallelConfig,
+)
 from hp_train.dryrun.memory import GIB
 from hp_train.dryrun.planner import dry_run
-from hp_train.dryrun.presets import MODEL_PRESETS, Device, device_for, model_preset, topology_preset
+from hp_train.dryrun.presets import (
+    MODEL_PRESETS,
+    DryRunError,
+    device_for,
+    model_preset,
+    topology_preset,
+)
 from hp_train.dryrun.report import format_dry_run, format_search
-from hp_train.dryrun.search import search
+from hp_train.dryrun.reproduce import format_reproduction, reproduce_paper
+from hp_train.dryrun.search import SearchSpace, search
 from hp_train.dryrun.shapes import planned_model
-from hp_train.dryrun.workload import BF16_MIXED, FP32, StepShape
+from hp_train.dryrun.workload import BF16_MIXED, FP32, Precision, StepShape
 
 __all__ = ["build_parser", "main"]
 
@@ -40,6 +64,15 @@ _MOE_FIELDS = {
     "moe_every": "every",
     "shared_experts": "n_shared_experts",
 }
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(t) for t in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected integers separated by commas, got {text!r}"
+        ) from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -63,21 +96,89 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--dp-replicate", type=int, default=1)
     ap.add_argument("--dp-shard", type=int, default=None, help="default: every rank left")
     ap.add_argument("--tp", type=int, default=1)
-    ap.add_argument("--pp", type=int, default=1, help="pipeline stages")
+    ap.add_argument("--pp", type=int, default=1, help="pipeline stages (hp-mpmd's runtime)")
+    ap.add_argument("--pp-schedule", choices=PIPELINE_SCHEDULE_NAMES, default="1f1b")
+    ap.add_argument(
+        "--ep", type=int, default=1, help="expert-parallel ranks, carved from --dp-shard"
+    )
+    ap.add_argument(
+        "--ep-tp", action="store_true", help="split each expert's hidden dim over --tp too"
+    )
+    ap.add_argument("--cp", type=int, default=1, help="context-parallel ranks per sequence")
+    ap.add_argument("--cp-variant", choices=CP_VARIANTS, default="ring")
+    ap.add_argument(
+        "--expert-imbalance",
+        type=float,
+        default=1.0,
+        help="rows an expert-parallel rank receives over rows it sends (1: balanced router)",
+    )
     ap.add_argument("--global-batch", type=int, default=None, help="default: the preset's")
     ap.add_argument("--seq-len", type=int, default=None, help="default: the preset's")
-    ap.add_argument("--microbatches", type=int, default=1)
-    ap.add_argument("--recompute", action="store_true", help="checkpoint every block")
+    ap.add_argument(
+        "--microbatches",
+        type=int,
+        default=1,
+        help="pipeline microbatches with --pp > 1, gradient-accumulation steps without",
+    )
+    ap.add_argument(
+        "--ac",
+        default="none",
+        help="activation checkpointing: none, full, selective or budget:<MiB>",
+    )
+    ap.add_argument(
+        "--recompute", action="store_true", help="the same as --ac full (older spelling)"
+    )
+    ap.add_argument("--offload", choices=OFFLOAD_TARGETS, default="none")
     ap.add_argument("--optimizer", choices=("muon", "adamw"), default="muon")
-    ap.add_argument("--precision", choices=("bf16", "fp32"), default="bf16")
+    ap.add_argument(
+        "--mixed-precision",
+        "--precision",
+        dest="precision",
+        choices=MIXED_PRECISIONS,
+        default="bf16",
+        help="bf16: bf16 all-gather and compute over fp32 masters; fp32: everything fp32",
+    )
+    ap.add_argument("--grad-reduce-dtype", choices=MIXED_PRECISIONS, default="fp32")
+    ap.add_argument("--fp8", choices=FP8_RECIPES, default="none", help="FP8 block linears")
+    ap.add_argument(
+        "--fp8-all-gather", action="store_true", help="FSDP all-gathers e4m3 parameters"
+    )
     ap.add_argument("--peak-tflops", type=float, default=None, help="device peak per rank")
     ap.add_argument("--efficiency", type=float, default=None, help="achieved fraction of peak")
     ap.add_argument("--muon-bucket-mb", type=float, default=32.0)
     ap.add_argument("--rank", type=int, default=0, help="the rank per-rank figures are for")
     ap.add_argument("--layers", action="store_true", help="print activations by layer")
     ap.add_argument("--search", action="store_true", help="search every layout of the world")
-    ap.add_argument("--memory-limit-gib", type=float, default=64.0)
+    ap.add_argument(
+        "--memory-limit-gib",
+        type=float,
+        default=None,
+        help="the search's per-rank limit (default: the device preset's memory)",
+    )
     ap.add_argument("--top", type=int, default=5, help="configurations the search prints")
+    for axis in ("dp-replicate", "tp", "ep", "cp", "pp"):
+        ap.add_argument(
+            f"--search-{axis}",
+            type=_ints,
+            default=None,
+            metavar="N,N,...",
+            help=f"{axis} degrees the search tries (default: every divisor; the whole space at "
+            "hundreds of ranks takes minutes)",
+        )
+    ap.add_argument("--search-microbatches", type=_ints, default=(1, 2, 4, 8, 16))
+    ap.add_argument(
+        "--search-ac",
+        type=lambda text: tuple(text.split(",")),
+        default=("none", "selective", "full"),
+        metavar="AC,AC,...",
+        help="checkpointing policies the search tries",
+    )
+    ap.add_argument(
+        "--reproduce-paper",
+        action="store_true",
+        help="the 505B MoE on the 768-die supernode: the best configurations found beside the "
+        "paper's figures, and the same model under modeled PyTorch FSDP2 and Megatron DDP",
+    )
     ap.add_argument(
         "--print-plan",
         action="store_true",
@@ -108,43 +209,78 @@ def _model(args: argparse.Namespace) -> tuple[str, ModelConfig, int, int]:
     return name, model, seq, args.global_batch or preset.global_batch
 
 
+def _precision(args: argparse.Namespace) -> Precision:
+    base = BF16_MIXED if args.precision == "bf16" else FP32
+    return replace(base, reduce=2) if args.grad_reduce_dtype == "bf16" else base
+
+
 def _run(args: argparse.Namespace) -> str:
+    if args.reproduce_paper:
+        return format_reproduction(reproduce_paper())
     name, model, seq, batch = _model(args)
-    world = None
     if args.topology is None:
         if args.dp_shard is None:
             raise ConfigError("give --topology or --dp-shard (the world size is unknown)")
-        world = args.dp_replicate * args.dp_shard * args.tp * args.pp
+        world = args.dp_replicate * args.dp_shard * args.cp * args.tp * args.pp
         topology = topology_preset(f"single_host:{world}")
     else:
         topology = topology_preset(args.topology)
     device = device_for(topology)
     if args.peak_tflops is not None or args.efficiency is not None:
-        device = Device(
-            "custom",
-            args.peak_tflops * 1e12 if args.peak_tflops is not None else device.peak_flops,
-            args.efficiency if args.efficiency is not None else device.efficiency,
+        device = replace(
+            device,
+            name="custom",
+            peak_flops=args.peak_tflops * 1e12
+            if args.peak_tflops is not None
+            else device.peak_flops,
+            efficiency=args.efficiency if args.efficiency is not None else device.efficiency,
         )
     shape = StepShape(
         global_batch=batch,
         seq_len=seq,
         microbatches=args.microbatches,
-        recompute=args.recompute,
+        ac="full" if args.recompute else args.ac,
         optimizer=args.optimizer,
-        precision=BF16_MIXED if args.precision == "bf16" else FP32,
+        precision=_precision(args),
         muon_bucket_mb=args.muon_bucket_mb,
+        offload=args.offload,
+        fp8=args.fp8,
+        fp8_all_gather=args.fp8_all_gather,
+        expert_imbalance=args.expert_imbalance,
+        pp_schedule=args.pp_schedule,
     )
     if args.search and not args.print_plan:
-        limit = int(args.memory_limit_gib * GIB)
-        result = search(model, topology, shape, limit, device=device, model_name=name)
+        gib = args.memory_limit_gib
+        limit = device.memory_bytes if gib is None else int(gib * GIB)
+        space = SearchSpace(
+            dp_replicate=args.search_dp_replicate,
+            tp=args.search_tp,
+            ep=args.search_ep,
+            cp=args.search_cp,
+            pp=args.search_pp,
+            microbatches=args.search_microbatches,
+            ac=args.search_ac,
+        )
+        result = search(model, topology, shape, limit, device=device, space=space, model_name=name)
         return format_search(result, args.top)
+    axes = {
+        "cp": args.cp,
+        "cp_variant": args.cp_variant,
+        "ep": args.ep,
+        "ep_tp": args.ep_tp,
+    }
     if args.dp_shard is None:
         parallel = ParallelConfig.fill(
-            topology.world_size, dp_replicate=args.dp_replicate, tp=args.tp, pp=args.pp
+            topology.world_size, dp_replicate=args.dp_replicate, tp=args.tp, pp=args.pp, **axes
         )
     else:
-        parallel = ParallelConfig(args.dp_replicate, args.dp_shard, args.tp, args.pp)
+        parallel = ParallelConfig(args.dp_replicate, args.dp_shard, args.tp, args.pp, **axes)
     if args.print_plan:
+        if parallel.ep > 1 or parallel.cp > 1:
+            raise DryRunError(
+                "--print-plan shows the tensor-parallel and FSDP plan; it does not show the "
+                "expert- or context-parallel layouts yet (drop --ep/--cp to print the rest)"
+            )
         return _plan_text(name, model, parallel, args.rank)
     run = dry_run(model, parallel, topology, shape, device=device, rank=args.rank, model_name=name)
     return format_dry_run(run, layers=args.layers)

@@ -1,8 +1,8 @@
 """Collectives of a step as data: who talks over which tier, how many bytes, how long.
 
-Ranks are arranged as an :class:`hp_layout.Mesh` of axes ``(pp, dp_replicate, dp_shard, tp)``
-in row-major order: tensor parallelism on neighbouring ranks (the fastest tier), pipeline
-stages outermost. Each axis communicates over the slowest tier any of its groups spans
+Ranks are arranged as an :class:`hp_layout.Mesh` of axes :data:`AXES` in row-major order:
+tensor parallelism on neighbouring ranks (the fastest tier), pipeline stages outermost. Each
+group (:data:`GROUPS`) communicates over the slowest tier any of its instances spans
 (:meth:`hp_layout.Topology.axis_tier`), and a collective's time is the topology's alpha-beta
 ring estimate (:meth:`hp_layout.Topology.collective_time`).
 
@@ -19,6 +19,7 @@ Byte conventions, per call and per rank:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 from hp_layout import Collective, Mesh, Tier, Topology
 from hp_train.config import ParallelConfig
@@ -32,18 +33,42 @@ __all__ = [
     "ring_sent_bytes",
 ]
 
-AXES = ("pp", "dp_replicate", "dp_shard", "tp")
-"""Mesh axes, outermost first."""
+AXES = ("pp", "dp_replicate", "expert_shard", "ep", "cp", "tp")
+"""Mesh axes, outermost first: the runtime's grids (``hp_train.parallelize.build_layout``)
+in one: ``dp_shard = expert_shard x ep`` (expert parallelism carved from the shard axis, ep
+inner), ``cp`` between the shard axis and ``tp``."""
+
+GROUPS: dict[str, tuple[str, ...]] = {
+    "pp": ("pp",),
+    "dp_replicate": ("dp_replicate",),
+    "dp_shard": ("expert_shard", "ep", "cp"),
+    "dp": ("dp_replicate", "expert_shard", "ep", "cp"),
+    "expert_dp": ("dp_replicate", "expert_shard"),
+    "expert_shard": ("expert_shard",),
+    "ep": ("ep",),
+    "cp": ("cp",),
+    "tp": ("tp",),
+}
+"""The communication groups by name, as mesh axes: ``dp_shard`` is FSDP's shard group of the
+dense parameters (``dp_shard x cp`` flattened under context parallelism, the runtime's
+``dp_shard_cp``), ``expert_shard`` that of the experts (the ranks holding the same ones);
+``dp`` and ``expert_dp`` every data-parallel rank of each (a DDP all-reduce's groups)."""
 
 KINDS = (
     "fsdp_all_gather",
     "fsdp_reduce_scatter",
     "hsdp_all_reduce",
+    "ddp_all_reduce",
     "tp",
+    "ep",
+    "cp",
     "pp",
     "muon",
 )
-"""Collective kinds a step is broken down by."""
+"""Collective kinds a step is broken down by: ``ddp_all_reduce`` is Megatron DDP's gradient
+all-reduce (a modeled baseline, never hp-train's), ``ep`` is expert parallelism's (token dispatch
+and combine, the count all-gather, FSDP's all-reduce of the router's and shared experts'
+gradients over ep), ``cp`` context parallelism's (ring passes or Ulysses all-to-alls)."""
 
 
 def ring_sent_bytes(kind: Collective, group_size: int, nbytes: float) -> float:
@@ -81,33 +106,41 @@ class RankGrid:
         """
         world = parallel.world_size
         if topology.world_size != world:
+            p = parallel
             raise DryRunError(
                 f"topology {topology.name!r} has {topology.world_size} ranks but dp_replicate x "
-                f"dp_shard x tp x pp = {parallel.dp_replicate} x {parallel.dp_shard} x "
-                f"{parallel.tp} x {parallel.pp} = {world}; the degrees must multiply to the "
-                "topology's world size"
+                f"dp_shard x cp x tp x pp = {p.dp_replicate} x {p.dp_shard} x {p.cp} x {p.tp} x "
+                f"{p.pp} = {world}; the degrees must multiply to the topology's world size"
             )
         p = parallel
-        mesh = Mesh((p.pp, p.dp_replicate, p.dp_shard, p.tp), AXES)
-        return RankGrid(parallel, topology, mesh)
+        shape = (p.pp, p.dp_replicate, p.dp_shard // p.ep, p.ep, p.cp, p.tp)
+        return RankGrid(parallel, topology, Mesh(shape, AXES))
 
     def size(self, axis: str) -> int:
-        """Ranks along ``axis``."""
-        return self.mesh.axis_size(axis)
+        """Ranks of a group named ``axis`` (:data:`GROUPS`)."""
+        n = 1
+        for a in GROUPS[axis]:
+            n *= self.mesh.axis_size(a)
+        return n
 
     def tier(self, axis: str) -> Tier:
-        """The tier groups along ``axis`` communicate over."""
-        return self.topology.axis_tier(self.mesh, axis)
+        """The tier groups named ``axis`` communicate over (the slowest any of them needs)."""
+        return _group_tier(self.topology, self.mesh, GROUPS[axis])
 
     def coordinate(self, rank: int) -> dict[str, int]:
-        """``rank``'s coordinate along each axis.
+        """``rank``'s coordinate along each mesh axis, plus ``dp_shard`` (its index among the
+        data-parallel shards, ``expert_shard x ep``) and ``fsdp`` (its chunk of the dense
+        groups, ``dp_shard x cp``).
 
         Raises:
             DryRunError: ``rank`` is outside the world.
         """
         if not 0 <= rank < self.mesh.size:
             raise DryRunError(f"rank {rank} is outside the world of {self.mesh.size} ranks")
-        return dict(zip(AXES, self.mesh.coordinate(rank), strict=True))
+        c = dict(zip(AXES, self.mesh.coordinate(rank), strict=True))
+        c["dp_shard"] = c["expert_shard"] * self.mesh.axis_size("ep") + c["ep"]
+        c["fsdp"] = c["dp_shard"] * self.mesh.axis_size("cp") + c["cp"]
+        return c
 
     def record(
         self,
@@ -136,6 +169,27 @@ class RankGrid:
             calls=calls,
             time=self.topology.collective_time(collective, group, nbytes, tier),
         )
+
+
+@lru_cache(maxsize=4096)
+def _group_tier(topology: Topology, mesh: Mesh, axes: tuple[str, ...]) -> Tier:
+    """The slowest tier any group along ``axes`` of the row-major ``mesh`` (ranks
+    ``0 .. size - 1``) needs: a group lies in one block of a tier exactly when its lowest and
+    highest ranks do (blocks are intervals), what :meth:`hp_layout.Topology.axis_tier`
+    finds by listing the groups, without listing them."""
+    strides = [1] * mesh.ndim
+    for i in range(mesh.ndim - 2, -1, -1):
+        strides[i] = strides[i + 1] * mesh.shape[i + 1]
+    inside = {mesh.axis_index(a) for a in axes}
+    span = sum((mesh.shape[i] - 1) * strides[i] for i in inside)
+    bases = [0]
+    for i in range(mesh.ndim):
+        if i not in inside and mesh.shape[i] > 1:
+            bases = [b + c * strides[i] for b in bases for c in range(mesh.shape[i])]
+    for tier in topology.tiers:
+        if all(b // tier.size == (b + span) // tier.size for b in bases):
+            return tier
+    return topology.tiers[-1]
 
 
 @dataclass(frozen=True)

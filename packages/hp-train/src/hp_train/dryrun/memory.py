@@ -1,19 +1,32 @@
 """Per-rank memory of a step: parameters, gradients, optimizer state, activations, buffers.
 
 * parameters: this rank's FSDP chunks, ``sum(chunk_numel) x precision.param`` (hp_fsdp keeps
-  each group's chunk in one flat buffer, padding included);
+  each group's chunk in one flat buffer, padding included; an expert group's chunk is of its
+  ``n_experts / ep`` local experts);
 * gradients: the reduced chunks, ``sum(chunk_numel) x precision.reduce`` (hp_fsdp's gradient
   arena allocates one chunk per group);
 * optimizer state: Muon keeps one momentum buffer shaped like each Muon parameter's local
   piece; AdamW two moments (``exp_avg``, ``exp_avg_sq``) per piece plus its 4-byte ``step``
   counter (with ``optimizer="adamw"`` every parameter is AdamW's);
-* activations: what every layer saves for backward (:mod:`hp_train.dryrun.workload`), times
-  the microbatches in flight (1, or ``min(pp - stage, microbatches)`` under 1F1B);
+* offload (``TrainConfig.offload``): ``optimizer`` keeps the optimizer state in host memory
+  between steps (the step streams it through the device bucket by bucket: not counted);
+  ``params`` keeps the sharded parameters and gradients in host memory (and so the optimizer
+  step and its state); ``both`` all of them;
+* activations: what every block keeps under the checkpointing policy
+  (:mod:`~hp_train.dryrun.activation`) times the microbatches in flight (1, or the pipeline
+  schedule's peak on the stage, :func:`~hp_train.dryrun.schedule.in_flight`), plus the
+  largest transient of one block recomputed in backward;
 * buffers: the root's unsharded parameters (the root keeps them from forward to backward) and
-  its unsharded gradient buffer, the unsharded parameters of the block being computed (and of
-  the prefetched one), the unsharded gradient buffers of the block in backward and of the one
-  whose reduce-scatter is in flight, and the reduce-dtype copy a reduce-scatter sends when it
-  differs from the compute dtype.
+  its unsharded gradient buffer, the unsharded parameters of the block being computed (with
+  its MoE layer's expert group) and of the prefetched one, the unsharded gradient buffers of
+  the block in backward and of the one whose reduce-scatter is in flight, the reduce-dtype
+  copy a reduce-scatter sends when it differs from the compute dtype, and the FP8 wire buffer
+  of an FP8 all-gather (one byte per element and a 4-byte scale per 128).
+
+Under the modeled baselines (:data:`~hp_train.dryrun.workload.RUNTIMES`): torch FSDP2 adds its
+copy-out buffer of the block being gathered; Megatron DDP holds every parameter of its split
+(the groups in one chunk), its gradients and optimizer state, plus the compute-dtype copy of
+the parameters, and gathers nothing.
 
 The peak is taken as the plain sum (a conservative bound: not every buffer peaks at once).
 """
@@ -22,17 +35,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hp_train.config import ModelConfig
+from hp_train.config import ModelConfig, ParallelConfig
+from hp_train.dryrun.activation import block_activations, kept_activations
 from hp_train.dryrun.shapes import GroupSpec
-from hp_train.dryrun.workload import (
-    StepShape,
-    block_activation_bytes,
-    head_activation_bytes,
-)
+from hp_train.dryrun.workload import StepShape, head_activation_bytes
 
-__all__ = ["GIB", "MemoryBreakdown", "memory_breakdown"]
+__all__ = ["FP8_WIRE_BYTES", "GIB", "MemoryBreakdown", "memory_breakdown"]
 
 GIB = 2**30
+
+FP8_WIRE_BYTES = 1 + 4 / 128
+"""Bytes per element of an FP8 all-gather: e4m3 plus one fp32 scale per 128 elements
+(``hp_train.precision``)."""
 
 
 @dataclass(frozen=True)
@@ -47,6 +61,7 @@ class MemoryBreakdown:
         activations: peak saved activations (all microbatches in flight).
         activations_by_layer: ``(layer, bytes)`` saved per microbatch, in forward order.
         buffers: ``(name, bytes)`` of FSDP's transient buffers.
+        host: bytes offloaded to host memory (not in :attr:`total`).
     """
 
     parameters: int
@@ -56,6 +71,7 @@ class MemoryBreakdown:
     activations: int
     activations_by_layer: tuple[tuple[str, int], ...]
     buffers: tuple[tuple[str, int], ...]
+    host: int = 0
 
     @property
     def buffer_total(self) -> int:
@@ -73,61 +89,84 @@ class MemoryBreakdown:
         return self.state + self.activations + self.buffer_total
 
 
+def _units(groups: tuple[GroupSpec, ...]) -> list[int]:
+    """Padded elements gathered at once per block (its group and its MoE layer's)."""
+    per_block: dict[int, int] = {}
+    for g in groups:
+        if g.block is not None:
+            per_block[g.block] = per_block.get(g.block, 0) + g.flat.padded_numel
+    return list(per_block.values())
+
+
 def memory_breakdown(
     model: ModelConfig,
     groups: tuple[GroupSpec, ...],
     shape: StepShape,
     *,
-    shard_coordinate: int,
-    tp: int,
+    shard_coordinates: tuple[int, int],
+    parallel: ParallelConfig,
     microbatch_tokens: int,
     in_flight: int = 1,
     head: bool = True,
 ) -> MemoryBreakdown:
-    """Memory of the rank at ``shard_coordinate`` holding ``groups`` (see the module doc).
+    """Memory of the rank holding ``groups`` (see the module doc).
 
+    ``shard_coordinates``: the rank's chunk of the dense groups and of the expert groups;
+    ``microbatch_tokens``: this rank's tokens per microbatch (``1 / cp`` of its sequences);
     ``head``: the rank's stage computes the final norm and the output head.
 
-    Postconditions: ``parameters`` and ``gradients`` are exactly ``sum(chunk_numel)`` times
-    the element sizes; ``optimizer`` counts the rank's pieces (no padding) exactly.
+    Postconditions: without offload, ``parameters`` and ``gradients`` are exactly
+    ``sum(chunk_numel)`` times the element sizes; ``optimizer`` counts the rank's pieces (no
+    padding) exactly.
     """
     prec = shape.precision
+    tp = parallel.tp
     chunks = sum(g.flat.chunk_numel for g in groups)
     optimizer = muon_state = 0
+    dense, expert = shard_coordinates
     for g in groups:
-        for p, n in zip(g.params, g.local_numels(shard_coordinate), strict=True):
+        coordinate = expert if g.is_experts else dense
+        for p, n in zip(g.params, g.local_numels(coordinate), strict=True):
             if shape.optimizer == "muon" and p.optimizer == "muon":
                 muon_state += n * prec.optimizer
             else:
                 optimizer += 2 * n * prec.optimizer + 4
     optimizer += muon_state
     by_layer: list[tuple[str, int]] = []
-    full_blocks: list[int] = []
+    transient = 0
+    budget = shape.ac_budget_bytes
     for g in groups:
-        if g.is_root:
+        if g.block is None or g.is_experts:
             continue
-        index = int(g.name.split(".")[1])
-        full = block_activation_bytes(
+        acts = block_activations(
             model,
-            index,
+            g.block,
             microbatch_tokens,
             shape.seq_len,
             tp,
-            prec,
+            prec.compute,
             flash_attention=shape.flash_attention,
+            cp=parallel.cp,
+            cp_variant=parallel.cp_variant,
+            ep_tp=parallel.ep_tp,
         )
-        full_blocks.append(full)
-        kept = microbatch_tokens * model.dim * prec.compute if shape.recompute else full
-        by_layer.append((g.name, kept))
+        kept = kept_activations(acts, shape.ac, budget)
+        transient = max(transient, kept.transient)
+        by_layer.append((g.name, kept.kept))
     if head:
         by_layer.append(("head", head_activation_bytes(model, microbatch_tokens, prec)))
-    activations = in_flight * sum(b for _, b in by_layer)
-    if shape.recompute and full_blocks:
-        activations += max(full_blocks)
-    blocks = [g.flat.padded_numel for g in groups if not g.is_root]
+    activations = in_flight * sum(b for _, b in by_layer) + transient
+    units = _units(groups)
     root = [g.flat.padded_numel for g in groups if g.is_root]
-    largest = max(blocks, default=0)
+    largest = max(units, default=0)
     buffers: list[tuple[str, int]] = []
+    if shape.runtime == "megatron_ddp":
+        # Replicated parameters: the compute-dtype copy the model runs on, no gathers.
+        if prec.compute != prec.param:
+            buffers.append(("compute-dtype params", chunks * prec.compute))
+        root, largest = [], 0
+    elif shape.runtime == "torch_fsdp2" and largest:
+        buffers.append(("copy-out buffers", largest * prec.compute))
     if root:
         buffers.append(("root unsharded params", root[0] * prec.compute))
         buffers.append(("root unsharded grads", root[0] * prec.compute))
@@ -137,12 +176,18 @@ def memory_breakdown(
         buffers.append(("block unsharded grads", 2 * largest * prec.compute))
         if prec.reduce != prec.compute:
             buffers.append(("reduce-scatter cast", largest * prec.reduce))
+        if shape.fp8_all_gather:
+            buffers.append(("fp8 all-gather wire", gathered * int(largest * FP8_WIRE_BYTES)))
+    params_on_device = shape.offload not in ("params", "both")
+    optimizer_on_device = params_on_device and shape.offload != "optimizer"
     return MemoryBreakdown(
-        parameters=chunks * prec.param,
-        gradients=chunks * prec.reduce,
-        optimizer=optimizer,
-        muon_state=muon_state,
+        parameters=chunks * prec.param if params_on_device else 0,
+        gradients=chunks * prec.reduce if params_on_device else 0,
+        optimizer=optimizer if optimizer_on_device else 0,
+        muon_state=muon_state if optimizer_on_device else 0,
         activations=activations,
         activations_by_layer=tuple(by_layer),
         buffers=tuple(buffers),
+        host=(0 if params_on_device else chunks * (prec.param + prec.reduce))
+        + (0 if optimizer_on_device else optimizer),
     )

@@ -2,45 +2,61 @@
 
 Schedule model (per microbatch, on each pipeline stage; stated so its numbers can be checked):
 
-* **Forward.** The root's all-gather is exposed. With prefetch, block ``i``'s all-gather
-  overlaps the forward compute of the unit before it (the root's embedding, whose compute is
-  taken as zero, then block ``i - 1``); only what exceeds that compute is exposed. Without
-  prefetch (hp_fsdp on CPU) every all-gather is exposed.
+* **Forward.** The root's all-gather is exposed. With prefetch, block ``i``'s all-gather (with
+  its MoE layer's expert group under expert parallelism) overlaps the forward compute of the
+  unit before it (the root's embedding, whose compute is taken as zero, then block ``i - 1``);
+  only what exceeds that compute is exposed. Without prefetch (hp_fsdp on CPU) every
+  all-gather is exposed.
 * **Backward.** Units run head first (the root's parameters are still unsharded), then the
-  blocks in reverse. While unit ``k`` computes its backward (plus its recomputed forward), the
-  FSDP stream carries the prefetched re-gather of unit ``k + 1`` and the reduce-scatter of unit
-  ``k - 1``, one after the other; what exceeds the compute is exposed. The reduce-scatters of
-  the last block and of the root come after the last compute and are exposed.
-* **HSDP all-reduce** (replicate axis, the slow tier): pipelined behind the whole backward;
-  exposed is the larger of the last groups' (block 0 and root) all-reduce and whatever the
-  total exceeds the backward compute by.
-* **Tensor parallel** all-reduces and all-gathers, pipeline sends and Muon's exchange are on
-  the critical path (fully exposed). Newton-Schulz runs on the owners after the exchange. The
-  activation collectives are those of the trainer's resolved plan
-  (:func:`~hp_train.dryrun.shapes.tp_collectives`: the boundaries of each block, the embedding
-  and the head; an MoE block's feed-forward is whole, so only its attention's), each of one
-  microbatch's activation (``tokens x dim``), the head's of its logits.
-* **Pipeline** (1F1B): a step takes ``(microbatches + pp - 1)`` times the slowest stage's
-  microbatch time; the bubble fraction is ``(pp - 1) / (microbatches + pp - 1)``. Stages keep
-  the blocks the trainer gives them (:func:`hp_train.pipeline.stage_boundaries`).
+  blocks in reverse. While unit ``k`` computes its backward (plus what its checkpointing policy
+  recomputes), the FSDP stream carries the prefetched re-gather of unit ``k + 1`` and the
+  reduce-scatter of unit ``k - 1``, one after the other (one stream on one tier: they queue);
+  what exceeds the compute is exposed. The reduce-scatters of the last block and of the root
+  come after the last compute and are exposed.
+* **HSDP all-reduce** (replicate axis): once per step, pipelined behind the last
+  microbatch's backward; exposed is the larger of the last groups' (block 0 and root)
+  all-reduce and whatever the total exceeds the time it can hide in: overlap is per tier, so
+  on a slower tier of its own (the usual layout) that is the backward's compute, on the FSDP
+  stream's tier only the compute the stream leaves idle.
+* **Tensor, expert and context parallel** collectives (:mod:`~hp_train.dryrun.expert_comm`,
+  :mod:`~hp_train.dryrun.context_comm`), pipeline sends and Muon's exchange are on the
+  critical path (fully exposed): the runtime waits on each before computing on its result.
+  Newton-Schulz runs on the owners after the exchange. The tensor-parallel activation
+  collectives are those of the trainer's resolved plan
+  (:func:`~hp_train.dryrun.shapes.tp_collectives`), each of one microbatch's activation
+  (``tokens x dim``), the head's of its logits; every recomputing policy runs the blocks'
+  forward collectives again.
+* **Pipeline**: the trainer's schedule (``1f1b`` or ``gpipe``) built and timed by hp-mpmd
+  (:mod:`~hp_train.dryrun.schedule`), every stage at the slowest stage's forward and backward
+  microbatch times; stages keep the blocks the trainer gives them
+  (:func:`hp_train.pipeline.stage_boundaries`).
 
 Compute time is FLOPs (:mod:`hp_train.dryrun.workload`) over the device's achieved
-throughput. Elementwise optimizer work and kernel launch overheads are not modeled.
+throughput, the blocks' linears ``fp8_speedup`` times faster under ``fp8``. Elementwise
+optimizer work and kernel launch overheads are not modeled. The runtime's refused pairs of
+options (:mod:`hp_train.combinations`) are refused here too (for ``runtime="hp"``: the
+modeled baselines are other runtimes).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from hp_layout import Collective, Topology
 from hp_train.config import ModelConfig, ParallelConfig
+from hp_train.dryrun.activation import block_activations, kept_activations
 from hp_train.dryrun.comm import KINDS, CollectiveRecord, RankGrid
-from hp_train.dryrun.memory import MemoryBreakdown, memory_breakdown
+from hp_train.dryrun.context_comm import context_records
+from hp_train.dryrun.expert_comm import expert_records
+from hp_train.dryrun.memory import FP8_WIRE_BYTES, MemoryBreakdown, memory_breakdown
 from hp_train.dryrun.muon_traffic import MuonTraffic, muon_traffic
 from hp_train.dryrun.presets import Device, device_for
+from hp_train.dryrun.refusals import check_runtime_accepts
+from hp_train.dryrun.schedule import in_flight, pipeline_timing
 from hp_train.dryrun.shapes import (
     GroupSpec,
+    ParamSpec,
     check_fits,
     fsdp_groups,
     parameter_count,
@@ -51,7 +67,7 @@ from hp_train.dryrun.workload import StepShape, block_forward_flops, head_forwar
 
 __all__ = ["DryRun", "KindSummary", "StageResult", "StepTime", "dry_run"]
 
-_FSDP = ("fsdp_all_gather", "fsdp_reduce_scatter", "hsdp_all_reduce")
+_FSDP = ("fsdp_all_gather", "fsdp_reduce_scatter", "hsdp_all_reduce", "ddp_all_reduce")
 
 
 @dataclass(frozen=True)
@@ -83,11 +99,13 @@ class StepTime:
 
     Attributes:
         compute: forward, backward and recomputation over all microbatches.
-        exposed_comm: communication not hidden, over all microbatches (FSDP, HSDP, TP, PP).
-        bubble: pipeline idle time, ``(pp - 1)`` microbatch times.
+        exposed_comm: communication not hidden, over all microbatches (FSDP, HSDP, TP, EP,
+            CP, PP).
+        bubble: pipeline idle time of the schedule (hp-mpmd's simulator).
         optimizer: Muon's exchange and Newton-Schulz.
         fsdp_comm: time of all FSDP and HSDP collectives (hidden or not).
         fsdp_exposed: their exposed part.
+        offload: host transfers of offloading (taken as exposed).
     """
 
     compute: float
@@ -96,11 +114,12 @@ class StepTime:
     optimizer: float
     fsdp_comm: float
     fsdp_exposed: float
+    offload: float = 0.0
 
     @property
     def total(self) -> float:
         """Seconds per step."""
-        return self.compute + self.exposed_comm + self.bubble + self.optimizer
+        return self.compute + self.exposed_comm + self.bubble + self.optimizer + self.offload
 
     @property
     def fsdp_fraction(self) -> float:
@@ -128,6 +147,12 @@ class StageResult:
         microbatch_compute: seconds of compute per microbatch.
         microbatch_exposed: exposed communication seconds per microbatch.
         exposed_by_kind: ``(kind, seconds)`` exposed per step.
+        microbatch_forward: seconds of one microbatch's forward (compute and exposed
+            communication; the rest of :attr:`microbatch_time` is its backward).
+        offload_time: seconds of host transfers per step.
+        step_exposed: exposed seconds once per step (the replicas' all-reduce).
+        fsdp_overhead: seconds per step of copies around the FSDP collectives (torch
+            FSDP2's copy-in and copy-out; none for hp-fsdp).
     """
 
     stage: int
@@ -140,6 +165,10 @@ class StageResult:
     microbatch_compute: float
     microbatch_exposed: float
     exposed_by_kind: tuple[tuple[str, float], ...]
+    microbatch_forward: float = 0.0
+    offload_time: float = 0.0
+    step_exposed: float = 0.0
+    fsdp_overhead: float = 0.0
 
     @property
     def microbatch_time(self) -> float:
@@ -225,8 +254,31 @@ def _exposed_backward(
     return ag_exposed, rs_exposed
 
 
-def _time_of(records: Sequence[CollectiveRecord], kind: str) -> float:
-    return sum(r.time for r in records if r.kind == kind)
+def _local_param(p: ParamSpec, shape: tuple[int, ...]) -> ParamSpec:
+    return ParamSpec(p.name, shape, p.optimizer, p.tp_dim)
+
+
+_MUON_GROUPS: dict[int, tuple[tuple[GroupSpec, ...], tuple[GroupSpec, ...]]] = {}
+
+
+def _muon_groups(groups: tuple[GroupSpec, ...]) -> tuple[GroupSpec, ...]:
+    """``groups`` with each expert group's parameters at their local (``n_experts / ep``)
+    shapes, the matrices Muon sees on the rank (cached by identity: ``fsdp_groups`` is)."""
+    cached = _MUON_GROUPS.get(id(groups))
+    if cached is not None and cached[0] is groups:
+        return cached[1]
+    if not any(g.is_experts for g in groups):
+        return groups
+    out = []
+    for g in groups:
+        if g.is_experts:
+            params = tuple(
+                _local_param(p, s) for p, s in zip(g.params, g.local_shapes, strict=True)
+            )
+            g = replace(g, params=params)
+        out.append(g)
+    _MUON_GROUPS[id(groups)] = (groups, tuple(out))
+    return _MUON_GROUPS[id(groups)][1]
 
 
 def _stage(
@@ -244,45 +296,80 @@ def _stage(
     coord = grid.coordinate(rank)
     layers = stage_layers(model, pp, stage)
     first, last = stage == 0, stage == pp - 1
+    prec = shape.precision
+    ddp = shape.runtime == "megatron_ddp"
+    fsdp2 = shape.runtime == "torch_fsdp2"
     groups = fsdp_groups(
         model,
-        p.dp_shard,
+        1 if ddp else p.dp_shard * p.cp,
         p.tp,
         tp_coordinate=coord["tp"],
-        param_bytes=shape.precision.param,
+        param_bytes=prec.param,
         layers=layers,
         embedding=first,
         head=last,
+        ep=p.ep,
+        ep_tp=p.ep_tp,
     )
-    prec = shape.precision
-    tokens = microbatch_size * shape.seq_len
+    tokens = microbatch_size * shape.seq_len // p.cp
     act = tokens * model.dim * prec.compute
     flops = device.flops
-    blocks = [g for g in groups if not g.is_root]
+    speed = device.fp8_speedup if shape.fp8 != "none" else 1.0
+    blocks = sorted({g.block for g in groups if g.block is not None})
     root = next((g for g in groups if g.is_root), None)
-    fwd = {
-        g.name: block_forward_flops(model, int(g.name.split(".")[1]), p.tp, shape.seq_len)
-        * tokens
-        / flops
-        for g in blocks
-    }
+    budget = shape.ac_budget_bytes
+    fwd: dict[int, float] = {}
+    redo: dict[int, float] = {}
+    for b in blocks:
+        total = block_forward_flops(
+            model,
+            b,
+            p.tp,
+            shape.seq_len,
+            ep_tp=p.ep_tp,
+            expert_imbalance=shape.expert_imbalance if p.ep > 1 else 1.0,
+        )
+        scores = 2 * shape.seq_len * model.n_heads * model.head_dim / p.tp
+        fwd[b] = ((total - scores) / speed + scores) * tokens / flops
+        acts = block_activations(
+            model, b, tokens, shape.seq_len, p.tp, prec.compute, cp=p.cp, ep_tp=p.ep_tp
+        )
+        redo[b] = kept_activations(acts, shape.ac, budget).recompute_fraction * fwd[b]
     head_fwd = head_forward_flops(model, p.tp) * tokens / flops if last else 0.0
-    recompute = sum(fwd.values()) if shape.recompute else 0.0
-    mb_compute = 3 * (sum(fwd.values()) + head_fwd) + recompute
+    mb_compute = 3 * (sum(fwd.values()) + head_fwd) + sum(redo.values())
+    recomputes = shape.ac != "none"
 
     records: list[CollectiveRecord | None] = []
-    ag: dict[str, float] = {}
-    rs: dict[str, float] = {}
-    ar: dict[str, float] = {}
+    ag: dict[int | None, float] = {}
+    rs: dict[int | None, float] = {}
+    ar: dict[int | None, float] = {}
+    gather_bytes = FP8_WIRE_BYTES if shape.fp8_all_gather else prec.compute
+    copies: dict[int | None, tuple[float, float]] = {}
     for g in groups:
         padded, chunk = g.flat.padded_numel, g.flat.chunk_numel
-        gather = grid.record(
-            "fsdp_all_gather",
-            Collective.ALL_GATHER,
-            "forward",
-            "dp_shard",
-            padded * prec.compute,
+        unit = g.block
+        tail = grid.record(
+            g.tail_axis,
+            Collective.ALL_REDUCE,
+            "backward",
+            g.tail_axis,
+            (padded - g.extra_start) * prec.compute,
             m,
+        )
+        records.append(tail)
+        if ddp:
+            axis = "expert_dp" if g.is_experts else "dp"
+            reduce = grid.record(
+                "ddp_all_reduce", Collective.ALL_REDUCE, "backward", axis, padded * prec.reduce
+            )
+            records.append(reduce)
+            ag.setdefault(unit, 0.0)
+            rs.setdefault(unit, 0.0)
+            ar[unit] = ar.get(unit, 0.0) + (reduce.time if reduce else 0.0)
+            continue
+        axis = "expert_shard" if g.is_experts else "dp_shard"
+        gather = grid.record(
+            "fsdp_all_gather", Collective.ALL_GATHER, "forward", axis, padded * gather_bytes, m
         )
         regather = (
             None
@@ -291,8 +378,8 @@ def _stage(
                 "fsdp_all_gather",
                 Collective.ALL_GATHER,
                 "backward",
-                "dp_shard",
-                padded * prec.compute,
+                axis,
+                padded * gather_bytes,
                 m,
             )
         )
@@ -300,7 +387,7 @@ def _stage(
             "fsdp_reduce_scatter",
             Collective.REDUCE_SCATTER,
             "backward",
-            "dp_shard",
+            axis,
             padded * prec.reduce,
             m,
         )
@@ -310,29 +397,32 @@ def _stage(
             "backward",
             "dp_replicate",
             chunk * prec.reduce,
-            m,
+            m if fsdp2 else 1,
         )
-        tail = grid.record(
-            "tp",
-            Collective.ALL_REDUCE,
-            "backward",
-            "tp",
-            (padded - g.extra_start) * prec.compute,
-            m,
-        )
-        records += [gather, regather, scatter, reduce, tail]
-        ag[g.name] = gather.time if gather else 0.0
-        rs[g.name] = scatter.time if scatter else 0.0
-        ar[g.name] = reduce.time if reduce else 0.0
+        records += [gather, regather, scatter, reduce]
+        ag[unit] = ag.get(unit, 0.0) + (gather.time if gather else 0.0)
+        rs[unit] = rs.get(unit, 0.0) + (scatter.time if scatter else 0.0)
+        if fsdp2:
+            # Copy-in and copy-out around each collective, on the compute stream; the
+            # replicas' all-reduce queued behind the group's reduce-scatter.
+            move = 2 * (padded + chunk) / device.memory_bandwidth
+            c_ag, c_rs = copies.get(unit, (0.0, 0.0))
+            copies[unit] = (
+                c_ag + (move * prec.compute if gather else 0.0),
+                c_rs + (move * prec.reduce if scatter else 0.0),
+            )
+            rs[unit] += reduce.time if reduce else 0.0
+        else:
+            ar[unit] = ar.get(unit, 0.0) + (reduce.time if reduce else 0.0)
     # Per microbatch, by phase and collective: the blocks' activation collectives (again in
     # the recomputed forward), the embedding's, and the head's of the logits.
     block_calls: dict[tuple[str, str], int] = {}
-    for g in blocks:
-        forward, backward = tp_collectives(model, g.name)
+    for b in blocks:
+        forward, backward = tp_collectives(model, f"layers.{b}")
         for phase, kinds in (("forward", forward), ("backward", backward)):
             for kind in kinds:
                 block_calls[phase, kind] = block_calls.get((phase, kind), 0) + 1
-    phases = ("forward", "backward", "recompute") if shape.recompute else ("forward", "backward")
+    phases = ("forward", "backward", "recompute") if recomputes else ("forward", "backward")
     tp_records = [
         grid.record("tp", Collective(kind), phase, "tp", act, n * m)
         for phase in phases
@@ -342,8 +432,8 @@ def _stage(
     units = ([("tok_embeddings", act)] if first else []) + (
         [("output", tokens * model.vocab_size * prec.compute)] if last else []
     )
-    for unit, nbytes in units:
-        forward, backward = tp_collectives(model, unit)
+    for unit_name, nbytes in units:
+        forward, backward = tp_collectives(model, unit_name)
         for phase, kinds in (("forward", forward), ("backward", backward)):
             tp_records += [grid.record("tp", Collective(k), phase, "tp", nbytes, m) for k in kinds]
     if pp > 1:
@@ -351,73 +441,125 @@ def _stage(
             tp_records.append(grid.record("pp", Collective.SEND_RECV, "forward", "pp", act, m))
         if not first:
             tp_records.append(grid.record("pp", Collective.SEND_RECV, "backward", "pp", act, m))
+    moe_layers = sum(1 for b in blocks if model.moe is not None and model.moe.is_moe_layer(b))
     records += tp_records
+    records += expert_records(
+        model,
+        grid,
+        moe_layers,
+        tokens,
+        prec.compute,
+        microbatches=m,
+        imbalance=shape.expert_imbalance,
+        recompute=recomputes,
+    )
+    records += context_records(
+        model, grid, len(blocks), tokens, prec.compute, microbatches=m, recompute=recomputes
+    )
 
-    stage_parallel = ParallelConfig(p.dp_replicate, p.dp_shard, p.tp, 1)
+    stage_parallel = ParallelConfig(p.dp_replicate, p.dp_shard * p.cp, p.tp, 1)
     stage_rank = rank - stage * stage_parallel.world_size
     if shape.optimizer == "muon":
         muon = muon_traffic(
-            groups,
+            _muon_groups(groups),
             stage_parallel,
             rank=stage_rank,
             bucket_mb=shape.muon_bucket_mb,
-            exact=muon_exact,
+            exact=False if p.ep > 1 else muon_exact,
         )
     else:
         muon = MuonTraffic("none", 0, 0, 0, 0, 0, 0, 0.0)
     if muon.calls:
         records.append(_muon_record(grid, muon))
 
-    units_f = ([(ag[root.name], 0.0)] if root else []) + [(ag[g.name], fwd[g.name]) for g in blocks]
+    units_f = ([(ag[None], 0.0)] if root else []) + [(ag[b], fwd[b]) for b in blocks]
     ag_fwd = _exposed_forward(units_f, shape.prefetch)
-    factor = 3.0 if shape.recompute else 2.0
     # The root's reduce-scatter goes last (the embedding's gradient is the last one), so its
     # unit carries none and it is added as exposed after the last unit.
     units_b = ([(0.0, 0.0, 2 * head_fwd)] if root else []) + [
-        (ag[g.name], rs[g.name], factor * fwd[g.name]) for g in reversed(blocks)
+        (ag[b], rs[b], 2 * fwd[b] + redo[b]) for b in reversed(blocks)
     ]
     ag_bwd, rs_bwd = _exposed_backward(units_b, shape.prefetch)
     if root is not None:
-        rs_bwd += rs[root.name]
+        rs_bwd += rs[None]
+    # torch FSDP2's copies: every forward gather, every backward re-gather (not the root's)
+    # and every reduce-scatter.
+    ag_fwd += sum(c[0] for c in copies.values())
+    ag_bwd += sum(c[0] for u, c in copies.items() if u is not None)
+    rs_bwd += sum(c[1] for c in copies.values())
     backward_compute = sum(u[2] for u in units_b)
     ar_total = sum(ar.values())
-    ar_last = (ar[root.name] if root else 0.0) + (ar[blocks[0].name] if blocks else 0.0)
-    ar_exposed = max(ar_last, ar_total - backward_compute) if ar_total else 0.0
-    tp_time = sum(r.total_time for r in records if r is not None and r.kind == "tp") / m
-    pp_time = sum(r.total_time for r in records if r is not None and r.kind == "pp") / m
-    mb_exposed = ag_fwd + ag_bwd + rs_bwd + ar_exposed + tp_time + pp_time
-    muon_time = sum(r.total_time for r in records if r is not None and r.kind == "muon")
+    ar_last = ar.get(None, 0.0) + (ar.get(blocks[0], 0.0) if blocks else 0.0)
+    # The replicas' all-reduce runs once per step, behind the last microbatch's backward.
+    # Per tier: on a tier of its own it has the whole backward; on the FSDP stream's tier
+    # only what that stream leaves idle (a DDP all-reduce has the stream to itself).
+    idle = backward_compute
+    if not ddp and grid.tier("dp_replicate") == grid.tier("dp_shard"):
+        idle = max(0.0, backward_compute - sum(u[0] + u[1] for u in units_b))
+    ar_exposed = max(ar_last, ar_total - idle) if ar_total else 0.0
+    done = [r for r in records if r is not None]
+
+    def per_mb(kind: str, phase: str | None = None) -> float:
+        return sum(r.total_time for r in done if r.kind == kind and phase in (None, r.phase)) / m
+
+    critical = ("tp", "ep", "cp", "pp")
+    fwd_exposed = ag_fwd + sum(per_mb(k, "forward") for k in critical)
+    mb_exposed = ag_fwd + ag_bwd + rs_bwd + sum(per_mb(k) for k in critical)
+    muon_time = sum(r.total_time for r in done if r.kind == "muon")
     exposed = (
         ("fsdp_all_gather", m * (ag_fwd + ag_bwd)),
         ("fsdp_reduce_scatter", m * rs_bwd),
-        ("hsdp_all_reduce", m * ar_exposed),
-        ("tp", m * tp_time),
-        ("pp", m * pp_time),
+        ("hsdp_all_reduce", 0.0 if ddp else ar_exposed),
+        ("ddp_all_reduce", ar_exposed if ddp else 0.0),
+        *((k, m * per_mb(k)) for k in critical),
         ("muon", muon_time),
     )
-    in_flight = min(pp - stage, m) if pp > 1 else 1
     memory = memory_breakdown(
         model,
         groups,
         shape,
-        shard_coordinate=coord["dp_shard"],
-        tp=p.tp,
+        shard_coordinates=(coord["fsdp"], coord["expert_shard"]),
+        parallel=p,
         microbatch_tokens=tokens,
-        in_flight=in_flight,
+        in_flight=in_flight(shape.pp_schedule, pp, m, stage),
         head=last,
     )
+    offload = _offload_time(groups, shape, memory, device)
     return StageResult(
         stage=stage,
         rank=rank,
         layers=layers,
         groups=groups,
         memory=memory,
-        records=tuple(r for r in records if r is not None),
+        records=tuple(done),
         muon=muon,
         microbatch_compute=mb_compute,
         microbatch_exposed=mb_exposed,
         exposed_by_kind=exposed,
+        microbatch_forward=sum(fwd.values()) + head_fwd + fwd_exposed,
+        offload_time=offload,
+        step_exposed=0.0 if fsdp2 else ar_exposed,
+        fsdp_overhead=m * sum(a + b for a, b in copies.values())
+        + m * sum(c[0] for u, c in copies.items() if u is not None),
     )
+
+
+def _offload_time(
+    groups: tuple[GroupSpec, ...], shape: StepShape, memory: MemoryBreakdown, device: Device
+) -> float:
+    """Seconds of host transfers per step, taken as exposed: ``optimizer`` moves the state in
+    and out once per step; ``params`` and ``both`` copy each group's parameter chunk in before
+    each of its all-gathers and its reduced gradient chunk out after each reduce-scatter (the
+    optimizer then steps in host memory, its time not modeled)."""
+    if shape.offload == "optimizer":
+        return 2 * memory.host / device.host_bandwidth
+    if shape.offload == "none":
+        return 0.0
+    prec = shape.precision
+    moved = sum(
+        g.flat.chunk_numel * ((1 if g.is_root else 2) * prec.param + prec.reduce) for g in groups
+    )
+    return shape.microbatches * moved / device.host_bandwidth
 
 
 def _muon_record(grid: RankGrid, muon: MuonTraffic) -> CollectiveRecord:
@@ -503,6 +645,8 @@ def dry_run(
     """
     grid = RankGrid.build(parallel, topology)
     check_fits(model, parallel)
+    if shape.runtime == "hp":
+        check_runtime_accepts(model, parallel, shape)
     microbatch_size = shape.microbatch_size(parallel.dp)
     dev = device or device_for(topology)
     coord = grid.coordinate(rank)
@@ -523,36 +667,25 @@ def dry_run(
     biggest = max(stages, key=lambda s: s.memory.total)
     m, pp = shape.microbatches, parallel.pp
     fsdp_comm = sum(r.total_time for r in slowest.records if r.kind in _FSDP)
+    fsdp_comm += slowest.fsdp_overhead
     exposed = dict(slowest.exposed_by_kind)
+    bubble = 0.0
+    if pp > 1:
+        forward = slowest.microbatch_forward
+        timing = pipeline_timing(
+            shape.pp_schedule, pp, m, forward, slowest.microbatch_time - forward, 0.0
+        )
+        bubble = timing.bubble
     time = StepTime(
         compute=m * slowest.microbatch_compute,
-        exposed_comm=m * slowest.microbatch_exposed,
-        bubble=(pp - 1) * slowest.microbatch_time,
+        exposed_comm=m * slowest.microbatch_exposed + slowest.step_exposed,
+        bubble=bubble,
         optimizer=max(exposed_of(s, "muon") + s.muon.ns_flops / dev.flops for s in stages),
         fsdp_comm=fsdp_comm,
         fsdp_exposed=sum(exposed[k] for k in _FSDP),
+        offload=max(s.offload_time for s in stages),
     )
-    notes: list[str] = []
-    if pp > 1:
-        notes.append(
-            "pp > 1 is modeled as 1F1B (bubble (pp-1)/(microbatches+pp-1)), the stages cut as "
-            "the trainer cuts them"
-        )
-    if model.moe is not None and parallel.tp > 1:
-        notes.append(
-            "MoE feed-forwards (router, experts, shared experts) stay whole on every "
-            "tensor-parallel rank, as the trainer's TP plan keeps them: their compute and "
-            "memory are not divided by tp"
-        )
-    sources = {s.muon.source for s in stages}
-    if shape.optimizer == "muon":
-        if "analytic" in sources:
-            notes.append(
-                "Muon bytes computed analytically from the layouts (balanced owners); "
-                "hp_muon's real plan is used for small cases"
-            )
-        elif "plan" in sources:
-            notes.append("Muon bytes from hp_muon's real plan (plan_muon_step, rank_program)")
+    notes = _notes(model, parallel, shape, dev, {s.muon.source for s in stages})
     return DryRun(
         model_name=model_name,
         model=model,
@@ -568,6 +701,57 @@ def dry_run(
         time=time,
         notes=tuple(notes),
     )
+
+
+def _notes(
+    model: ModelConfig,
+    parallel: ParallelConfig,
+    shape: StepShape,
+    device: Device,
+    sources: set[str],
+) -> list[str]:
+    """Caveats of a prediction (what it assumes that the figures depend on)."""
+    notes: list[str] = []
+    if parallel.pp > 1:
+        notes.append(
+            f"pp > 1: the bubble is hp-mpmd's simulation of the trainer's {shape.pp_schedule} "
+            "plan, every stage at the slowest stage's microbatch time; stages cut as the "
+            "trainer cuts them"
+        )
+    if model.moe is not None and parallel.tp > 1 and not parallel.ep_tp:
+        notes.append(
+            "MoE feed-forwards (router, experts, shared experts) stay whole on every "
+            "tensor-parallel rank, as the trainer keeps them without --ep-tp: their compute "
+            "is not divided by tp"
+        )
+    if parallel.ep > 1:
+        notes.append(
+            f"expert all-to-alls at a stated imbalance of {shape.expert_imbalance:g} (rows "
+            "received over rows sent on this rank); they are on the critical path"
+        )
+    if parallel.cp > 1:
+        notes.append(
+            f"context parallelism ({parallel.cp_variant}): its exchanges are synchronous in the "
+            "runtime (on the critical path)"
+        )
+    if shape.fp8 != "none" and device.fp8_peak_flops is None:
+        notes.append(f"{device.name} has no FP8 matmul: FP8 linears are timed at bf16 speed")
+    if shape.offload != "none":
+        notes.append("offload transfers are taken as exposed; the host optimizer step is not timed")
+    if shape.optimizer == "muon" and parallel.ep > 1:
+        notes.append(
+            "Muon with expert parallelism: the experts' exchange is estimated from each "
+            "rank's local stacks as if they were dense matrices of the stage (approximate)"
+        )
+    if shape.optimizer == "muon":
+        if "analytic" in sources:
+            notes.append(
+                "Muon bytes computed analytically from the layouts (balanced owners); "
+                "hp_muon's real plan is used for small cases"
+            )
+        elif "plan" in sources:
+            notes.append("Muon bytes from hp_muon's real plan (plan_muon_step, rank_program)")
+    return notes
 
 
 def exposed_of(stage: StageResult, kind: str) -> float:

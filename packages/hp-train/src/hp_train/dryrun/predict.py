@@ -17,13 +17,19 @@ Kinds: ``"fsdp_all_gather"`` (forward gathers of every group, backward re-gather
 block: the root keeps its parameters), ``"fsdp_reduce_scatter"`` (one per group),
 ``"hsdp_all_reduce"`` (one per group's chunk over ``dp_replicate``), ``"tp"`` (the boundary
 collectives of the trainer's resolved plan: the row-parallel all-reduces, the head's logits
-all-gather; and FSDP's tail all-reduce of tensor-parallel-replicated gradients), ``"muon"``
-(the owner exchanges). A degree of 1 issues no collective of its kind (hp_fsdp copies
-instead).
+all-gather; and FSDP's tail all-reduce of tensor-parallel-replicated gradients), ``"ep"``
+(:mod:`~hp_train.dryrun.expert_comm`: the routing counts' all-gather, the dispatch and
+combine all-to-alls both ways, FSDP's all-reduce over ep of the router's and shared experts'
+gradients), ``"cp"`` (:mod:`~hp_train.dryrun.context_comm`: ring passes, both buffers of
+each, or Ulysses' all-to-alls), ``"muon"`` (the owner exchanges). A degree of 1 issues no
+collective of its kind (hp_fsdp copies instead).
 
-Assumed run (what ``hp_train``'s loop does): one ``fully_shard`` per block then the root, no
-mixed precision (fp32 everywhere), one microbatch per step (``global_batch / dp`` sequences),
-no recomputation, Muon with its default 32 MiB buckets on the world group.
+Assumed run (what ``hp_train``'s loop does): one ``fully_shard`` per block then the root (an
+MoE layer's own before its block's under expert parallelism), the train config's
+checkpointing policy, no mixed precision (fp32 everywhere), its ``grad_accum`` micro-steps,
+Muon with its default 32 MiB buckets on the world group. Expert all-to-alls depend on where
+the router sends the tokens: ``expert_imbalance`` states this rank's rows received over rows
+sent (1: balanced).
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from dataclasses import dataclass
 
 from hp_layout import Topology
 from hp_train.config import ModelConfig, ParallelConfig, TrainConfig
+from hp_train.dryrun.comm import RankGrid
 from hp_train.dryrun.planner import dry_run
 from hp_train.dryrun.presets import DEVICE_PRESETS, DryRunError
 from hp_train.dryrun.workload import FP32, Precision, StepShape
@@ -44,6 +51,8 @@ PREDICTED_KINDS = (
     "fsdp_reduce_scatter",
     "hsdp_all_reduce",
     "tp",
+    "ep",
+    "cp",
     "muon",
 )
 
@@ -94,6 +103,7 @@ def predict_for_run(
     rank: int = 0,
     topology: Topology | None = None,
     precision: Precision = FP32,
+    expert_imbalance: float = 1.0,
 ) -> Prediction:
     """Predict ``rank``'s memory and per-step communication for a training run.
 
@@ -117,17 +127,23 @@ def predict_for_run(
     shape = StepShape(
         global_batch=train_config.global_batch,
         seq_len=train_config.seq_len,
+        microbatches=train_config.grad_accum,
+        ac=train_config.ac,
         optimizer=train_config.optimizer,
         precision=precision,
         prefetch=False,
+        expert_imbalance=expert_imbalance,
     )
     run = dry_run(
         model_config, parallel_config, topo, shape, device=DEVICE_PRESETS["cpu"], rank=rank
     )
     stage = run.stages[0]
     memory = stage.memory
-    coordinate = rank // parallel_config.tp % parallel_config.dp_shard
-    elements = sum(sum(g.local_numels(coordinate)) for g in stage.groups)
+    coord = RankGrid.build(parallel_config, topo).coordinate(rank)
+    elements = sum(
+        sum(g.local_numels(coord["expert_shard"] if g.is_experts else coord["fsdp"]))
+        for g in stage.groups
+    )
     kinds = {k.kind: k for k in run.kinds}
     return Prediction(
         rank=rank,

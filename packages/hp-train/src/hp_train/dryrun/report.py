@@ -1,4 +1,6 @@
-"""Text reports of dry runs and searches (printing is kept apart from planning)."""
+"""Text reports of dry runs and searches (printing is kept apart from planning): memory by
+part, communication by collective kind and tier with each kind's exposed share of the step,
+the step time and throughput."""
 
 from __future__ import annotations
 
@@ -15,10 +17,20 @@ def _gib(n: float) -> str:
 
 def _config(run: DryRun) -> str:
     p, s = run.parallel, run.shape
-    return (
-        f"dp_replicate={p.dp_replicate} dp_shard={p.dp_shard} tp={p.tp} pp={p.pp} "
-        f"microbatches={s.microbatches} recompute={'on' if s.recompute else 'off'}"
-    )
+    text = f"dp_replicate={p.dp_replicate} dp_shard={p.dp_shard} tp={p.tp} pp={p.pp}"
+    if p.ep > 1:
+        text += f" ep={p.ep}" + (" ep_tp" if p.ep_tp else "")
+    if p.cp > 1:
+        text += f" cp={p.cp} ({p.cp_variant})"
+    text += f" microbatches={s.microbatches} ac={s.ac}"
+    extras = [
+        f"offload={s.offload}" if s.offload != "none" else "",
+        f"fp8={s.fp8}" if s.fp8 != "none" else "",
+        "fp8_all_gather" if s.fp8_all_gather else "",
+        f"pp_schedule={s.pp_schedule}" if p.pp > 1 else "",
+        f"runtime={s.runtime}" if s.runtime != "hp" else "",
+    ]
+    return " ".join([text, *(e for e in extras if e)])
 
 
 def format_dry_run(run: DryRun, *, layers: bool = False) -> str:
@@ -40,22 +52,30 @@ def format_dry_run(run: DryRun, *, layers: bool = False) -> str:
         lines += [f"    {name:<12} {_gib(b)} per microbatch" for name, b in m.activations_by_layer]
     lines += [f"  {name:<28} {_gib(b)}" for name, b in m.buffers]
     lines.append(f"  total        {_gib(m.total)}")
+    if m.host:
+        lines.append(f"  (in host memory: {_gib(m.host).strip()})")
     lines.append("communication per step per rank (slowest stage):")
-    lines.append(f"  {'kind':<20} {'calls':>7} {'sent':>12} {'time':>9} {'exposed':>9}  tiers")
+    lines.append(
+        f"  {'kind':<20} {'calls':>7} {'sent':>12} {'time':>9} {'exposed':>9} {'share':>6}  tiers"
+    )
     for k in run.kinds:
         if not k.calls:
             continue
         tiers = ", ".join(
             f"{name} {sent / GIB:.2f} GiB {secs:.3f}s" for name, sent, secs in k.by_tier
         )
+        share = 100 * k.exposed / t.total if t.total else 0.0
         lines.append(
             f"  {k.kind:<20} {k.calls:>7} {k.sent_bytes / GIB:>8.2f} GiB {k.time:>8.3f}s "
-            f"{k.exposed:>8.3f}s  {tiers}"
+            f"{k.exposed:>8.3f}s {share:>5.1f}%  {tiers}"
         )
     lines += [
         "step time:",
         f"  compute {t.compute:.3f}s + exposed comm {t.exposed_comm:.3f}s + bubble "
-        f"{t.bubble:.3f}s + optimizer {t.optimizer:.3f}s = {t.total:.3f}s",
+        f"{t.bubble:.3f}s + optimizer {t.optimizer:.3f}s"
+        + (f" + offload {t.offload:.3f}s" if t.offload else "")
+        + f" = {t.total:.3f}s; "
+        f"{run.shape.global_batch * run.shape.seq_len / t.total / 1e3:,.0f}k tokens/s",
         f"  FSDP communication: {t.fsdp_comm:.3f}s = {100 * t.fsdp_fraction:.1f}% of the step "
         f"({t.fsdp_exposed:.3f}s = {100 * t.fsdp_exposed_fraction:.1f}% exposed)",
     ]

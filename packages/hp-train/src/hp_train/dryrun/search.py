@@ -1,28 +1,31 @@
 """``--search``: every way to lay a model onto a topology, ranked by predicted step time.
 
-Enumerated: ``dp_replicate x dp_shard x tp x pp == world`` that the trainer accepts
-(``hp_train.parallelize.check_model_fits``: ``tp`` dividing the attention heads, the KV heads,
-the dense feed-forward and the vocabulary, ``pp <= n_layers``), the global batch divisible by
-``dp``; microbatch
-counts from ``microbatch_options`` that divide the per-rank batch; recomputation off and on.
-A configuration fits when its largest stage's peak memory
-(:attr:`~hp_train.dryrun.memory.MemoryBreakdown.total`) is at most the limit. Muon traffic is
-analytic here (fast); pipeline stages are sampled as in ``dry_run(all_stages=False)``.
+Enumerated (:class:`SearchSpace`, by default every divisor): ``dp_replicate x dp_shard x cp x
+tp x pp == world`` with ``ep`` dividing ``dp_shard`` (and the experts), that the trainer
+accepts (:func:`hp_train.parallelize.check_model_fits`: ``tp`` dividing the attention heads,
+the KV heads, the dense feed-forward and the vocabulary, ``pp <= n_layers``; and the pairs
+:mod:`hp_train.combinations` refuses, such as ``ep`` with ``cp``), the global batch divisible by
+``dp``; microbatch counts that divide the per-rank batch (at least ``pp`` of them when
+pipelining); the checkpointing policies of the space. A configuration fits when its largest
+stage's peak memory (:attr:`~hp_train.dryrun.memory.MemoryBreakdown.total`) is at most the
+limit. Muon traffic is analytic here (fast); pipeline stages are sampled as in
+``dry_run(all_stages=False)``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
 from hp_layout import Topology
-from hp_train.config import ModelConfig, ParallelConfig
+from hp_train.config import CP_VARIANTS, ModelConfig, ParallelConfig
 from hp_train.dryrun.planner import DryRun, dry_run
 from hp_train.dryrun.presets import Device, DryRunError
+from hp_train.dryrun.refusals import check_runtime_accepts
 from hp_train.dryrun.shapes import check_fits
 from hp_train.dryrun.workload import StepShape
 
-__all__ = ["SearchResult", "divisors", "parallel_configs", "search"]
+__all__ = ["SearchResult", "SearchSpace", "divisors", "parallel_configs", "search"]
 
 
 @dataclass(frozen=True)
@@ -35,6 +38,8 @@ class SearchResult:
         rejected: how many did not fit the memory limit.
         memory_limit: the per-rank limit in bytes.
         smallest_rejected: the least peak memory among rejected ones (bytes; 0 when none).
+        refused: layouts skipped because the trainer refuses them.
+        closest: the rejected configuration needing the least memory (None when none was).
     """
 
     fitting: tuple[DryRun, ...]
@@ -42,6 +47,31 @@ class SearchResult:
     rejected: int
     memory_limit: int
     smallest_rejected: int
+    refused: int = 0
+    closest: DryRun | None = None
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    """What the search enumerates; ``None`` for a degree: every divisor of what is left.
+
+    Attributes:
+        dp_replicate, tp, ep, cp, pp: allowed degrees (``dp_shard`` takes the rest).
+        cp_variants: context-parallel attentions tried when ``cp > 1``.
+        ep_tp: expert-tensor parallelism settings tried when ``ep > 1`` and ``tp > 1``.
+        microbatches: microbatch counts.
+        ac: checkpointing policies.
+    """
+
+    dp_replicate: tuple[int, ...] | None = None
+    tp: tuple[int, ...] | None = None
+    ep: tuple[int, ...] | None = None
+    cp: tuple[int, ...] | None = None
+    pp: tuple[int, ...] | None = None
+    cp_variants: tuple[str, ...] = CP_VARIANTS
+    ep_tp: tuple[bool, ...] = (False, True)
+    microbatches: tuple[int, ...] = (1, 2, 4, 8, 16)
+    ac: tuple[str, ...] = ("none", "selective", "full")
 
 
 def divisors(n: int) -> tuple[int, ...]:
@@ -49,20 +79,48 @@ def divisors(n: int) -> tuple[int, ...]:
     return tuple(d for d in range(1, n + 1) if n % d == 0)
 
 
-def parallel_configs(model: ModelConfig, world: int, global_batch: int) -> list[ParallelConfig]:
-    """Every ``(dp_replicate, dp_shard, tp, pp)`` for ``world`` ranks the model (as the trainer
-    checks it) and batch allow."""
+def _allowed(options: tuple[int, ...] | None, n: int) -> tuple[int, ...]:
+    return tuple(d for d in (divisors(n) if options is None else options) if n % d == 0)
+
+
+def _layouts(model: ModelConfig, world: int, space: SearchSpace) -> Iterator[ParallelConfig]:
+    experts = model.moe.n_experts if model.moe is not None else 1
+    for tp in _allowed(space.tp, world):
+        for pp in _allowed(space.pp, world // tp):
+            for cp in _allowed(space.cp, world // (tp * pp)):
+                dp = world // (tp * pp * cp)
+                for r in _allowed(space.dp_replicate, dp):
+                    shard = dp // r
+                    for ep in _allowed(space.ep, shard):
+                        if experts % ep:
+                            continue
+                        variants = space.cp_variants if cp > 1 else ("ring",)
+                        splits = space.ep_tp if ep > 1 and tp > 1 else (False,)
+                        for variant in variants:
+                            for ep_tp in splits:
+                                yield ParallelConfig(r, shard, tp, pp, cp, variant, ep, ep_tp)
+
+
+def parallel_configs(
+    model: ModelConfig,
+    world: int,
+    global_batch: int,
+    space: SearchSpace | None = None,
+    shape: StepShape | None = None,
+) -> list[ParallelConfig]:
+    """Every layout of ``space`` for ``world`` ranks the model (as the trainer checks it), the
+    batch and, given ``shape``, the trainer's refused pairs allow."""
     out: list[ParallelConfig] = []
-    for tp in divisors(world):
-        for pp in divisors(world // tp):
-            try:
-                check_fits(model, ParallelConfig(tp=tp, pp=pp))
-            except DryRunError:
-                continue
-            dp = world // (tp * pp)
-            if global_batch % dp:
-                continue
-            out.extend(ParallelConfig(r, dp // r, tp, pp) for r in divisors(dp))
+    for parallel in _layouts(model, world, space or SearchSpace()):
+        if global_batch % parallel.dp:
+            continue
+        try:
+            check_fits(model, parallel)
+            if shape is not None and shape.runtime == "hp":
+                check_runtime_accepts(model, parallel, shape)
+        except DryRunError:
+            continue
+        out.append(parallel)
     return out
 
 
@@ -73,13 +131,15 @@ def search(
     memory_limit: int,
     *,
     device: Device | None = None,
-    microbatch_options: Sequence[int] = (1, 2, 4, 8, 16),
+    microbatch_options: tuple[int, ...] | None = None,
+    space: SearchSpace | None = None,
     model_name: str = "custom",
 ) -> SearchResult:
     """Enumerate, predict, reject what does not fit in ``memory_limit`` bytes, rank by time.
 
-    ``shape`` gives the batch, precision and optimizer; its ``microbatches`` and ``recompute``
-    are searched over.
+    ``shape`` gives the batch, precision, optimizer, offload and FP8 options; its
+    ``microbatches`` and ``ac`` are searched over (``space``; ``microbatch_options``
+    overrides its microbatch counts).
 
     Postconditions: every result in ``fitting`` has ``memory.total <= memory_limit`` and the
     results are sorted by ``time.total``, ascending.
@@ -90,41 +150,53 @@ def search(
     """
     if memory_limit <= 0:
         raise DryRunError(f"the memory limit must be positive, got {memory_limit} bytes")
+    space = space or SearchSpace()
+    if microbatch_options is not None:
+        space = replace(space, microbatches=tuple(microbatch_options))
     world = topology.world_size
-    configs = parallel_configs(model, world, shape.global_batch)
+    base = replace(shape, microbatches=1, ac="none")
+    configs = parallel_configs(model, world, shape.global_batch, space)
     if not configs:
         raise DryRunError(
-            f"no (dp_replicate, dp_shard, tp, pp) for {world} ranks: tp must divide n_heads="
+            f"no (dp_replicate, dp_shard, cp, tp, pp) for {world} ranks: tp must divide n_heads="
             f"{model.n_heads}, n_kv_heads={model.n_kv_heads}, ffn_dim={model.ffn_dim} and "
             f"vocab_size={model.vocab_size}, pp at most n_layers={model.n_layers}, and "
             f"global_batch={shape.global_batch} must be divisible by dp"
         )
     fitting: list[DryRun] = []
-    evaluated = rejected = 0
+    evaluated = rejected = refused = 0
     smallest = 0
+    closest: DryRun | None = None
     for parallel in configs:
         local = shape.global_batch // parallel.dp
-        for m in microbatch_options:
+        for m in space.microbatches:
             if local % m or (parallel.pp > 1 and m < parallel.pp):
                 continue
-            for recompute in (False, True):
-                candidate = replace(shape, microbatches=m, recompute=recompute)
-                result = dry_run(
-                    model,
-                    parallel,
-                    topology,
-                    candidate,
-                    device=device,
-                    muon_exact=False,
-                    model_name=model_name,
-                    all_stages=False,
-                )
+            for ac in space.ac:
+                candidate = replace(base, microbatches=m, ac=ac)
+                try:
+                    result = dry_run(
+                        model,
+                        parallel,
+                        topology,
+                        candidate,
+                        device=device,
+                        muon_exact=False,
+                        model_name=model_name,
+                        all_stages=False,
+                    )
+                except DryRunError:
+                    refused += 1
+                    continue
                 evaluated += 1
                 if result.memory.total <= memory_limit:
                     fitting.append(result)
                 else:
                     rejected += 1
                     total = result.memory.total
-                    smallest = total if not smallest else min(smallest, total)
+                    if not smallest or total < smallest:
+                        smallest, closest = total, result
     fitting.sort(key=lambda r: r.time.total)
-    return SearchResult(tuple(fitting), evaluated, rejected, memory_limit, smallest)
+    return SearchResult(
+        tuple(fitting), evaluated, rejected, memory_limit, smallest, refused, closest
+    )

@@ -17,7 +17,9 @@ tensor-parallel rank, as the trainer keeps them. The one fits check is the train
 :func:`hp_train.parallelize.check_model_fits`.
 
 FSDP follows ``hp_fsdp``: one ``fully_shard`` per block (``model.layers``' modules), then the
-root with the remaining parameters (``tok_embeddings``, ``norm``, ``output``). Each group packs
+root with the remaining parameters (``tok_embeddings``, ``norm``, ``output``); under expert
+parallelism each MoE layer's feed-forward first, a group of its own over the ranks holding the
+same experts (:func:`hp_train.expert.shard_experts`). Each group packs
 its parameters' local (tensor-parallel) shapes with :func:`hp_layout.plan_flat_buffer` into
 ``dp_shard`` chunks, aligned to 16 bytes of the storage dtype, parameters whose gradient the
 plan reduces over the tensor-parallel axis (those replicated over a ``tp`` of size > 1) last
@@ -298,8 +300,10 @@ class GroupSpec:
         params: its parameters in flat-buffer order.
         local_shapes: each parameter's tensor-parallel local shape (what is packed).
         flat: the packing (``dp_shard`` chunks).
-        extra_start: first element of the tail that is all-reduced over the tensor-parallel
-            axis before the reduce-scatter (``flat.padded_numel`` when there is none).
+        extra_start: first element of the tail that is all-reduced over ``tail_axis``
+            before the reduce-scatter (``flat.padded_numel`` when there is none).
+        tail_axis: ``"tp"`` (parameters replicated over tensor parallelism) or, for an
+            expert group, ``"ep"`` (the router and shared experts, replicated over ep).
     """
 
     name: str
@@ -307,11 +311,23 @@ class GroupSpec:
     local_shapes: tuple[tuple[int, ...], ...]
     flat: FlatBufferLayout
     extra_start: int
+    tail_axis: str = "tp"
 
     @property
     def is_root(self) -> bool:
         """Whether this is the root's group (kept unsharded from forward to backward)."""
         return self.name == "root"
+
+    @property
+    def is_experts(self) -> bool:
+        """Whether this is an MoE layer's own group under expert parallelism
+        (``layers.N.ffn``: sharded over the ranks holding the same experts)."""
+        return self.name.endswith(".ffn")
+
+    @property
+    def block(self) -> int | None:
+        """The block the group belongs to (None for the root)."""
+        return None if self.is_root else int(self.name.split(".")[1])
 
     @property
     def owner(self) -> str:
@@ -357,6 +373,37 @@ def _group(
     return GroupSpec(name, tuple(params), shapes, flat, start)
 
 
+# How ExpertTensorParallel splits an expert stack's hidden dim over tp.
+_EXPERT_TP_DIM = {"w1": 1, "w3": 1, "w2": 2}
+
+
+def _expert_group(
+    name: str,
+    params: list[ParamSpec],
+    shards: int,
+    ep: int,
+    tp: int,
+    ep_tp: bool,
+    param_bytes: int,
+) -> GroupSpec:
+    """One MoE layer's group under expert parallelism (see :func:`fsdp_groups`)."""
+    experts = [p for p in params if ".experts." in p.name]
+    extra = [p for p in params if p not in experts]
+    shapes = []
+    for p in experts:
+        dims = list(p.shape)
+        dims[0] //= ep
+        if ep_tp and tp > 1:
+            split = _EXPERT_TP_DIM[p.name.rsplit(".", 1)[1]]
+            dims[split] //= tp
+        shapes.append(tuple(dims))
+    shapes += [p.shape for p in extra]
+    ordered = experts + extra
+    flat = _plan(tuple(shapes), shards, max(1, ALIGN_BYTES // param_bytes))
+    start = flat.slots[len(experts)].offset if extra else flat.padded_numel
+    return GroupSpec(name, tuple(ordered), tuple(shapes), flat, start, tail_axis="ep")
+
+
 @lru_cache(maxsize=256)
 def fsdp_groups(
     model: ModelConfig,
@@ -368,10 +415,21 @@ def fsdp_groups(
     layers: tuple[int, int] | None = None,
     embedding: bool = True,
     head: bool = True,
+    ep: int = 1,
+    ep_tp: bool = False,
 ) -> tuple[GroupSpec, ...]:
     """The FSDP groups in ``fully_shard`` order: one per block of ``layers`` (``[start, stop)``, all
     by default), then the root with ``tok_embeddings`` (if ``embedding``) and ``norm`` and
     ``output`` (if ``head``), as one pipeline stage holds them.
+
+    ``dp_shard`` is the number of chunks the dense groups are split into (the runtime's FSDP
+    shard axis: ``dp_shard x cp`` under context parallelism). With ``ep > 1`` every MoE
+    layer's feed-forward is a group of its own before its block's (``layers.N.ffn``, as
+    :func:`hp_train.expert.shard_experts` makes it): its experts' local stacks
+    (``n_experts / ep`` each; with ``ep_tp`` their hidden dim split over ``tp`` too) first,
+    then the router and shared experts, replicated over ep (the tail FSDP all-reduces over
+    ``ep``), in ``dp_shard / ep`` chunks (the ranks holding the same experts; one when
+    ``dp_shard`` is 1, a run without sharding).
 
     Postconditions: every listed parameter is in exactly one group; each group's ``flat`` is
     ``hp_layout.plan_flat_buffer`` of its local shapes (those of the resolved plan on
@@ -386,18 +444,20 @@ def fsdp_groups(
     by_name = {p.name: p for p in structure.params}
     start, stop = layers if layers is not None else (0, model.n_layers)
     blocks = dict(structure.blocks)
-    groups = [
-        _group(
-            model,
-            f"layers.{i}",
-            [by_name[n] for n in blocks[i]],
-            dp_shard,
-            tp,
-            tp_coordinate,
-            param_bytes,
+    groups: list[GroupSpec] = []
+    for i in range(start, stop):
+        params = [by_name[n] for n in blocks[i]]
+        if ep > 1 and model.moe is not None and model.moe.is_moe_layer(i):
+            moe = [p for p in params if p.name.startswith(f"layers.{i}.ffn.")]
+            params = [p for p in params if p not in moe]
+            groups.append(
+                _expert_group(
+                    f"layers.{i}.ffn", moe, max(1, dp_shard // ep), ep, tp, ep_tp, param_bytes
+                )
+            )
+        groups.append(
+            _group(model, f"layers.{i}", params, dp_shard, tp, tp_coordinate, param_bytes)
         )
-        for i in range(start, stop)
-    ]
     root_names = (structure.embedding if embedding else ()) + (structure.head if head else ())
     root = [p for p in structure.params if p.name in set(root_names)]
     if root:

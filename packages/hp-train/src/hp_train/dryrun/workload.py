@@ -37,12 +37,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hp_train.config import ModelConfig
+from hp_train.config import (
+    FP8_RECIPES,
+    OFFLOAD_TARGETS,
+    PIPELINE_SCHEDULE_NAMES,
+    ConfigError,
+    ModelConfig,
+    TrainConfig,
+)
+from hp_train.dryrun.activation import block_activations
 from hp_train.dryrun.presets import DryRunError
 
 __all__ = [
     "BF16_MIXED",
     "FP32",
+    "RUNTIMES",
     "Precision",
     "StepShape",
     "block_activation_bytes",
@@ -83,6 +92,25 @@ BF16_MIXED = Precision(param=4, compute=2, reduce=4, optimizer=4)
 """fp32 master weights, optimizer state and gradient reduction; bf16 compute and all-gather."""
 
 
+RUNTIMES = ("hp", "torch_fsdp2", "megatron_ddp")
+"""Data-parallel runtimes the dry run models:
+
+* ``"hp"``: hp-fsdp as hp-train runs it (flat buffers the collectives read and write in
+  place; the replicas' all-reduce on its own tier, once per step, pipelined behind the
+  backward);
+* ``"torch_fsdp2"``: PyTorch's ``fully_shard``: the same groups, plus a copy-in before and a
+  copy-out after every all-gather and reduce-scatter (``2 x (chunk + padded)`` elements read
+  and written at device memory bandwidth, on the compute stream: exposed), and under HSDP one
+  all-reduce per group and microbatch queued behind its reduce-scatter on the one FSDP stream
+  (no cross-layer pipeline across the tiers);
+* ``"megatron_ddp"``: Megatron's DDP: parameters, gradients and optimizer state replicated
+  over the data-parallel ranks (within the tensor-, expert- and pipeline-parallel split), one
+  gradient all-reduce per block over all data-parallel ranks (the experts' over the ranks
+  holding the same ones), across the tiers, once per step, overlapped with the last
+  microbatch's backward; no all-gathers.
+"""
+
+
 @dataclass(frozen=True)
 class StepShape:
     """The shape and options of one optimizer step.
@@ -90,25 +118,44 @@ class StepShape:
     Attributes:
         global_batch: sequences per step over all data-parallel ranks.
         seq_len: tokens per sequence.
-        microbatches: sequential microbatches per data-parallel rank (gradient accumulation;
-            pipeline microbatches with ``pp > 1``); each runs FSDP's gathers and reductions.
-        recompute: activation checkpointing of every block.
+        microbatches: sequential microbatches per data-parallel rank (gradient accumulation,
+            the trainer's ``grad_accum``; pipeline microbatches with ``pp > 1``); each runs
+            FSDP's gathers and reductions.
+        ac: activation checkpointing of every block, as ``TrainConfig.ac`` names it:
+            ``"none"``, ``"full"``, ``"selective"`` or ``"budget:<MiB>"``
+            (:mod:`~hp_train.dryrun.activation`).
         optimizer: ``"muon"`` (Muon on matrices, AdamW on the rest) or ``"adamw"``.
         precision: bytes per element.
         prefetch: FSDP prefetches the next group (accelerators: yes; hp_fsdp on CPU: no).
         flash_attention: attention keeps no ``seq x seq`` scores.
         muon_bucket_mb: ``hp_muon.Muon``'s ``bucket_cap_mb`` (bf16 MiB per exchange).
+        offload: ``TrainConfig.offload``: ``"none"``, ``"optimizer"``, ``"params"``, ``"both"``.
+        fp8: ``TrainConfig.fp8``: ``"none"``, ``"tensorwise"`` or ``"blockwise"`` FP8 linears.
+        fp8_all_gather: FSDP all-gathers e4m3 with one fp32 scale per 128 elements.
+        expert_imbalance: rows an expert-parallel rank receives over the rows it sends
+            (``top_k`` per token), for the rank the figures are for: 1 for a perfectly
+            balanced router; the most loaded rank's ratio bounds the step.
+        pp_schedule: ``"1f1b"`` or ``"gpipe"`` (``hp_train.pipeline.PIPELINE_SCHEDULES``).
+        runtime: the data-parallel runtime modeled (:data:`RUNTIMES`): ``"hp"`` (hp-fsdp,
+            what hp-train runs), ``"torch_fsdp2"`` or ``"megatron_ddp"`` (the baselines of
+            :mod:`~hp_train.dryrun.reproduce`).
     """
 
     global_batch: int
     seq_len: int
     microbatches: int = 1
-    recompute: bool = False
+    ac: str = "none"
     optimizer: str = "muon"
     precision: Precision = BF16_MIXED
     prefetch: bool = True
     flash_attention: bool = True
     muon_bucket_mb: float = 32.0
+    offload: str = "none"
+    fp8: str = "none"
+    fp8_all_gather: bool = False
+    expert_imbalance: float = 1.0
+    pp_schedule: str = "1f1b"
+    runtime: str = "hp"
 
     def __post_init__(self) -> None:
         for name in ("global_batch", "seq_len", "microbatches"):
@@ -119,6 +166,37 @@ class StepShape:
             raise DryRunError(f"optimizer must be 'muon' or 'adamw', got {self.optimizer!r}")
         if not self.muon_bucket_mb > 0:
             raise DryRunError(f"muon_bucket_mb must be > 0, got {self.muon_bucket_mb}")
+        for name, allowed in (
+            ("offload", OFFLOAD_TARGETS),
+            ("fp8", FP8_RECIPES),
+            ("pp_schedule", PIPELINE_SCHEDULE_NAMES),
+            ("runtime", RUNTIMES),
+        ):
+            if getattr(self, name) not in allowed:
+                raise DryRunError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        if not 0 < self.expert_imbalance < float("inf"):
+            raise DryRunError(
+                f"expert_imbalance must be a finite number > 0 (1: balanced), got "
+                f"{self.expert_imbalance!r}"
+            )
+        self.ac_budget_bytes  # noqa: B018 - parses ``ac``
+
+    @property
+    def recompute(self) -> bool:
+        """Whether every block's forward runs again in backward (``ac="full"``)."""
+        return self.ac == "full"
+
+    @property
+    def ac_budget_bytes(self) -> int | None:
+        """The per-block budget of ``ac="budget:<MiB>"`` in bytes (None for other modes).
+
+        Raises:
+            DryRunError: ``ac`` is none of the trainer's modes (its message).
+        """
+        try:
+            return TrainConfig(ac=self.ac).ac_budget_bytes
+        except ConfigError as exc:
+            raise DryRunError(str(exc)) from None
 
     def microbatch_size(self, dp: int) -> int:
         """Sequences per microbatch on one data-parallel rank.
@@ -149,14 +227,28 @@ def _q_dim(model: ModelConfig) -> int:
     return model.n_heads * model.head_dim
 
 
-def block_forward_flops(model: ModelConfig, index: int, tp: int, seq_len: int) -> float:
-    """Forward FLOPs per token of block ``index`` on one of ``tp`` tensor-parallel ranks."""
+def block_forward_flops(
+    model: ModelConfig,
+    index: int,
+    tp: int,
+    seq_len: int,
+    *,
+    ep_tp: bool = False,
+    expert_imbalance: float = 1.0,
+) -> float:
+    """Forward FLOPs per token of block ``index`` on one of ``tp`` tensor-parallel ranks.
+
+    ``ep_tp``: the routed experts' hidden dims are split over ``tp`` (``--ep-tp``);
+    ``expert_imbalance``: this rank's routed-expert rows over the balanced share (expert
+    parallelism: a rank computes the rows its experts receive)."""
     d, q = model.dim, _q_dim(model)
     attn = 2 * (2 * d * q + 2 * d * _kv_dim(model)) / tp + 2 * seq_len * q / tp
     moe = model.moe
     if moe is not None and moe.is_moe_layer(index):
-        experts = moe.top_k + moe.n_shared_experts
-        ffn: float = 2 * d * moe.n_experts + experts * 6 * d * moe.expert_ffn_dim
+        split = tp if ep_tp else 1
+        routed = moe.top_k * 6 * d * moe.expert_ffn_dim / split * expert_imbalance
+        shared = moe.n_shared_experts * 6 * d * moe.expert_ffn_dim
+        ffn: float = 2 * d * moe.n_experts + routed + shared
     else:
         ffn = 6 * d * model.ffn_dim / tp
     return attn + ffn
@@ -177,23 +269,11 @@ def block_activation_bytes(
     *,
     flash_attention: bool = True,
 ) -> int:
-    """Bytes block ``index`` saves for backward for ``tokens`` tokens (see the module doc)."""
-    d = model.dim
-    norms = 6 * d
-    scores = model.n_heads / tp * (1 if flash_attention else seq_len)
-    attn = 5 * _q_dim(model) / tp
-    if model.qk_norm:
-        attn += 3 * (_q_dim(model) + _kv_dim(model)) / tp
-    moe = model.moe
-    fp32 = 0.0
-    if moe is not None and moe.is_moe_layer(index):
-        fe = moe.expert_ffn_dim
-        ffn: float = moe.top_k * (2 * d + 4 * fe) + 4 * moe.n_shared_experts * fe
-        fp32 += moe.n_experts
-    else:
-        ffn = 4 * model.ffn_dim / tp
-    fp32 += scores
-    return int(tokens * ((norms + attn + ffn) * precision.compute + fp32 * 4))
+    """Bytes block ``index`` saves for backward for ``tokens`` tokens without checkpointing
+    (:func:`hp_train.dryrun.activation.block_activations`' ``full``)."""
+    return block_activations(
+        model, index, tokens, seq_len, tp, precision.compute, flash_attention=flash_attention
+    ).full
 
 
 def head_activation_bytes(model: ModelConfig, tokens: int, precision: Precision) -> int:

@@ -1,0 +1,147 @@
+"""What a block keeps for its backward under each activation-checkpointing policy
+(``TrainConfig.ac``, applied by :func:`hp_train.activations.apply_activation_policy`).
+
+Per token of this rank (a context-parallel rank holds ``1 / cp`` of each sequence), with
+``q`` the query width and ``kv`` the key/value width, ``fe`` an expert's hidden width (over
+``tp`` with expert-tensor parallelism), widths divided by ``tp`` where the plan splits them:
+
+* **none**: everything autograd keeps (:func:`block_activations`' ``full``: the norms' inputs
+  and outputs, q/k/v, the attention output, the feed-forward's hidden activations, an MoE's
+  routed copies; see :mod:`~hp_train.dryrun.workload`);
+* **full** (``FULL_RECOMPUTE``): only the block's input (``dim``); in backward one block's
+  ``full`` activations exist again while it is recomputed, and its forward runs again;
+* **selective** (``SELECTIVE``: matmul and attention outputs saved): the input, q/k/v
+  (``q + 2 kv``), the attention output (plus its fp32 log-sum-exp), ``o_proj``'s output
+  (``dim``), a dense SwiGLU's ``w1``/``w3`` outputs (``2 ffn``) and ``w2``'s (``dim``), an MoE's
+  router scores (``E``, fp32) and per routed slot ``2 fe + dim``, shared experts like a dense
+  SwiGLU; the pointwise and normalization ops are recomputed (their FLOPs are not counted);
+* **budget:<MiB>** (``BudgetPolicy``: the outputs worth most recompute per byte first, up to
+  the budget per block call, i.e. per microbatch): ``min(full, input + budget)`` kept; the
+  matmul outputs it cannot keep are recomputed, ``1 - budget / selective`` of the block's
+  forward FLOPs when the budget is below the selective set, none above it.
+
+Context parallelism adds what its attention keeps (:mod:`hp_dtensor.parallel
+.context_attention`): ring attention keeps every visiting key/value block (fp32, ``cp - 1`` of
+them, ``2 q`` per token each) and each block's fp32 scores and probabilities (``2 x heads x
+seq / 2`` per token: with the zigzag split every rank attends to half the sequence); Ulysses
+keeps the gathered q/k/v and the attention output before the reverse all-to-all (``4 q``).
+Those are attention outputs, so ``selective`` keeps them too; ``full`` and ``budget`` rebuild
+them only for the block being recomputed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hp_train.config import ModelConfig
+from hp_train.dryrun.presets import DryRunError
+
+__all__ = ["BlockActivations", "KeptActivations", "block_activations", "kept_activations"]
+
+
+@dataclass(frozen=True)
+class BlockActivations:
+    """Bytes one block saves for one microbatch on one rank, by what the policies keep.
+
+    Attributes:
+        full: everything autograd keeps without checkpointing (context-parallel extras
+            included).
+        selective: the block's input and its matmul and attention outputs (extras included).
+        input: the block's input.
+        context: the context-parallel attention's extras (part of ``full`` and ``selective``).
+    """
+
+    full: int
+    selective: int
+    input: int
+    context: int
+
+
+@dataclass(frozen=True)
+class KeptActivations:
+    """What a block keeps under a policy.
+
+    Attributes:
+        kept: bytes kept from its forward to its backward, per microbatch.
+        transient: bytes rebuilt while it is recomputed in backward (one block at a time).
+        recompute_fraction: share of its forward FLOPs run again in backward.
+    """
+
+    kept: int
+    transient: int
+    recompute_fraction: float
+
+
+def _q(model: ModelConfig) -> int:
+    return model.n_heads * model.head_dim
+
+
+def _kv(model: ModelConfig) -> int:
+    return model.n_kv_heads * model.head_dim
+
+
+def block_activations(
+    model: ModelConfig,
+    index: int,
+    tokens: int,
+    seq_len: int,
+    tp: int,
+    compute_bytes: int,
+    *,
+    flash_attention: bool = True,
+    cp: int = 1,
+    cp_variant: str = "ring",
+    ep_tp: bool = False,
+) -> BlockActivations:
+    """The activations of block ``index`` for ``tokens`` tokens of this rank (module doc)."""
+    d, q, kv = model.dim, _q(model), _kv(model)
+    heads = model.n_heads / tp
+    scores = heads * (1 if flash_attention else seq_len)
+    attn = 5 * q / tp + (3 * (q + kv) / tp if model.qk_norm else 0.0)
+    sel = (q + 2 * kv) / tp + q / tp + d
+    sel_fp32 = heads
+    moe = model.moe
+    fp32 = scores
+    if moe is not None and moe.is_moe_layer(index):
+        fe = moe.expert_ffn_dim / (tp if ep_tp and tp > 1 else 1)
+        shared = moe.n_shared_experts * moe.expert_ffn_dim
+        ffn = moe.top_k * (2 * d + 4 * fe) + 4 * shared
+        sel += moe.top_k * (2 * fe + d) + (2 * shared + d if shared else 0)
+        fp32 += moe.n_experts
+        sel_fp32 += moe.n_experts
+    else:
+        ffn = 4 * model.ffn_dim / tp
+        sel += 2 * model.ffn_dim / tp + d
+    context = 0.0
+    if cp > 1 and cp_variant == "ring":
+        context = (cp - 1) * 2 * q / tp * 4 + heads * seq_len / 2 * 2 * 4
+    elif cp > 1:
+        context = 4 * q / tp * compute_bytes
+    full = tokens * ((6 * d + attn + ffn) * compute_bytes + fp32 * 4 + context)
+    selective = tokens * ((sel + d) * compute_bytes + sel_fp32 * 4 + context)
+    return BlockActivations(
+        full=int(full),
+        selective=int(min(full, selective)),
+        input=int(tokens * d * compute_bytes),
+        context=int(tokens * context),
+    )
+
+
+def kept_activations(acts: BlockActivations, ac: str, budget: int | None) -> KeptActivations:
+    """What a block keeps under policy ``ac`` (``budget``: the bytes of ``budget:<MiB>``).
+
+    Raises:
+        DryRunError: an unknown policy.
+    """
+    if budget is not None:
+        kept = min(acts.full, acts.input + budget)
+        matmul = max(1, acts.selective - acts.input)
+        fraction = max(0.0, 1.0 - budget / matmul)
+        return KeptActivations(kept, acts.full - kept, fraction)
+    if ac == "none":
+        return KeptActivations(acts.full, 0, 0.0)
+    if ac == "full":
+        return KeptActivations(acts.input, acts.full - acts.input, 1.0)
+    if ac == "selective":
+        return KeptActivations(acts.selective, acts.full - acts.selective, 0.0)
+    raise DryRunError(f"ac must be none, full, selective or budget:<MiB>, got {ac!r}")

@@ -1,0 +1,58 @@
+"""The combinations the runtime refuses, refused by the dry run too.
+
+The refusals are the trainer's data (:data:`hp_train.combinations.REFUSALS`, checked by
+:func:`hp_train.combinations.check_combination`); :func:`check_runtime_accepts` states the dry
+run's configuration as the :class:`~hp_train.config.TrainConfig` the trainer would get and
+raises the first refused pair as a :class:`~hp_train.dryrun.presets.DryRunError`, with the
+trainer's message.
+"""
+
+from __future__ import annotations
+
+from hp_train.combinations import check_combination
+from hp_train.config import ConfigError, ModelConfig, ParallelConfig, TrainConfig
+from hp_train.dryrun.presets import DryRunError
+from hp_train.dryrun.workload import StepShape
+
+__all__ = ["check_runtime_accepts", "train_config"]
+
+
+def train_config(parallel: ParallelConfig, shape: StepShape) -> TrainConfig:
+    """The trainer's configuration of ``shape`` (its microbatches are the pipeline's with
+    ``pp > 1``, gradient accumulation without).
+
+    Raises:
+        DryRunError: a value the trainer's configuration refuses.
+    """
+    pipelined = parallel.pp > 1
+    try:
+        return TrainConfig(
+            global_batch=shape.global_batch,
+            seq_len=shape.seq_len,
+            optimizer=shape.optimizer,
+            microbatches=shape.microbatches if pipelined else 1,
+            grad_accum=1 if pipelined else shape.microbatches,
+            pp_schedule=shape.pp_schedule,
+            ac=shape.ac,
+            offload=shape.offload,
+            mixed_precision="bf16" if shape.precision.compute == 2 else "fp32",
+            grad_reduce_dtype="bf16" if shape.precision.reduce == 2 else "fp32",
+            fp8=shape.fp8,
+            fp8_all_gather=shape.fp8_all_gather,
+        )
+    except ConfigError as exc:
+        raise DryRunError(str(exc)) from None
+
+
+def check_runtime_accepts(model: ModelConfig, parallel: ParallelConfig, shape: StepShape) -> None:
+    """Raise what the trainer raises for a refused pair of options (module doc).
+
+    Raises:
+        DryRunError: the first :data:`hp_train.combinations.REFUSALS` entry that applies.
+    """
+    try:
+        check_combination(model, parallel, train_config(parallel, shape))
+    except DryRunError:
+        raise
+    except ConfigError as exc:
+        raise DryRunError(str(exc)) from None

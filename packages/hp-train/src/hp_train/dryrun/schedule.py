@@ -1,0 +1,72 @@
+"""The pipeline's step time and bubble from hp-mpmd's own plan and simulator.
+
+The trainer runs ``hp_train.pipeline.PIPELINE_SCHEDULES[pp_schedule](pp, microbatches)``;
+:func:`pipeline_timing` builds that same :class:`hp_mpmd.SchedulePlan` and times it with
+:func:`hp_mpmd.simulate.simulate` (eager sends): every stage at the slowest stage's forward and
+backward time per microbatch (compute plus exposed communication), every transfer at the
+stage boundary's send time. The bubble is the makespan less one stage's busy time; the
+microbatches in flight per stage (its activation memory) are the simulator's
+``peak_in_flight``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from hp_mpmd.simulate import Simulation, simulate
+from hp_train.pipeline import PIPELINE_SCHEDULES
+
+__all__ = ["PipelineTiming", "in_flight", "pipeline_timing"]
+
+
+@dataclass(frozen=True)
+class PipelineTiming:
+    """One step of the pipeline.
+
+    Attributes:
+        schedule: its name.
+        makespan: seconds from the first forward to the last backward.
+        bubble: idle seconds of the busiest stage (``makespan - m x (forward + backward)``).
+        bubble_fraction: the simulator's idle share over all stages.
+        in_flight: per stage, the most microbatches alive at once.
+    """
+
+    schedule: str
+    makespan: float
+    bubble: float
+    bubble_fraction: float
+    in_flight: tuple[int, ...]
+
+
+@lru_cache(maxsize=1024)
+def _simulate(
+    schedule: str, pp: int, m: int, forward: float, backward: float, comm: float
+) -> Simulation:
+    return simulate(
+        PIPELINE_SCHEDULES[schedule](pp, m), forward=forward, backward=backward, comm=comm
+    )
+
+
+def pipeline_timing(
+    schedule: str, pp: int, microbatches: int, forward: float, backward: float, comm: float
+) -> PipelineTiming:
+    """Time ``schedule`` over ``pp`` stages and ``microbatches`` microbatches, each stage taking
+    ``forward`` and ``backward`` seconds per microbatch and each transfer ``comm`` (module doc).
+    """
+    sim = _simulate(schedule, pp, microbatches, max(forward, 1e-12), max(backward, 1e-12), comm)
+    busy = microbatches * (forward + backward)
+    return PipelineTiming(
+        schedule=schedule,
+        makespan=sim.makespan,
+        bubble=max(0.0, sim.makespan - busy),
+        bubble_fraction=sim.bubble_fraction,
+        in_flight=sim.peak_in_flight,
+    )
+
+
+def in_flight(schedule: str, pp: int, microbatches: int, stage: int) -> int:
+    """The most microbatches alive at once on ``stage`` (1 without pipelining)."""
+    if pp == 1:
+        return 1
+    return _simulate(schedule, pp, microbatches, 1.0, 2.0, 0.0).peak_in_flight[stage]
