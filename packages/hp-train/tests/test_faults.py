@@ -197,6 +197,16 @@ FAULTS: dict[str, Fault] = {
         "checkpoint <checkpoint> has no manifest.json (written before hp-train checksummed its "
         "checkpoints): loading it unverified",
     ),
+    "stall": Fault(
+        "one rank never joins a collective (collective timeout `HP_TRAIN_COLLECTIVE_TIMEOUT`, "
+        "the rank stalled by `HP_TRAIN_INJECT_STALL`)",
+        "every rank waiting for it raises `hp_dtensor.watchdog.CollectiveTimeoutError` at the "
+        "timeout; torchrun stops the stalled rank and exits non-zero",
+        "<collective> over group <group> did not complete within the <timeout> s timeout "
+        "(rank <rank>, its collective #<n> over this group, failed after <elapsed> s): rank "
+        "<missing> of the group did not arrive",
+        tested_in="test_fault_timeout.py",
+    ),
     "skip-negative": Fault(
         "`--skip-nonfinite -1`",
         "exit code 2, before any process group",

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from hp_dtensor.device_mesh import DeviceMesh
+from hp_dtensor.watchdog import watch
 from hp_layout import ReduceOp
 
 __all__ = [
@@ -90,13 +91,15 @@ def all_gather_dim(
         send = x.contiguous()
         blocks = send.new_empty((group.size, *send.shape))
         flat = blocks.view(group.size * send.shape[0], *send.shape[1:])
-        dist.all_gather_single(flat, send, group=group.process_group)
+        with watch("all_gather", group.process_group):
+            dist.all_gather_single(flat, send, group=group.process_group)
         shape = list(x.shape)
         shape[dim] = group.size * longest
         return blocks.movedim(0, dim).reshape(shape)
     send = _pad_dim(x, dim, longest).movedim(dim, 0).contiguous()
     out = send.new_empty((group.size * longest, *send.shape[1:]))
-    dist.all_gather_single(out, send, group=group.process_group)
+    with watch("all_gather", group.process_group):
+        dist.all_gather_single(out, send, group=group.process_group)
     pieces = [out.narrow(0, i * longest, n) for i, n in enumerate(sizes)]
     return torch.cat(pieces, dim=0).movedim(0, dim).contiguous()
 
@@ -118,7 +121,8 @@ def reduce_scatter_dim(
     pieces = [_pad_dim(p, dim, longest).movedim(dim, 0) for p in x.split(list(sizes), dim)]
     send = torch.cat(pieces, dim=0).contiguous()
     out = send.new_empty((longest, *send.shape[1:]))
-    dist.reduce_scatter_single(out, send, op=_wire_op(op), group=group.process_group)
+    with watch("reduce_scatter", group.process_group):
+        dist.reduce_scatter_single(out, send, op=_wire_op(op), group=group.process_group)
     if op is ReduceOp.AVG:
         out = out / group.size
     return out.narrow(0, 0, sizes[group.index]).movedim(0, dim)
@@ -145,12 +149,14 @@ def all_reduce(
         extra = [r for source in RIDER_SOURCES for r in source(group, x.dtype)]
     if not extra:
         out = x.clone()
-        dist.all_reduce(out, op=_wire_op(op), group=group.process_group)
+        with watch("all_reduce", group.process_group):
+            dist.all_reduce(out, op=_wire_op(op), group=group.process_group)
         if op is ReduceOp.AVG:
             out = out / group.size
         return out
     flat = torch.cat([x.reshape(-1), *(t.reshape(-1) for t, _ in extra)])
-    dist.all_reduce(flat, op=_wire_op(op), group=group.process_group)
+    with watch("all_reduce", group.process_group):
+        dist.all_reduce(flat, op=_wire_op(op), group=group.process_group)
     offset = x.numel()
     for tensor, deliver in extra:
         deliver(flat[offset : offset + tensor.numel()].view_as(tensor))
@@ -192,13 +198,14 @@ def all_to_all_dims(
         recv_shapes.append(shape)
     recv_numels = [int(torch.Size(s).numel()) for s in recv_shapes]
     recv = x.new_empty(sum(recv_numels))
-    dist.all_to_all_single(
-        recv,
-        send,
-        output_split_sizes=recv_numels,
-        input_split_sizes=[p.numel() for p in send_pieces],
-        group=group.process_group,
-    )
+    with watch("all_to_all", group.process_group):
+        dist.all_to_all_single(
+            recv,
+            send,
+            output_split_sizes=recv_numels,
+            input_split_sizes=[p.numel() for p in send_pieces],
+            group=group.process_group,
+        )
     pieces = [
         chunk.reshape(shape)
         for chunk, shape in zip(recv.split(recv_numels), recv_shapes, strict=True)
@@ -230,13 +237,14 @@ def all_to_all_rows(
     if group.size == 1:
         out.copy_(x)
         return out
-    dist.all_to_all_single(
-        out.view(-1),
-        x.contiguous().reshape(-1),
-        output_split_sizes=[n * row for n in recv_sizes],
-        input_split_sizes=[n * row for n in send_sizes],
-        group=group.process_group,
-    )
+    with watch("all_to_all_rows", group.process_group):
+        dist.all_to_all_single(
+            out.view(-1),
+            x.contiguous().reshape(-1),
+            output_split_sizes=[n * row for n in recv_sizes],
+            input_split_sizes=[n * row for n in send_sizes],
+            group=group.process_group,
+        )
     return out
 
 
@@ -246,5 +254,6 @@ def broadcast(x: torch.Tensor, src_index: int, group: AxisGroup) -> torch.Tensor
     if group.size == 1:
         return out
     src = dist.get_global_rank(group.process_group, src_index)
-    dist.broadcast(out, src=src, group=group.process_group)
+    with watch("broadcast", group.process_group):
+        dist.broadcast(out, src=src, group=group.process_group)
     return out

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from hp_dtensor import _comm
 from hp_dtensor._comm import AxisGroup
 from hp_dtensor.device_mesh import DeviceMesh
+from hp_dtensor.watchdog import watch
 from hp_layout import ReduceOp, chunk_sizes
 
 __all__ = [
@@ -293,8 +294,9 @@ def _ring_shift_raw(x: torch.Tensor, shift: int, group: AxisGroup) -> torch.Tens
     send = x.contiguous()
     recv = torch.empty_like(send)
     ops = [dist.P2POp(dist.isend, send, dst, pg), dist.P2POp(dist.irecv, recv, src, pg)]
-    for work in dist.batch_isend_irecv(ops):
-        work.wait()
+    with watch("ring_shift (send/recv)", pg):
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
     return recv
 
 

@@ -6,7 +6,9 @@ collective over the whole job, as for torch's DeviceMesh: all groups along the a
 *root* mesh (the mesh a sub-mesh was cut from) are created at once, in the same order on every
 rank, so every rank must reach its first use of an axis (SPMD code does). Group ranks follow
 the mesh's coordinate order (``sort_ranks=False``), so collectives return pieces in coordinate
-order.
+order. Every group gets the job's timeout (:func:`hp_dtensor.watchdog.group_timeout`: the one
+given to :func:`init_device_mesh`, else the default group's), not torch's 30-minute default for
+new groups.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hp_dtensor import watchdog
 from hp_dtensor.device import backend_for, local_device, prepare_device_type
 from hp_layout import Mesh
 
@@ -50,22 +53,31 @@ def _default_group() -> dist.ProcessGroup:
     return group
 
 
-def ensure_groups(groups: Sequence[Sequence[int]]) -> None:
-    """Create every group in ``groups`` that does not exist yet, collectively.
+def ensure_groups(groups: Sequence[Sequence[int]], name: str | None = None) -> None:
+    """Create every group in ``groups`` that does not exist yet, collectively, with the job's
+    timeout; ``name`` (a mesh axis) names them in timeout errors.
 
     Every rank of the job must call this with the same ``groups`` in the same order.
     """
     world = _default_group()
     world_ranks = tuple(range(dist.get_world_size()))
     me = dist.get_rank()
+    timeout = watchdog.group_timeout()
     for ranks in groups:
         key = tuple(ranks)
+        if name is not None:
+            watchdog.name_group(key, name)
         if key in _CREATED:
             continue
         if key == world_ranks:
             _CREATED[key] = world
             continue
-        created = dist.new_group(list(key), sort_ranks=False)
+        created = dist.new_group(
+            list(key),
+            sort_ranks=False,
+            timeout=timeout,
+            group_desc=f"hp_{name}" if name is not None else None,
+        )
         _CREATED[key] = created if me in key and isinstance(created, dist.ProcessGroup) else None
 
 
@@ -191,7 +203,8 @@ class DeviceMesh:
         """
         ranks = self.group_ranks(axis)
         if tuple(ranks) not in _CREATED:
-            ensure_groups(self._root.groups(self.mesh.axis_names[self.mesh.axis_index(axis)]))
+            name = self.mesh.axis_names[self.mesh.axis_index(axis)]
+            ensure_groups(self._root.groups(name), name)
         return process_group(ranks)
 
     def axis_group(self, axis: str | int, build: Any) -> Any:
@@ -211,7 +224,7 @@ class DeviceMesh:
         self._coordinate()
         ranks = self.mesh.ranks
         if tuple(ranks) not in _CREATED:
-            ensure_groups(self._root.groups(self.mesh.axis_names))
+            ensure_groups(self._root.groups(self.mesh.axis_names), "x".join(self.mesh.axis_names))
         return process_group(ranks)
 
     def __getitem__(self, axes: str | Sequence[str]) -> DeviceMesh:
@@ -259,6 +272,7 @@ class DeviceMesh:
         else:
             grid = torch.tensor(self.mesh.ranks, dtype=torch.int).reshape(self.mesh.shape)
             torch_mesh = TorchDeviceMesh(self.device_type, grid, mesh_dim_names=names)
+            _apply_timeout(torch_mesh)
         _TORCH_MESHES[self] = torch_mesh
         return torch_mesh
 
@@ -268,6 +282,19 @@ class DeviceMesh:
         if not set(names) <= set(self._root.axis_names) or self.get_rank() not in self.mesh:
             return False
         return self._root.submesh(list(names), self.get_rank()) == self.mesh
+
+
+def _apply_timeout(torch_mesh: Any) -> None:
+    """Give the groups torch's DeviceMesh created the job's timeout (torch gives new groups its
+    30-minute default); the default group keeps its own."""
+    timeout = watchdog.group_timeout()
+    set_timeout = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
+    if timeout is None or set_timeout is None:
+        return
+    for dim in range(torch_mesh.ndim):
+        group = torch_mesh.get_group(dim)
+        if group is not dist.group.WORLD:
+            set_timeout(timeout, group)
 
 
 def init_device_mesh(
@@ -282,8 +309,15 @@ def init_device_mesh(
     The grid is ``range(world_size)`` reshaped row-major, so the last axis holds consecutive
     ranks (the fast tier under ``hp_layout.Topology.from_env``). Reads torchrun's environment
     (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``).
+
+    ``timeout_s``: the job's collective timeout, for the default group (when this call creates
+    it) and every group the mesh creates; it also turns the watchdog on
+    (:func:`hp_dtensor.watchdog.configure`), so a collective that a rank never joins raises
+    :class:`~hp_dtensor.watchdog.CollectiveTimeoutError` naming that rank.
     """
     backend = backend_for(device_type)
+    if timeout_s is not None:
+        watchdog.configure(timeout_s)
     if not dist.is_initialized():
         kwargs: dict[str, Any] = {"backend": backend}
         if timeout_s is not None:

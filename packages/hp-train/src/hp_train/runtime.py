@@ -3,21 +3,51 @@
 One code path for every backend: the device type picks the backend (``cpu``: gloo, ``cuda``:
 NCCL, ``npu``: HCCL with ``torch_npu`` imported only then); the device module is found through
 ``torch.get_device_module``, never named.
+
+Collective timeout: ``init_runtime(timeout_s=...)``, else ``HP_TRAIN_COLLECTIVE_TIMEOUT``
+(seconds), else torch's default for the backend (30 minutes on gloo, 10 on NCCL). Every group
+of the job gets it (the default group here, the mesh axes' groups in hp_dtensor), and in a
+torchrun job hp_dtensor's watchdog is on with it: a collective that a rank never joins makes
+the waiting ranks raise :class:`hp_dtensor.watchdog.CollectiveTimeoutError` at the timeout,
+naming the collective, its group and the ranks that did not arrive, so the job exits non-zero
+(torchrun then stops the remaining ranks) instead of hanging.
+
+Fault injection, for tests: ``HP_TRAIN_INJECT_STALL=<rank>:<n>`` makes rank ``<rank>`` stop
+for good before its ``n``-th collective issued through hp_dtensor, as a rank that never joins.
 """
 
 from __future__ import annotations
 
 import importlib
+import math
 import os
 import socket
+import sys
+import time
 from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["Runtime", "init_runtime", "shutdown"]
+# Public as torch.distributed.Store and .rendezvous, but torch's stubs only export them here.
+from torch._C._distributed_c10d import Store
+from torch.distributed.rendezvous import rendezvous
+
+from hp_dtensor import watchdog
+
+__all__ = ["STALL_ENV", "TIMEOUT_ENV", "Runtime", "init_runtime", "shutdown"]
 
 _BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
+
+#: The collective timeout in seconds, when ``init_runtime`` is given none.
+TIMEOUT_ENV = "HP_TRAIN_COLLECTIVE_TIMEOUT"
+#: ``<rank>:<n>``: that rank stops for good before its n-th hp_dtensor collective (tests).
+STALL_ENV = "HP_TRAIN_INJECT_STALL"
+# How long the ranks may take to all start (imports, a slow file system) when the collective
+# timeout is shorter: torch's default group timeout.
+_STARTUP = dist.default_pg_timeout
 
 
 @dataclass(frozen=True)
@@ -44,18 +74,88 @@ def _free_port() -> int:
         return port
 
 
-def init_runtime(device_type: str, *, threads: int | None = None) -> Runtime:
+def _timeout(timeout_s: float | None) -> float | None:
+    """The collective timeout asked for: the argument, else the environment's, else None."""
+    source = "timeout_s"
+    value: Any = timeout_s
+    if value is None:
+        text = os.environ.get(TIMEOUT_ENV, "").strip()
+        if not text:
+            return None
+        source = TIMEOUT_ENV
+        try:
+            value = float(text)
+        except ValueError:
+            value = text
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"{source} must be a number of seconds, got {value!r}")
+    if not (value > 0 and math.isfinite(value)):
+        raise ValueError(f"{source} must be a positive number of seconds, got {value!r}")
+    return float(value)
+
+
+def _stall_hook(rank: int) -> watchdog.EntryHook | None:
+    """The entry hook of ``HP_TRAIN_INJECT_STALL`` for this rank, if it names this rank."""
+    text = os.environ.get(STALL_ENV, "").strip()
+    if not text:
+        return None
+    try:
+        who, at = (int(part) for part in text.split(":"))
+    except ValueError:
+        raise ValueError(f"{STALL_ENV} must be <rank>:<n>, got {text!r}") from None
+    if at < 1:
+        raise ValueError(f"{STALL_ENV}: n counts collectives from 1, got {at}")
+    if who != rank:
+        return None
+
+    def stall(collective: str, group: str, number: int) -> None:
+        if number != at:
+            return
+        print(
+            f"hp-train: {STALL_ENV}: rank {rank} stalls before its collective #{number} "
+            f"({collective} over group {group})",
+            file=sys.stderr,
+            flush=True,
+        )
+        while True:
+            time.sleep(3600)
+
+    return stall
+
+
+def _rendezvous(timeout: float) -> tuple[Store, int, int]:
+    """torchrun's ``env://`` rendezvous, then every rank waiting for every other on its store,
+    both allowed :data:`_STARTUP`; returns (store, rank, world size).
+
+    Creating the default group waits for the peers only as long as its timeout: with a
+    collective timeout shorter than the ranks' start-up skew, ranks that started first would
+    give up before the last one arrives. After this barrier they all create it together."""
+    wait = max(_STARTUP, timedelta(seconds=timeout))
+    store, rank, world = next(rendezvous("env://", timeout=wait))
+    if store.add("hp_train/started", 1) == world:
+        store.set("hp_train/all_started", "1")
+    store.wait(["hp_train/all_started"], wait)
+    return store, rank, world
+
+
+def init_runtime(
+    device_type: str, *, threads: int | None = None, timeout_s: float | None = None
+) -> Runtime:
     """Initialize the default process group (from torchrun's environment, or as a one-rank
     job when there is none) and this rank's device.
 
     ``threads``: intra-op threads on the CPU (default: the host's cores shared evenly among
-    its ranks).
+    its ranks). ``timeout_s``: the collective timeout (default: ``HP_TRAIN_COLLECTIVE_TIMEOUT``,
+    else torch's); see the module docstring. A process group that exists already (a test's)
+    is used as it is, with its own timeout.
 
     Raises:
-        ValueError: an unknown device type.
+        ValueError: an unknown device type, a timeout that is not a positive number, a
+            malformed ``HP_TRAIN_INJECT_STALL``.
     """
     if device_type not in _BACKENDS:
         raise ValueError(f"device must be one of {sorted(_BACKENDS)}, got {device_type!r}")
+    timeout = _timeout(timeout_s)
     if device_type == "npu":
         importlib.import_module("torch_npu")  # registers the npu device and HCCL
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -69,7 +169,24 @@ def init_runtime(device_type: str, *, threads: int | None = None) -> Runtime:
     if not dist.is_initialized():
         backend = _BACKENDS[device_type]
         if "RANK" in os.environ:
-            dist.init_process_group(backend, device_id=None if device_type == "cpu" else device)
+            stall = _stall_hook(int(os.environ["RANK"]))
+            device_id = None if device_type == "cpu" else device
+            if timeout is None:
+                dist.init_process_group(backend, device_id=device_id)
+            else:
+                store, rank, world = _rendezvous(timeout)
+                dist.init_process_group(
+                    backend,
+                    store=store,
+                    rank=rank,
+                    world_size=world,
+                    device_id=device_id,
+                    timeout=timedelta(seconds=timeout),
+                )
+            # The watchdog quotes the default group's timeout when none was asked for.
+            default = watchdog.group_timeout() if timeout is None else None
+            watchdog.configure(timeout or (default.total_seconds() if default else None))
+            watchdog.set_entry_hook(stall)
         else:
             dist.init_process_group(
                 backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1
@@ -79,7 +196,10 @@ def init_runtime(device_type: str, *, threads: int | None = None) -> Runtime:
 
 def shutdown() -> None:
     """Barrier, then destroy the default process group (teardown without the barrier can
-    abort on gloo)."""
+    abort on gloo). A rank that never reaches the barrier makes it raise
+    :class:`hp_dtensor.watchdog.CollectiveTimeoutError` at the timeout."""
     if dist.is_initialized():
-        dist.barrier()
+        with watchdog.watch("barrier (shutdown)"):
+            dist.barrier()
+        watchdog.stop()
         dist.destroy_process_group()

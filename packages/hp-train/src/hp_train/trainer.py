@@ -33,6 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hp_dtensor.watchdog import watch
 from hp_offload import OffloadedOptimizer
 from hp_train.checkpoint import (
     CheckpointCorruptError,
@@ -438,7 +439,8 @@ class Trainer:
         """The mean over the ranks that compute a loss (the last pipeline stage's: the
         others add 0.0)."""
         reduced = torch.tensor([local], dtype=torch.float64)
-        dist.all_reduce(reduced)
+        with watch("all_reduce (step loss)"):
+            dist.all_reduce(reduced)
         return float(reduced) / (self.runtime.world_size // self.parallel.pp)
 
     def _loss(self, batch: Batch) -> torch.Tensor:
@@ -520,7 +522,8 @@ class Trainer:
         pieces over all ranks, in one all-reduce."""
         bad = count_nonfinite(p.grad for p in self.model.parameters())
         reduced = torch.tensor([local, float(bad)], dtype=torch.float64)
-        dist.all_reduce(reduced)
+        with watch("all_reduce (step loss)"):
+            dist.all_reduce(reduced)
         return float(reduced[0]) / (self.runtime.world_size // self.parallel.pp), int(reduced[1])
 
     def _stage(self) -> int:
@@ -590,7 +593,8 @@ class Trainer:
             total += aux.detach().double().cpu()
         has_moe = torch.tensor(float(aux is not None), dtype=torch.float64)
         both = torch.stack([total, has_moe])
-        dist.all_reduce(both, group=self.pipeline.pp_group)
+        with watch("all_reduce (pipeline loss)", self.pipeline.pp_group):
+            dist.all_reduce(both, group=self.pipeline.pp_group)
         return float(both[0]) if float(both[1]) > 0 else None
 
     def _grad_norm(self) -> float:
@@ -600,7 +604,8 @@ class Trainer:
         if self.pipeline is None:
             return norm
         square = torch.tensor(norm * norm, dtype=torch.float64)
-        dist.all_reduce(square, group=self.pipeline.pp_group)
+        with watch("all_reduce (pipeline gradient norm)", self.pipeline.pp_group):
+            dist.all_reduce(square, group=self.pipeline.pp_group)
         return math.sqrt(float(square))
 
     def _monitor(self, record: dict[str, Any], local_lm: float, warn: bool = True) -> None:
@@ -654,7 +659,8 @@ class Trainer:
             CheckpointWriteError: a rank could not write (the earlier checkpoints stay).
         """
         bad = torch.tensor([float(nonfinite_state(self.model, self.optimizer))])
-        dist.all_reduce(bad)
+        with watch("all_reduce (non-finite state check)"):
+            dist.all_reduce(bad)
         if float(bad):
             report = first_nonfinite(self.model, self._stage(), self.optimizer)
             raise NonFiniteError(
