@@ -30,10 +30,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor as TorchDTensor
-from torch.distributed.tensor import Partial as TorchPartial
 from torch.distributed.tensor import Placement as TorchPlacement
-from torch.distributed.tensor import Replicate as TorchReplicate
-from torch.distributed.tensor import Shard as TorchShard
 
 from _harness import as_dtensor
 from hp_dtensor import DeviceMesh, DTensor
@@ -41,33 +38,12 @@ from hp_dtensor.interop import torch_device_mesh
 from hp_layout import Layout, Mesh, Partial, Placement, Replicate, Shard
 from hp_layout.reference import scatter
 from hp_testing import run_on_ranks
+from test_redistribute_vs_torch import _ours, _theirs
 
 # (5, 3): uneven on 2 and 4 ranks along both dims; (4, 6): even along dim 0, and along dim 1
 # on 2 ranks (uneven on 4).
 SHAPES = ((5, 3), (4, 6))
 LOSSES = ("sum", "weighted")
-
-
-def _ours(code: str) -> Placement:
-    table: dict[str, Placement] = {
-        "R": Replicate(),
-        "S0": Shard(0),
-        "S1": Shard(1),
-        "P": Partial("sum"),
-        "Pa": Partial("avg"),
-    }
-    return table[code]
-
-
-def _theirs(code: str) -> TorchPlacement:
-    table: dict[str, TorchPlacement] = {
-        "R": TorchReplicate(),
-        "S0": TorchShard(0),
-        "S1": TorchShard(1),
-        "P": TorchPartial("sum"),
-        "Pa": TorchPartial("avg"),
-    }
-    return table[code]
 
 
 @dataclass

@@ -67,6 +67,7 @@ def _ours(code: str) -> Placement:
         "S0": Shard(0),
         "S1": Shard(1),
         "P": Partial("sum"),
+        "Pa": Partial("avg"),
     }
     return table[code]
 
@@ -77,6 +78,7 @@ def _theirs(code: str) -> TorchPlacement:
         "S0": TorchShard(0),
         "S1": TorchShard(1),
         "P": TorchPartial("sum"),
+        "Pa": TorchPartial("avg"),
     }
     return table[code]
 

@@ -1,11 +1,12 @@
 """A rank that never joins a collective: the whole job exits non-zero at the timeout.
 
-``torchrun ... -m hp_train`` at world 2 (tp 2, and FSDP 2), launched as a user would, with a
-3 s collective timeout (``HP_TRAIN_COLLECTIVE_TIMEOUT``) and ``HP_TRAIN_INJECT_STALL=1:1``:
-rank 1 stops for good before its first watched collective. Rank 0 must raise
-:class:`hp_dtensor.watchdog.CollectiveTimeoutError` naming the collective, its group and rank
-1; torchrun then stops rank 1, and the launcher exits non-zero, within the timeout and a
-margin of the stall (without the timeout reaching every group the job hung for 30 minutes).
+``torchrun ... -m hp_train`` at world 2 (FSDP 2) and 4 (FSDP 2 x tp 2), launched as a
+user would, with a 3 s collective timeout (``HP_TRAIN_COLLECTIVE_TIMEOUT``) and
+``HP_TRAIN_INJECT_STALL=1:1``: rank 1 stops for good before its first watched collective.
+Every other rank must raise :class:`hp_dtensor.watchdog.CollectiveTimeoutError` naming the
+collective, its group and the rank it waits for; torchrun then stops rank 1, and the launcher
+exits non-zero, within the timeout and a margin of the stall (without the timeout reaching
+every group the job hung for 30 minutes).
 """
 
 from __future__ import annotations
@@ -33,16 +34,22 @@ ARGS = [
     "--steps", "1", "--data", "synthetic", "--global-batch", "2", "--seq-len",
     "8", "--quiet", "--threads", "1",
 ]  # fmt: skip
-# Where rank 1 stalls: inside the model (the first tensor-parallel collective of the forward)
-# and at the step's end (under FSDP the first watched collective is the loss all-reduce).
+# Where rank 1 stalls: at world 2 under FSDP, at the step's loss all-reduce (its first
+# watched synchronous collective); at world 4 inside the model (the first tensor-parallel
+# collective of the forward). Each case: (world, extra flags, the first waiting rank's
+# expected message parts). At world 4 (dp_shard 2 x tp 2) rank 0 waits in the tp group and
+# ranks 2 and 3 in FSDP's parameter all-gathers over dp_shard: rank 2's missing peer is rank
+# 0 (itself waiting for rank 1), rank 3's is rank 1.
 CASES = {
-    "tp2, inside the forward": (
-        ["--tp", "2"],
-        {"group": "'world' (axis 'tp') (ranks [0, 1])"},
-    ),
     "fsdp2, the step's loss": (
+        2,
         ["--dp-shard", "2"],
-        {"collective": "all_reduce (step loss)"},
+        {"collective": "all_reduce (step loss)", "missing": 1},
+    ),
+    "fsdp2 x tp2, world 4": (
+        4,
+        ["--dp-shard", "2", "--tp", "2", "--global-batch", "4"],
+        {"group": "'tp' (ranks [0, 1])", "missing": 1},
     ),
 }
 # torchrun's failure summary: one entry per rank.
@@ -63,9 +70,9 @@ def _env() -> dict[str, str]:
 def test_a_rank_that_never_joins_fails_the_job_in_time(
     case: str, tmp_path: os.PathLike[str]
 ) -> None:
-    extra, values = CASES[case]
+    world, extra, values = CASES[case]
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
         "-m", "hp_train", *ARGS, *extra, "--out", str(tmp_path),
     ]  # fmt: skip
     proc = subprocess.Popen(
@@ -97,12 +104,20 @@ def test_a_rank_that_never_joins_fails_the_job_in_time(
     assert stalled, output[-3000:]
     assert ended - stalled[0] <= TIMEOUT_S + MARGIN_S, (ended - stalled[0], output[-3000:])
     # Rank 0 names the collective, the group and the rank that did not arrive.
-    error = re.search(r"\[rank0\]: hp_dtensor\.watchdog\.CollectiveTimeoutError: (.*)", output)
-    assert error is not None, output[-3000:]
+    errors = dict(
+        re.findall(r"\[rank(\d+)\]: hp_dtensor\.watchdog\.CollectiveTimeoutError: (.*)", output)
+    )
+    # Every rank but the stalled one raised it; rank 0 names the collective, the group and
+    # the rank that did not arrive.
+    assert sorted(errors) == [str(r) for r in range(world) if r != 1], output[-3000:]
     expected = _pattern(FAULTS["stall"].message, {**values, "timeout": TIMEOUT_S})
-    assert re.match(expected.replace(".*?", ".*") + "$", error.group(1)), error.group(1)
-    assert re.search(r": rank 1 of the group did not arrive$", error.group(1)), error.group(1)
-    # Every rank exited non-zero: rank 0 with the error, rank 1 stopped by torchrun.
+    assert re.match(expected.replace(".*?", ".*") + "$", errors["0"]), errors["0"]
+    if world == 4:
+        assert "over group 'dp_shard' (ranks [0, 2])" in errors["2"], errors["2"]
+        assert errors["2"].endswith("rank 0 of the group did not arrive"), errors["2"]
+        assert "over group 'dp_shard' (ranks [1, 3])" in errors["3"], errors["3"]
+        assert errors["3"].endswith("rank 1 of the group did not arrive"), errors["3"]
+    # Every rank exited non-zero: the others with the error, rank 1 stopped by torchrun.
     codes = {int(rank): int(code) for rank, code in _EXIT.findall(output)}
-    assert sorted(codes) == [0, 1], output[-3000:]
+    assert sorted(codes) == list(range(world)), output[-3000:]
     assert all(code != 0 for code in codes.values()), codes

@@ -51,11 +51,13 @@ __all__ = [
     "stop",
     "timeout_s",
     "watch",
+    "watch_async",
 ]
 
 EntryHook = Callable[[str, str, int], None]
 """``hook(collective, group, number)``: called before this rank enters its ``number``-th
-watched collective (1-based, all groups together); for fault injection in tests."""
+watched collective (1-based, all groups together; :func:`watch` only, not
+:func:`watch_async`); for fault injection in tests."""
 
 # Where each rank's report lives in the job's default store.
 _REPORT_KEY = "hp_dtensor/watchdog/{rank}"
@@ -344,6 +346,55 @@ def watch(collective: str, group: dist.ProcessGroup | None = None) -> _Watch | _
     if _STATE.timeout_s is None:
         return _OFF
     return _Watch(collective, group)
+
+
+class _WatchedWork:
+    """An asynchronous collective counted when issued (see :func:`watch_async`); its
+    :meth:`wait` turns a timeout into :class:`CollectiveTimeoutError` as :func:`watch` does."""
+
+    __slots__ = ("count", "info", "name", "started", "work")
+
+    def __init__(self, work: Any, name: str, info: _Group, count: int) -> None:
+        self.work = work
+        self.name = name
+        self.info = info
+        self.count = count
+        self.started = time.monotonic()
+
+    def wait(self) -> Any:
+        try:
+            return self.work.wait()
+        except CollectiveTimeoutError:
+            raise
+        except RuntimeError as exc:
+            elapsed = time.monotonic() - self.started
+            error = _diagnose(self.name, self.info, self.count, elapsed, exc)
+            if error is None:
+                raise
+            raise error from exc
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.work, name)
+
+
+def watch_async(collective: str, group: dist.ProcessGroup | None, work: Any) -> Any:
+    """Count ``work``, an asynchronous ``collective`` over ``group`` (None: the default group)
+    this rank has just issued, as a watched collective; returns what to wait on instead:
+    ``work`` itself while the watchdog is off (or when ``work`` is None), else a wrapper whose
+    ``wait()`` raises :class:`CollectiveTimeoutError` as :func:`watch` does. Every rank of the
+    group must issue it, in the same order as its other watched collectives."""
+    state = _STATE
+    if state.timeout_s is None or work is None:
+        return work
+    group = dist.group.WORLD if group is None else group
+    info = state.groups.get(group)
+    if info is None:
+        info = _register(group)
+    # Not numbered for the entry hook: the rank has issued it already.
+    info.count += 1
+    info.last = collective
+    state.version += 1
+    return _WatchedWork(work, collective, info, info.count)
 
 
 def _register(group: Any) -> _Group:

@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _coalescing_manager as coalescing_manager
 
+from hp_dtensor.watchdog import watch_async
 from hp_fsdp._lowp_comm import all_reduce_lowp
 from hp_fsdp.counting import collective_purpose
 
@@ -190,7 +191,7 @@ class GradArena:
             for target in targets:
                 assert target is not None
                 dist.all_reduce(target, group=self.replicate_group)
-        bucket.work = fused
+        bucket.work = watch_async("all_reduce (HSDP gradients)", self.replicate_group, fused)
         self.slow_collectives += 1
 
     def finish(self, divide_factor: float | None = None) -> list[Reduced]:

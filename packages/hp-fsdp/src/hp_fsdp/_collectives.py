@@ -43,6 +43,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hp_dtensor.watchdog import watch_async
 from hp_fsdp._lowp_comm import Deferred
 
 __all__ = [
@@ -117,9 +118,17 @@ def reduce_scatter(
     """Start ``output = sum over ranks of source.view(world, -1)[rank]``; returns a handle to
     ``wait`` on (the local sum of the all-to-all runs in its ``wait``)."""
     if primitive is ReduceScatterPrimitive.NATIVE:
-        return dist.reduce_scatter_single(output, source, group=group, async_op=True)
+        return watch_async(
+            "reduce_scatter (FSDP gradients)",
+            group,
+            dist.reduce_scatter_single(output, source, group=group, async_op=True),
+        )
     received = torch.empty_like(source)
-    work = dist.all_to_all_single(received, source, group=group, async_op=True)
+    work = watch_async(
+        "all_to_all (FSDP gradient reduce-scatter)",
+        group,
+        dist.all_to_all_single(received, source, group=group, async_op=True),
+    )
 
     def add_in_rank_order() -> None:
         torch.sum(received.view(world, -1), dim=0, out=output)

@@ -33,6 +33,7 @@ from hp_dtensor import DTensor, annotate_layout
 from hp_dtensor.contract import set_grad_layout, set_materialize_target
 from hp_dtensor.device import local_device
 from hp_dtensor.interop import is_torch_dtensor, torch_dtensor_like
+from hp_dtensor.watchdog import watch, watch_async
 from hp_fsdp._collectives import ReduceScatterPrimitive, reduce_scatter, reduce_scatter_primitive
 from hp_fsdp._lowp_comm import Deferred, WireCodec, all_gather_records, reduce_scatter_lowp
 from hp_fsdp._mesh import FSDPMesh
@@ -557,8 +558,12 @@ class FSDPParamGroup:
             else:
                 group = self.fsdp.mesh.get_group(self.fsdp.shard_axis)
                 with collective_purpose("param_all_gather"):
-                    self._pending = dist.all_gather_single(
-                        self.unsharded_flat, source, group=group, async_op=True
+                    self._pending = watch_async(
+                        "all_gather (FSDP parameters)",
+                        group,
+                        dist.all_gather_single(
+                            self.unsharded_flat, source, group=group, async_op=True
+                        ),
                     )
                 self._keep_alive = source
         self.state = ShardedState.UNSHARDING
@@ -578,7 +583,11 @@ class FSDPParamGroup:
         else:
             group = self.fsdp.mesh.get_group(self.fsdp.shard_axis)
             with collective_purpose("param_all_gather"):
-                work = dist.all_gather_single(gathered, source, group=group, async_op=True)
+                work = watch_async(
+                    "all_gather (FSDP parameters)",
+                    group,
+                    dist.all_gather_single(gathered, source, group=group, async_op=True),
+                )
 
         def finish() -> None:
             copy_out(rows, gathered, self.flat, self.unsharded_flat)
@@ -672,7 +681,10 @@ class FSDPParamGroup:
                 from hp_dtensor import DeviceMesh
 
                 group = DeviceMesh.lookup(self.device.type, mesh).get_group(axis)
-                with collective_purpose("grad_extra_all_reduce"):
+                with (
+                    collective_purpose("grad_extra_all_reduce"),
+                    watch("all_reduce (FSDP gradient tail)", group),
+                ):
                     dist.all_reduce(tail, op=_TORCH_OPS[op], group=group)
         if self.fsdp.shard_size > 1 and self.reduce_codec is not None:
             # Encode the gradient as computed (param dtype, no cast to the reduce dtype first);

@@ -46,6 +46,7 @@ from hp_dtensor.collectives import _apply, all_reduce, all_to_all_rows
 from hp_dtensor.device_mesh import DeviceMesh
 from hp_dtensor.dtensor import DTensor
 from hp_dtensor.interop import layout_of
+from hp_dtensor.parallel.exact_region import _PartialToExact as _CopyToTp
 from hp_dtensor.parallel.moe import MoE, combine, grouped_swiglu, route, sort_by_expert, swiglu
 from hp_dtensor.parallel.plan import PlanError
 from hp_layout import Layout, ReduceOp, Shard
@@ -144,17 +145,8 @@ def _inverse(index: torch.Tensor) -> torch.Tensor:
 
 
 # Tensor-parallel entry and exit of the experts (Megatron convention) -----------------------------
-
-
-class _CopyToTp(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: _comm.AxisGroup) -> torch.Tensor:
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _comm.all_reduce(grad.contiguous(), ReduceOp.SUM, ctx.group), None
+# The entry, _CopyToTp (identity forward, gradient summed over tp), is exact_region's
+# _PartialToExact.
 
 
 class _ReduceFromTp(torch.autograd.Function):
