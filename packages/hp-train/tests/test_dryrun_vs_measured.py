@@ -236,3 +236,38 @@ def test_expert_and_context_parallel_bytes_equal_a_real_step(world: int) -> None
             for kind in sorted(kinds):
                 want, got = predicted.bytes_by_kind.get(kind, 0), m["bytes"].get(kind, 0)
                 assert want == got, f"{case} {kind}: predicted {want}, measured {got}"
+
+
+# The precision options at world 2 (FSDP over 2 ranks, then FSDP x TP at world 4): what each
+# puts on the wire (bf16 all-gathers and reduce-scatters, a bf16 gradient reduction under fp32
+# compute, FP8 all-gathers of the FP8 linears' weights with their scales).
+PRECISION_CASES: dict[int, list[tuple[dict[str, Any], dict[str, Any]]]] = {
+    2: [
+        ({"dp_shard": 2}, {"mixed_precision": "bf16"}),
+        ({"dp_shard": 2}, {"grad_reduce_dtype": "bf16"}),
+        ({"dp_shard": 2}, {"fp8": "tensorwise", "fp8_all_gather": True}),
+    ],
+    4: [({"dp_shard": 2, "tp": 2}, {"mixed_precision": "bf16"})],
+}
+
+
+def _measure_precision(cases: list[tuple[dict[str, Any], dict[str, Any]]]) -> list[dict[str, Any]]:
+    return [_measure(dims, MODEL, replace(ADAMW, **options)) for dims, options in cases]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("world", [2, 4])
+def test_precision_bytes_equal_a_real_step(world: int) -> None:
+    cases = PRECISION_CASES[world]
+    measured = run_on_ranks(world, _measure_precision, cases, timeout=600)
+    for index, (dims, options) in enumerate(cases):
+        train = replace(ADAMW, **options)
+        for rank, per_rank in enumerate(measured):
+            m = per_rank[index]
+            case = f"{dims} {options} rank {rank}"
+            assert not [k for k in m["bytes"] if k.startswith("other")], (case, m["bytes"])
+            predicted = predict_for_run(MODEL, ParallelConfig(**dims), train, rank=rank)
+            kinds = set(predicted.bytes_by_kind) | set(m["bytes"])
+            for kind in sorted(kinds):
+                want, got = predicted.bytes_by_kind.get(kind, 0), m["bytes"].get(kind, 0)
+                assert want == got, f"{case} {kind}: predicted {want}, measured {got}"

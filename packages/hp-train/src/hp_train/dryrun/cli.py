@@ -52,7 +52,7 @@ from hp_train.dryrun.report import format_dry_run, format_search
 from hp_train.dryrun.reproduce import format_reproduction, reproduce_paper
 from hp_train.dryrun.search import SearchSpace, search
 from hp_train.dryrun.shapes import planned_model
-from hp_train.dryrun.workload import BF16_MIXED, FP32, Precision, StepShape
+from hp_train.dryrun.workload import Precision, StepShape, precision_of
 
 __all__ = ["build_parser", "main"]
 
@@ -210,8 +210,7 @@ def _model(args: argparse.Namespace) -> tuple[str, ModelConfig, int, int]:
 
 
 def _precision(args: argparse.Namespace) -> Precision:
-    base = BF16_MIXED if args.precision == "bf16" else FP32
-    return replace(base, reduce=2) if args.grad_reduce_dtype == "bf16" else base
+    return precision_of(args.precision, args.grad_reduce_dtype)
 
 
 def _run(args: argparse.Namespace) -> str:

@@ -40,13 +40,19 @@ from hp_train.dryrun.activation import block_activations, kept_activations
 from hp_train.dryrun.shapes import GroupSpec
 from hp_train.dryrun.workload import StepShape, head_activation_bytes
 
-__all__ = ["FP8_WIRE_BYTES", "GIB", "MemoryBreakdown", "memory_breakdown"]
+__all__ = ["FP8_BLOCK", "GIB", "MemoryBreakdown", "fp8_record_bytes", "memory_breakdown"]
 
 GIB = 2**30
 
-FP8_WIRE_BYTES = 1 + 4 / 128
-"""Bytes per element of an FP8 all-gather: e4m3 plus one fp32 scale per 128 elements
-(``hp_train.precision``)."""
+FP8_BLOCK = 128
+"""Elements per fp32 scale of an FP8 all-gather (``hp_train.precision``)."""
+
+
+def fp8_record_bytes(numel: int) -> int:
+    """Bytes one rank contributes to an FP8 all-gather of its ``numel``-element shard:
+    hp-fsdp's record, e4m3 data padded to 4 bytes, then one fp32 scale per
+    :data:`FP8_BLOCK` elements."""
+    return -(-numel // 4) * 4 + 4 * -(-numel // FP8_BLOCK)
 
 
 @dataclass(frozen=True)
@@ -177,7 +183,9 @@ def memory_breakdown(
         if prec.reduce != prec.compute:
             buffers.append(("reduce-scatter cast", largest * prec.reduce))
         if shape.fp8_all_gather:
-            buffers.append(("fp8 all-gather wire", gathered * int(largest * FP8_WIRE_BYTES)))
+            # The records of every rank (each rank's padding and last partial block aside).
+            wire = fp8_record_bytes(largest)
+            buffers.append(("fp8 all-gather wire", gathered * wire))
     params_on_device = shape.offload not in ("params", "both")
     optimizer_on_device = params_on_device and shape.offload != "optimizer"
     return MemoryBreakdown(

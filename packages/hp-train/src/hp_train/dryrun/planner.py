@@ -49,7 +49,7 @@ from hp_train.dryrun.activation import block_activations, kept_activations
 from hp_train.dryrun.comm import KINDS, CollectiveRecord, RankGrid
 from hp_train.dryrun.context_comm import context_records
 from hp_train.dryrun.expert_comm import expert_records
-from hp_train.dryrun.memory import FP8_WIRE_BYTES, MemoryBreakdown, memory_breakdown
+from hp_train.dryrun.memory import MemoryBreakdown, fp8_record_bytes, memory_breakdown
 from hp_train.dryrun.muon_traffic import MuonTraffic, muon_traffic
 from hp_train.dryrun.presets import Device, device_for
 from hp_train.dryrun.refusals import check_runtime_accepts
@@ -343,10 +343,15 @@ def _stage(
     ag: dict[int | None, float] = {}
     rs: dict[int | None, float] = {}
     ar: dict[int | None, float] = {}
-    gather_bytes = FP8_WIRE_BYTES if shape.fp8_all_gather else prec.compute
     copies: dict[int | None, tuple[float, float]] = {}
     for g in groups:
         padded, chunk = g.flat.padded_numel, g.flat.chunk_numel
+        # What the all-gather moves: each rank's FP8 record (data, then scales), or the shards.
+        gathered = (
+            padded // chunk * fp8_record_bytes(chunk)
+            if shape.fp8_all_gather and chunk
+            else padded * prec.compute
+        )
         unit = g.block
         tail = grid.record(
             g.tail_axis,
@@ -368,9 +373,7 @@ def _stage(
             ar[unit] = ar.get(unit, 0.0) + (reduce.time if reduce else 0.0)
             continue
         axis = "expert_shard" if g.is_experts else "dp_shard"
-        gather = grid.record(
-            "fsdp_all_gather", Collective.ALL_GATHER, "forward", axis, padded * gather_bytes, m
-        )
+        gather = grid.record("fsdp_all_gather", Collective.ALL_GATHER, "forward", axis, gathered, m)
         regather = (
             None
             if g.is_root
@@ -379,7 +382,7 @@ def _stage(
                 Collective.ALL_GATHER,
                 "backward",
                 axis,
-                padded * gather_bytes,
+                gathered,
                 m,
             )
         )

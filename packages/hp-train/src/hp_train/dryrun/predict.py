@@ -42,7 +42,7 @@ from hp_train.config import ModelConfig, ParallelConfig, TrainConfig
 from hp_train.dryrun.comm import RankGrid
 from hp_train.dryrun.planner import dry_run
 from hp_train.dryrun.presets import DEVICE_PRESETS, DryRunError
-from hp_train.dryrun.workload import FP32, Precision, StepShape
+from hp_train.dryrun.workload import Precision, StepShape, precision_of
 
 __all__ = ["PREDICTED_KINDS", "Prediction", "predict_for_run"]
 
@@ -102,13 +102,15 @@ def predict_for_run(
     *,
     rank: int = 0,
     topology: Topology | None = None,
-    precision: Precision = FP32,
+    precision: Precision | None = None,
     expert_imbalance: float = 1.0,
 ) -> Prediction:
     """Predict ``rank``'s memory and per-step communication for a training run.
 
     ``topology`` defaults to one host of the world's ranks (it affects only times, which the
-    prediction does not report).
+    prediction does not report). ``precision`` defaults to the run's own
+    (``train_config.mixed_precision`` and ``grad_reduce_dtype``); its offload and FP8 options
+    are the run's too.
 
     Postconditions: every kind of :data:`PREDICTED_KINDS` is a key of the three maps;
     ``optimizer_state_bytes == muon_state_bytes + adamw_state_bytes``.
@@ -130,7 +132,11 @@ def predict_for_run(
         microbatches=train_config.grad_accum,
         ac=train_config.ac,
         optimizer=train_config.optimizer,
-        precision=precision,
+        precision=precision
+        or precision_of(train_config.mixed_precision, train_config.grad_reduce_dtype),
+        offload=train_config.offload,
+        fp8=train_config.fp8,
+        fp8_all_gather=train_config.fp8_all_gather,
         prefetch=False,
         expert_imbalance=expert_imbalance,
     )

@@ -35,7 +35,7 @@ activations exist again while it is recomputed in backward.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from hp_train.config import (
     FP8_RECIPES,
@@ -58,6 +58,7 @@ __all__ = [
     "block_forward_flops",
     "head_activation_bytes",
     "head_forward_flops",
+    "precision_of",
 ]
 
 
@@ -90,6 +91,23 @@ FP32 = Precision()
 
 BF16_MIXED = Precision(param=4, compute=2, reduce=4, optimizer=4)
 """fp32 master weights, optimizer state and gradient reduction; bf16 compute and all-gather."""
+
+
+def precision_of(mixed_precision: str, grad_reduce_dtype: str = "fp32") -> Precision:
+    """The element sizes of the trainer's ``mixed_precision`` (``"fp32"`` or ``"bf16"``) with
+    its gradient reduction in ``grad_reduce_dtype`` (``"fp32"`` or ``"bf16"``).
+
+    Raises:
+        DryRunError: a value the trainer does not take.
+    """
+    for name, value in (
+        ("mixed_precision", mixed_precision),
+        ("grad_reduce_dtype", grad_reduce_dtype),
+    ):
+        if value not in ("fp32", "bf16"):
+            raise DryRunError(f"{name} must be 'fp32' or 'bf16', got {value!r}")
+    base = BF16_MIXED if mixed_precision == "bf16" else FP32
+    return replace(base, reduce=2) if grad_reduce_dtype == "bf16" else base
 
 
 RUNTIMES = ("hp", "torch_fsdp2", "megatron_ddp")
