@@ -291,6 +291,11 @@ REFUSED: dict[str, tuple[ModelConfig, ParallelConfig, TrainConfig]] = {
         ParallelConfig(cp=2, tp=2),
         _config(ac="selective"),
     ),
+    "--ac selective|budget:<MiB>|--ep N>1": (
+        MOE,
+        ParallelConfig(dp_shard=2, ep=2),
+        _config(ac="selective"),
+    ),
     "--fp8 tensorwise|blockwise|--tp N>1": (DENSE, ParallelConfig(tp=2), _config(fp8="blockwise")),
     "--swap|--ac full": (DENSE, ParallelConfig(), _config(swap=True, ac="full")),
     "--swap|--ac budget:<MiB>": (DENSE, ParallelConfig(), _config(swap=True, ac="budget:8")),

@@ -173,11 +173,16 @@ def test_search_covers_the_new_axes_and_defaults_to_device_memory(
 
 
 def test_cli_takes_the_trainers_flags(capsys: pytest.CaptureFixture[str]) -> None:
-    args = ["--model", "tiny-moe", "--dp-shard", "4", "--ep", "2", "--ac", "selective"]
+    args = ["--model", "tiny-moe", "--dp-shard", "4", "--ep", "2", "--ac", "budget:8"]
+    assert main([*args, "--offload", "params", "--fp8-all-gather"]) == 2  # refused: --ep
+    assert "--ac selective|budget:<MiB> with --ep N>1" in capsys.readouterr().err
+    args = ["--model", "tiny-moe", "--dp-shard", "4", "--ep", "2", "--ac", "full"]
     assert main([*args, "--offload", "params", "--fp8-all-gather"]) == 0
     out = capsys.readouterr().out
     assert re.search(r"^\s+ep\s+\d+", out, re.M)
-    assert "ac=selective" in out
+    assert "ac=full" in out
+    assert main(["--model", "tiny", "--dp-shard", "2", "--ac", "selective"]) == 0
+    assert "ac=selective" in capsys.readouterr().out
     assert main(["--model", "tiny", "--dp-shard", "1", "--cp", "2", "--cp-variant", "ulysses"]) == 0
     assert re.search(r"^\s+cp\s+\d+", capsys.readouterr().out, re.M)
     assert main(["--model", "tiny", "--dp-shard", "2", "--recompute"]) == 0

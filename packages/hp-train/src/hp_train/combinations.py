@@ -114,6 +114,14 @@ REFUSALS: tuple[Refusal, ...] = (
         lambda m, p, c: c.ac not in ("none", "full") and p.cp > 1 and p.tp > 1,
     ),
     Refusal(
+        "--ac selective|budget:<MiB>",
+        "--ep N>1",
+        "torch's selective checkpointing does not find the expert dispatch's count all-gather "
+        "when it recomputes the block (it fails in backward: invocation index 1 not found in "
+        "storage), not fixed yet; use --ac full or --ac none with --ep",
+        lambda m, p, c: c.ac not in ("none", "full") and p.ep > 1,
+    ),
+    Refusal(
         "--fp8 tensorwise|blockwise",
         "--tp N>1",
         "the row-parallel plan replaces a linear's forward by its own matmul, which would "
