@@ -281,18 +281,12 @@ class _Watch:
         state = _STATE
         if state.timeout_s is None:
             return self
-        group = dist.group.WORLD if self.group is None else self.group
-        info = state.groups.get(group)
-        if info is None:
-            info = _register(group)
+        info = _group_info(self.group)
         if state.hook is not None:
             state.hook(self.name, info.label(), state.entered + 1)
         state.entered += 1
-        info.count += 1
-        info.last = self.name
-        state.current = (info, info.count, self.name)
-        state.version += 1
-        self.info, self.count = info, info.count
+        self.info, self.count = info, _count(info, self.name)
+        state.current = (info, self.count, self.name)
         self.started = time.monotonic()
         return self
 
@@ -308,10 +302,8 @@ class _Watch:
         state = _STATE
         state.current = None
         state.version += 1
-        if isinstance(exc, RuntimeError) and not isinstance(exc, CollectiveTimeoutError):
-            error = _diagnose(self.name, info, self.count, time.monotonic() - self.started, exc)
-            if error is not None:
-                raise error from exc
+        if isinstance(exc, RuntimeError):
+            _raise_diagnosed(self.name, info, self.count, self.started, exc)
 
 
 class _Off:
@@ -364,14 +356,9 @@ class _WatchedWork:
     def wait(self) -> Any:
         try:
             return self.work.wait()
-        except CollectiveTimeoutError:
-            raise
         except RuntimeError as exc:
-            elapsed = time.monotonic() - self.started
-            error = _diagnose(self.name, self.info, self.count, elapsed, exc)
-            if error is None:
-                raise
-            raise error from exc
+            _raise_diagnosed(self.name, self.info, self.count, self.started, exc)
+            raise
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.work, name)
@@ -383,18 +370,39 @@ def watch_async(collective: str, group: dist.ProcessGroup | None, work: Any) -> 
     ``work`` itself while the watchdog is off (or when ``work`` is None), else a wrapper whose
     ``wait()`` raises :class:`CollectiveTimeoutError` as :func:`watch` does. Every rank of the
     group must issue it, in the same order as its other watched collectives."""
-    state = _STATE
-    if state.timeout_s is None or work is None:
+    if _STATE.timeout_s is None or work is None:
         return work
-    group = dist.group.WORLD if group is None else group
-    info = state.groups.get(group)
-    if info is None:
-        info = _register(group)
+    info = _group_info(group)
     # Not numbered for the entry hook: the rank has issued it already.
+    return _WatchedWork(work, collective, info, _count(info, collective))
+
+
+def _group_info(group: dist.ProcessGroup | None) -> _Group:
+    """This rank's record of ``group`` (None: the default group), registered on first use."""
+    group = dist.group.WORLD if group is None else group
+    info = _STATE.groups.get(group)
+    return info if info is not None else _register(group)
+
+
+def _count(info: _Group, collective: str) -> int:
+    """Count one more ``collective`` over ``info``'s group; returns its number there."""
     info.count += 1
     info.last = collective
-    state.version += 1
-    return _WatchedWork(work, collective, info, info.count)
+    _STATE.version += 1
+    return info.count
+
+
+def _raise_diagnosed(
+    name: str, info: _Group, count: int, started: float, exc: RuntimeError
+) -> None:
+    """Raise :class:`CollectiveTimeoutError` for ``exc``, from this rank's ``count``-th
+    collective over ``info`` (entered at ``started``), when it means a wait that ended;
+    return (the caller lets ``exc`` through) otherwise."""
+    if isinstance(exc, CollectiveTimeoutError):
+        return
+    error = _diagnose(name, info, count, time.monotonic() - started, exc)
+    if error is not None:
+        raise error from exc
 
 
 def _register(group: Any) -> _Group:
