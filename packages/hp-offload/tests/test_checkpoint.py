@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import types
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -149,6 +150,54 @@ def test_budget_plan_rule() -> None:
     assert BudgetPolicy(0).plan(ops) == frozenset()
 
 
+class _DataDependent(nn.Module):
+    """A layer whose ops depend on its input's values, as an expert-parallel MoE's do: an
+    extra op first when ``x[0, 0] > 0`` (every later op one position on), matmuls over as
+    many rows as ``x[0]`` has positive entries, and a sum scaled in place (calibration never
+    saves it: torch would find the cached tensor mutated)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(8, 8, generator=torch.Generator().manual_seed(1)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = x * 1.5 if x[0, 0] > 0 else x
+        rows = int((x[0] > 0).sum())
+        for _ in range(2):
+            t = out[:rows] @ self.weight + 1.0
+            t.mul_(0.5)
+            out = out + torch.tanh(t).sum()
+        return out
+
+
+def test_budget_policy_with_data_dependent_ops() -> None:
+    """Calls that run other ops, or ops of other sizes, than the planned call for the same
+    input shapes stay bit-equal and within the budget: the plan is followed up to the first
+    op that differs, and a call saves at most the budget."""
+    budget = 100
+    plain, wrapped = _DataDependent(), _DataDependent()
+    checkpoint_wrapper(wrapped, BudgetPolicy(budget))
+    # (x[0, 0] > 0, rows): the first call plans. The same ops on 8 rows would save 4 x the
+    # budget by the plan; without the extra op, the plan's positions fall on other ops, one
+    # of them the sum scaled in place (on 1 row it would fit the budget).
+    for shifted, rows in ((True, 1), (True, 8), (False, 1), (False, 7), (True, 1)):
+        x = -torch.ones(6, 8)
+        x[0, 1 : 1 + rows - shifted] = 1.0
+        x[0, 0] = 1.0 if shifted else -1.0
+        results = []
+        for layer in (plain, wrapped):
+            layer.zero_grad()
+            with ActivationMeter(exclude=list(layer.parameters())) as meter:
+                out = layer(x.clone().requires_grad_())
+                held = meter.live
+                out.pow(2).sum().backward()
+            assert layer.weight.grad is not None
+            results.append((out.detach(), layer.weight.grad.clone(), held))
+        assert torch.equal(results[0][0], results[1][0])
+        assert torch.equal(results[0][1], results[1][1])
+        assert results[1][2] <= x.numel() * 4 + budget  # the input, and at most the budget
+
+
 def test_no_grad_runs_unwrapped() -> None:
     model = _wrapped(checkpoint_wrapper)
     ids = torch.zeros(1, 4, dtype=torch.long)
@@ -261,3 +310,105 @@ def test_tp_like_module_with_all_reduce(policy_name: str) -> None:
     grads = run_on_ranks(2, _tp_rank, policy_name, timeout=120)
     assert len(grads) == 2
     assert len(grads[0]) == 4
+
+
+class _GatherThenMatmul(nn.Module):
+    """An expert-dispatch-like layer: an all-gather of per-rank counts inside the forward,
+    and, only while autograd runs backward (recompute), one extra all-reduce the way FSDP's
+    prefetch of a nested group adds one: the count of collectives differs between forward
+    and recompute."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight)
+        self.prefetched = torch.ones(3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch._C._current_graph_task_id() != -1:
+            dist.all_reduce(self.prefetched)
+        counts = torch.empty(dist.get_world_size(), dtype=torch.long)
+        dist.all_gather_into_tensor(counts, torch.tensor([x.shape[0]]))
+        scale = counts.sum().to(x.dtype)
+        return torch.tanh(x @ self.weight.t()) * scale
+
+
+def _uneven_collectives_rank(policy_name: str) -> int:
+    g = torch.Generator().manual_seed(dist.get_rank())
+    weights, x = [torch.randn(8, 8, generator=g) for _ in range(2)], torch.randn(4, 8, generator=g)
+
+    def run(wrap: bool) -> list[torch.Tensor]:
+        layers = [_GatherThenMatmul(w.clone()) for w in weights]
+        if wrap:
+            for layer in layers:
+                policy = (
+                    BudgetPolicy(1 << 20)
+                    if policy_name == "budget"
+                    else ActivationPolicy.build(save=["matmul"])
+                )
+                checkpoint_wrapper(layer, policy)
+        grads: list[torch.Tensor] = []
+        for _ in range(2):  # the budget policy plans on the first call, saves on the second
+            h = x.clone().requires_grad_()
+            for layer in layers:
+                h = layer(h)
+            h.pow(2).sum().backward()
+            grads += [
+                layer.weight.grad.clone() for layer in layers if layer.weight.grad is not None
+            ]
+            for layer in layers:
+                layer.weight.grad = None
+        return grads
+
+    plain, wrapped = run(False), run(True)
+    assert all(torch.equal(a, b) for a, b in zip(plain, wrapped, strict=True))
+    return len(wrapped)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("policy_name", ["selective", "budget"])
+def test_collectives_that_differ_between_forward_and_recompute(policy_name: str) -> None:
+    """Collectives bypass torch's per-op call count (which would otherwise fail in backward:
+    "invocation index 1 ... not found in storage"); gradients stay bit-equal."""
+    assert run_on_ranks(2, _uneven_collectives_rank, policy_name, timeout=120) == [4, 4]
+
+
+class _SumInPlace(torch.autograd.Function):
+    """Megatron's ``g`` without a copy: the all-reduce writes into its input."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(x)
+        ctx.mark_dirty(x)
+        return x
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+class _RowParallelInPlace(_RowParallelMLP):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        partial = torch.nn.functional.gelu(x @ self.up.t()) @ self.down.t()
+        out: torch.Tensor = _SumInPlace.apply(partial)  # type: ignore[no-untyped-call]
+        return out
+
+
+def _in_place_rank() -> str:
+    g = torch.Generator().manual_seed(0)
+    layer = _RowParallelInPlace(torch.randn(16, 8, generator=g), torch.randn(8, 16, generator=g))
+    checkpoint_wrapper(layer, ActivationPolicy.build(save=["matmul"]))
+    try:
+        layer(torch.randn(4, 8, generator=g, requires_grad=True))
+    except RuntimeError as exc:
+        return str(exc)
+    return "no error"
+
+
+@pytest.mark.multiprocess
+def test_collective_writing_into_a_saved_output_is_refused() -> None:
+    """An in-place all-reduce of a saved matmul output would be applied twice (the cache
+    holds the reduced tensor, recompute reduces it again): refused in forward, named."""
+    messages = run_on_ranks(2, _in_place_rank, timeout=120)
+    for message in messages:
+        assert "_RowParallelInPlace: collective c10d.allreduce_.default reduces in place" in message
+        assert "saved for recompute ((4, 8), torch.float32)" in message

@@ -54,6 +54,7 @@ EP_CP_CASES: dict[int, list[tuple[dict[str, Any], str]]] = {
     2: [
         ({"dp_shard": 2, "ep": 2}, "none"),
         ({"dp_shard": 2, "ep": 2}, "full"),
+        ({"dp_shard": 2, "ep": 2}, "selective"),
         ({"cp": 2, "cp_variant": "ring"}, "none"),
         ({"cp": 2, "cp_variant": "ulysses"}, "selective"),
     ],
@@ -240,12 +241,14 @@ def test_expert_and_context_parallel_bytes_equal_a_real_step(world: int) -> None
 
 # The precision options at world 2 (FSDP over 2 ranks, then FSDP x TP at world 4): what each
 # puts on the wire (bf16 all-gathers and reduce-scatters, a bf16 gradient reduction under fp32
-# compute, FP8 all-gathers of the FP8 linears' weights with their scales).
+# compute, FP8 all-gathers of the FP8 linears' weights with their scales); and offload, which
+# moves state to host memory and puts nothing more on the wire.
 PRECISION_CASES: dict[int, list[tuple[dict[str, Any], dict[str, Any]]]] = {
     2: [
         ({"dp_shard": 2}, {"mixed_precision": "bf16"}),
         ({"dp_shard": 2}, {"grad_reduce_dtype": "bf16"}),
         ({"dp_shard": 2}, {"fp8": "tensorwise", "fp8_all_gather": True}),
+        ({"dp_shard": 2}, {"offload": "both"}),
     ],
     4: [({"dp_shard": 2, "tp": 2}, {"mixed_precision": "bf16"})],
 }

@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+from torch.utils.checkpoint import _CachingTorchDispatchMode
 
 from hp_dtensor import _comm, collectives
 from hp_dtensor._comm import AxisGroup
@@ -97,10 +99,22 @@ class _SumInPlace(torch.autograd.Function):
         return _comm.all_reduce(grad, ReduceOp.SUM, ctx.group, riders=True), None, None
 
 
+def _outputs_held_by_a_dispatch_mode() -> bool:
+    """Whether an active dispatch mode may hold op outputs by reference: torch's selective
+    checkpointing caches them to return in recompute, and so does any mode that sets a true
+    ``holds_op_outputs`` attribute (hp-offload's). A collective's in-place write is invisible
+    to such a cache: it would hold the sum, and recompute would sum it again."""
+    return any(
+        getattr(mode, "holds_op_outputs", False) or isinstance(mode, _CachingTorchDispatchMode)
+        for mode in _get_current_dispatch_mode_stack()
+    )
+
+
 def _sum_in_place(mesh: DeviceMesh, axis: str) -> Run:
     def run(x: torch.Tensor) -> torch.Tensor:
-        if not x.is_contiguous():
-            # The wire needs a dense buffer; the out-of-place sum makes one (same result).
+        if not x.is_contiguous() or _outputs_held_by_a_dispatch_mode():
+            # The wire needs a dense buffer, or ``x`` may be held elsewhere: the out-of-place
+            # sum (same result).
             return collectives.all_reduce(x, mesh, axis, ReduceOp.SUM)
         return _apply(_SumInPlace)(x, mesh, axis)
 

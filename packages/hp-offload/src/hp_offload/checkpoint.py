@@ -100,6 +100,71 @@ class _SwapReplayMode(TorchDispatchMode):
         return region.replay(func, args, kwargs or {})
 
 
+#: Operator namespaces of collectives (c10d's in-place ops and the functional ones).
+_COLLECTIVE_NAMESPACES: frozenset[str] = frozenset(("c10d", "_c10d_functional", "c10d_functional"))
+
+
+class _CollectivesUncached(TorchDispatchMode):
+    """One of torch's selective-checkpoint modes, except that collectives go past it.
+
+    torch's modes match an op's recompute call to its forward call by counting the calls of
+    each op. Collectives break that count: FSDP's all-gathers and prefetches run inside a
+    region from the hooks of modules nested in it, and which of them a call issues differs
+    between forward and recompute (the first step has no prefetch order yet; in backward a
+    group is unsharded that was not in forward). A collective is never cached (it is in place
+    or its output is a communication buffer), so it simply runs in recompute, as under full
+    recomputation, on every rank alike; the other ops keep torch's caching and counting.
+    Holds the torch mode instead of stacking it, and forwards every other op to it.
+
+    In forward, a collective that reduces an output the policy saved in place raises:
+    torch's cache holds that output by reference and does not see a collective's write, so
+    recompute would apply the collective a second time to the cached result. The mode's
+    ``holds_op_outputs`` attribute (true in forward) tells libraries to reduce out of place.
+    """
+
+    def __init__(self, sac_mode: TorchDispatchMode, region: _Region | None = None) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.sac_mode = sac_mode
+        self.region = region
+        # Read by libraries that would otherwise reduce an op's output in place (hp-dtensor's
+        # tensor-parallel sum): in forward, the cache holds saved outputs by reference.
+        self.holds_op_outputs = region is not None
+
+    def __torch_dispatch__(
+        self,
+        func: torch._ops.OpOverload,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        if func.namespace in _COLLECTIVE_NAMESPACES:
+            if self.region is not None and self.region.saved_storages:
+                self.region.check_not_saved(func, args, kwargs or {})
+            return func(*args, **(kwargs or {}))
+        return self.sac_mode.__torch_dispatch__(func, types, args, kwargs)
+
+
+#: c10d's in-place reductions: they add into their ``tensors`` argument, so a second
+#: application changes the result (an all-gather, all-to-all or broadcast that writes its
+#: output again writes the same values).
+_IN_PLACE_REDUCTIONS: frozenset[str] = frozenset(
+    ("c10d::allreduce_", "c10d::allreduce_coalesced_", "c10d::reduce_")
+)
+
+
+def _reduced_in_place(
+    func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> list[torch.Tensor]:
+    """The tensors the collective ``func`` reduces in place (none for other collectives).
+    c10d's schemas do not mark their writes, which is also why autograd's version counters
+    (and torch's check of cached outputs) miss them."""
+    if func._schema.name not in _IN_PLACE_REDUCTIONS:
+        return []
+    value = args[0] if args else kwargs.get("tensors")
+    items = value if isinstance(value, (list, tuple)) else [value]
+    return [item for item in items if isinstance(item, torch.Tensor)]
+
+
 class _Region:
     """State of one checkpointed call of a wrapped layer (one set of contexts)."""
 
@@ -116,8 +181,14 @@ class _Region:
         self.replay_counter: dict[torch._ops.OpOverload, int] = defaultdict(int)
         self.ops: list[tuple[torch._ops.OpOverload, float, int]] = []
         self.plan: frozenset[int] | None = None
+        # The planned call's op sequence; a call that departs from it saves nothing after.
+        self.plan_ops: tuple[torch._ops.OpOverload, ...] = ()
+        self.departed = False
+        self.saved_bytes = 0
         self.outputs_at: dict[int, list[int]] = {}
         self.n_ops = 0
+        # Storages of the outputs torch's cache holds for recompute (alive until then).
+        self.saved_storages: set[int] = set()
 
     # ---- decisions ----------------------------------------------------------------------
 
@@ -148,17 +219,48 @@ class _Region:
             if self.plan is None:  # first call of this signature: record, recompute all
                 self.record(index, func, args, out)
                 return CheckpointPolicy.PREFER_RECOMPUTE
-            save = index in self.plan
+            save = index in self.plan and self.follows_plan(index, func) and self.fits(out)
         else:
             save = self.decide(func, args, out) == "save"
         if not save:
             return CheckpointPolicy.PREFER_RECOMPUTE
         for t in _flat(out):
             if isinstance(t, torch.Tensor):
+                self.saved_storages.add(t.untyped_storage().data_ptr())
                 token = memory.track(t, "device")
                 if token is not None:
                     self.save_tokens.append(token)
         return CheckpointPolicy.MUST_SAVE
+
+    def check_not_saved(
+        self, func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> None:
+        """Raise if the collective ``func`` reduces a saved output in place (forward only)."""
+        for t in _reduced_in_place(func, args, kwargs):
+            if t.untyped_storage().data_ptr() in self.saved_storages:
+                raise RuntimeError(
+                    f"{type(self.wrapper.module).__name__}: collective {func} reduces in place "
+                    f"a tensor that the activation policy saved for recompute "
+                    f"({tuple(t.shape)}, {t.dtype}); the saved copy would be reduced twice in "
+                    "backward. Reduce out of place (into a new tensor), or let the policy "
+                    "recompute that op"
+                )
+
+    def follows_plan(self, index: int, func: torch._ops.OpOverload) -> bool:
+        """Whether this call's ops so far are the plan's (a layer with data-dependent control
+        flow, such as an expert-parallel MoE, may run other ops for the same input shapes)."""
+        if not self.departed and (index >= len(self.plan_ops) or self.plan_ops[index] != func):
+            self.departed = True
+        return not self.departed
+
+    def fits(self, out: object) -> bool:
+        """Whether ``out`` still fits this call's budget (sizes can be data-dependent too)."""
+        assert isinstance(self.policy, BudgetPolicy)
+        nbytes = out_bytes(out)
+        if self.saved_bytes + nbytes > self.policy.budget_bytes:
+            return False
+        self.saved_bytes += nbytes
+        return True
 
     def record(
         self, index: int, func: torch._ops.OpOverload, args: tuple[Any, ...], out: object
@@ -221,7 +323,9 @@ class _Region:
         """``context_fn`` for torch's checkpoint: (forward context, recompute context)."""
         if self.policy == FULL_RECOMPUTE:  # nothing to cache: no dispatch modes at all
             return contextlib.nullcontext(), contextlib.nullcontext()
-        caching, cached = _sac_contexts(self.policy_fn)
+        torch_caching, torch_cached = _sac_contexts(self.policy_fn)
+        caching = _CollectivesUncached(torch_caching, self)
+        cached = _CollectivesUncached(torch_cached)
         if self.group is None:
             fwd: list[contextlib.AbstractContextManager[Any]] = [caching]
             rec: list[contextlib.AbstractContextManager[Any]] = [cached]
@@ -275,7 +379,9 @@ class _Wrapper:
         self.swapper = swapper
         self.preserve_rng_state = preserve_rng_state
         self.original = module.forward
-        self.plans: dict[tuple[object, ...], tuple[frozenset[int], int]] = {}
+        self.plans: dict[
+            tuple[object, ...], tuple[frozenset[int], tuple[torch._ops.OpOverload, ...]]
+        ] = {}
         self._may_swap: dict[torch._ops.OpOverload, bool] = {}
         self._aliasing: dict[torch._ops.OpOverload, bool] = {}
 
@@ -308,7 +414,7 @@ class _Wrapper:
             key = signature(args) + signature(tuple(kwargs.values()))
             known = self.plans.get(key)
             if known is not None:
-                region.plan = known[0]
+                region.plan, region.plan_ops = known
         out = checkpoint(
             self.original,
             *args,
@@ -317,15 +423,8 @@ class _Wrapper:
             preserve_rng_state=self.preserve_rng_state,
             **kwargs,
         )
-        if isinstance(self.policy, BudgetPolicy):
-            if region.plan is None:
-                self.plans[key] = (self.policy.plan(region.ops), region.n_ops)
-            elif region.n_ops != self.plans[key][1]:
-                raise RuntimeError(
-                    f"{type(self.module).__name__}: forward ran {region.n_ops} ops, but the budget "
-                    f"plan for these input shapes was made from {self.plans[key][1]} ops; the "
-                    f"forward must run the same ops for the same input shapes"
-                )
+        if isinstance(self.policy, BudgetPolicy) and region.plan is None:
+            self.plans[key] = (self.policy.plan(region.ops), tuple(f for f, _, _ in region.ops))
         if group is not None and self.swapper is not None:
             self.swapper.end_group(group, out)
         return out

@@ -233,7 +233,11 @@ class BudgetPolicy:
 
     The plan is computed once per input signature (shapes, dtypes, devices of the tensor
     arguments) from that signature's first call, which runs as full recompute while it
-    records the ops; every later call with the same signature applies the plan.
+    records the ops; every later call with the same signature applies the plan. A layer
+    whose ops depend on the data (an expert-parallel MoE runs work per expert that received
+    tokens) may depart from the plan's op sequence: from the first op that differs, that call
+    saves nothing more; and a call never saves more than ``budget_bytes`` (output sizes can
+    depend on the data too), whatever the plan.
     """
 
     budget_bytes: int

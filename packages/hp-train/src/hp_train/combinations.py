@@ -106,22 +106,6 @@ REFUSALS: tuple[Refusal, ...] = (
         _ulysses_heads,
     ),
     Refusal(
-        "--ac selective|budget:<MiB>",
-        "--cp N>1 and --tp N>1 together",
-        "with both, the selectively recomputed block drifts from the plain one (measured 1e-4 "
-        "in the loss after 6 steps; each pair alone is exact), not understood yet; use --ac "
-        "full, or one of --cp and --tp",
-        lambda m, p, c: c.ac not in ("none", "full") and p.cp > 1 and p.tp > 1,
-    ),
-    Refusal(
-        "--ac selective|budget:<MiB>",
-        "--ep N>1",
-        "torch's selective checkpointing does not find the expert dispatch's count all-gather "
-        "when it recomputes the block (it fails in backward: invocation index 1 not found in "
-        "storage), not fixed yet; use --ac full or --ac none with --ep",
-        lambda m, p, c: c.ac not in ("none", "full") and p.ep > 1,
-    ),
-    Refusal(
         "--fp8 tensorwise|blockwise",
         "--tp N>1",
         "the row-parallel plan replaces a linear's forward by its own matmul, which would "
