@@ -97,11 +97,13 @@ def block_activations(
     d, q, kv = model.dim, _q(model), _kv(model)
     heads = model.n_heads / tp
     scores = heads * (1 if flash_attention else seq_len)
-    attn = 5 * q / tp + (3 * (q + kv) / tp if model.qk_norm else 0.0)
+    # q, the keys and values repeated to every query head, and the output (shared with
+    # o_proj's input): four query widths whatever n_kv_heads is.
+    attn = 4 * q / tp + (3 * (q + kv) / tp if model.qk_norm else 0.0)
     sel = (q + 2 * kv) / tp + q / tp + d
     sel_fp32 = heads
     moe = model.moe
-    fp32 = scores
+    fp32 = scores + 2  # the two RMSNorms' reciprocal RMS
     if moe is not None and moe.is_moe_layer(index):
         fe = moe.expert_ffn_dim / (tp if ep_tp and tp > 1 else 1)
         shared = moe.n_shared_experts * moe.expert_ffn_dim

@@ -28,7 +28,20 @@ copy-out buffer of the block being gathered; Megatron DDP holds every parameter 
 (the groups in one chunk), its gradients and optimizer state, plus the compute-dtype copy of
 the parameters, and gathers nothing.
 
-The peak is taken as the plain sum (a conservative bound: not every buffer peaks at once).
+The peak is the larger of two moments of backward, where every kept activation still exists
+(forward ends with less: the loss has not been differentiated yet):
+
+* backward start: parameters, optimizer state, every kept activation, the parameter buffers
+  (the root's unsharded parameters, the last block's re-gathered for its backward and the
+  prefetched one) and the logits' gradients;
+* first reduce-scatter: the same less the head's and the last block's activations (freed by
+  then), plus the gradients, the one block rebuilt by recomputation and every gradient buffer
+  (the root's unsharded gradients, the block in backward and the one being reduced, their
+  reduce-dtype copy).
+
+Gradients are none between steps (``zero_grad`` sets them to None) and the arena's chunks are
+allocated at the first reduce-scatter. Checked against the peak of the bytes a real step's
+tensors hold at world 4 (FSDP, FSDP x TP, FSDP x EP: ``tests/test_dryrun_vs_measured.py``).
 """
 
 from __future__ import annotations
@@ -38,7 +51,7 @@ from dataclasses import dataclass
 from hp_train.config import ModelConfig, ParallelConfig
 from hp_train.dryrun.activation import block_activations, kept_activations
 from hp_train.dryrun.shapes import GroupSpec
-from hp_train.dryrun.workload import StepShape, head_activation_bytes
+from hp_train.dryrun.workload import StepShape, head_activation_bytes, loss_gradient_bytes
 
 __all__ = ["FP8_BLOCK", "GIB", "MemoryBreakdown", "fp8_record_bytes", "memory_breakdown"]
 
@@ -64,10 +77,17 @@ class MemoryBreakdown:
         gradients: sharded (reduced) gradients.
         optimizer: optimizer state.
         muon_state: the part of ``optimizer`` that is Muon momentum.
-        activations: peak saved activations (all microbatches in flight).
+        activations: saved activations (all microbatches in flight) plus ``transient``.
         activations_by_layer: ``(layer, bytes)`` saved per microbatch, in forward order.
-        buffers: ``(name, bytes)`` of FSDP's transient buffers.
+        buffers: ``(name, bytes)`` of FSDP's buffers, those of the parameters first
+            (:attr:`parameter_buffers` of them), then those of the gradients.
         host: bytes offloaded to host memory (not in :attr:`total`).
+        parameter_buffers: how many leading entries of ``buffers`` exist from forward to
+            backward (unsharded and copied parameters); the rest exist during backward only.
+        transient: one block's activations rebuilt while it is recomputed in backward.
+        loss_gradient: what the first step of backward holds (the logits' gradients).
+        first_freed: activations backward frees before the first reduce-scatter starts
+            (the head's and the last block's, one microbatch).
     """
 
     parameters: int
@@ -78,6 +98,10 @@ class MemoryBreakdown:
     activations_by_layer: tuple[tuple[str, int], ...]
     buffers: tuple[tuple[str, int], ...]
     host: int = 0
+    parameter_buffers: int = 0
+    transient: int = 0
+    loss_gradient: int = 0
+    first_freed: int = 0
 
     @property
     def buffer_total(self) -> int:
@@ -90,9 +114,27 @@ class MemoryBreakdown:
         return self.parameters + self.gradients + self.optimizer
 
     @property
+    def phases(self) -> dict[str, int]:
+        """Bytes held at the moments a step's memory can peak (module doc)."""
+        kept = self.activations - self.transient
+        held = self.parameters + self.optimizer
+        params = sum(b for _, b in self.buffers[: self.parameter_buffers])
+        grads = sum(b for _, b in self.buffers[self.parameter_buffers :])
+        return {
+            "backward start": held + kept + params + self.loss_gradient,
+            "first reduce-scatter": held
+            + self.gradients
+            + kept
+            - self.first_freed
+            + self.transient
+            + params
+            + grads,
+        }
+
+    @property
     def total(self) -> int:
-        """The peak estimate: everything summed."""
-        return self.state + self.activations + self.buffer_total
+        """The peak estimate: the larger of :attr:`phases`."""
+        return max(self.phases.values())
 
 
 def _units(groups: tuple[GroupSpec, ...]) -> list[int]:
@@ -162,6 +204,9 @@ def memory_breakdown(
     if head:
         by_layer.append(("head", head_activation_bytes(model, microbatch_tokens, prec)))
     activations = in_flight * sum(b for _, b in by_layer) + transient
+    blocks = [b for name, b in by_layer if name != "head"]
+    first_freed = (by_layer[-1][1] if head else 0) + (blocks[-1] if blocks else 0)
+    loss_gradient = loss_gradient_bytes(model, microbatch_tokens) if head else 0
     units = _units(groups)
     root = [g.flat.padded_numel for g in groups if g.is_root]
     largest = max(units, default=0)
@@ -173,19 +218,20 @@ def memory_breakdown(
         root, largest = [], 0
     elif shape.runtime == "torch_fsdp2" and largest:
         buffers.append(("copy-out buffers", largest * prec.compute))
+    gradient_buffers: list[tuple[str, int]] = []
     if root:
         buffers.append(("root unsharded params", root[0] * prec.compute))
-        buffers.append(("root unsharded grads", root[0] * prec.compute))
+        gradient_buffers.append(("root unsharded grads", root[0] * prec.compute))
     if largest:
         gathered = 2 if shape.prefetch else 1
         buffers.append(("block unsharded params", gathered * largest * prec.compute))
-        buffers.append(("block unsharded grads", 2 * largest * prec.compute))
-        if prec.reduce != prec.compute:
-            buffers.append(("reduce-scatter cast", largest * prec.reduce))
         if shape.fp8_all_gather:
             # The records of every rank (each rank's padding and last partial block aside).
             wire = fp8_record_bytes(largest)
             buffers.append(("fp8 all-gather wire", gathered * wire))
+        gradient_buffers.append(("block unsharded grads", 2 * largest * prec.compute))
+        if prec.reduce != prec.compute:
+            gradient_buffers.append(("reduce-scatter cast", largest * prec.reduce))
     params_on_device = shape.offload not in ("params", "both")
     optimizer_on_device = params_on_device and shape.offload != "optimizer"
     return MemoryBreakdown(
@@ -195,7 +241,11 @@ def memory_breakdown(
         muon_state=muon_state if optimizer_on_device else 0,
         activations=activations,
         activations_by_layer=tuple(by_layer),
-        buffers=tuple(buffers),
+        buffers=(*buffers, *gradient_buffers),
+        parameter_buffers=len(buffers),
+        transient=transient,
+        loss_gradient=loss_gradient,
+        first_freed=first_freed,
         host=(0 if params_on_device else chunks * (prec.param + prec.reduce))
         + (0 if optimizer_on_device else optimizer),
     )

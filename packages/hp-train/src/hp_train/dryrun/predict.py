@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from hp_layout import Topology
 from hp_train.config import ModelConfig, ParallelConfig, TrainConfig
 from hp_train.dryrun.comm import RankGrid
+from hp_train.dryrun.memory import MemoryBreakdown
 from hp_train.dryrun.planner import dry_run
 from hp_train.dryrun.presets import DEVICE_PRESETS, DryRunError
 from hp_train.dryrun.workload import Precision, StepShape, precision_of
@@ -79,6 +80,8 @@ class Prediction:
         sent_bytes_by_kind: per step, by kind, bytes this rank sends.
         calls_by_kind: per step, by kind, collectives issued.
         muon_source: ``"plan"`` (hp_muon's real plan), ``"analytic"`` or ``"none"``.
+        memory: the rank's memory breakdown; ``memory.total`` is the predicted peak of the
+            bytes its tensors hold during a step.
     """
 
     rank: int
@@ -93,6 +96,7 @@ class Prediction:
     sent_bytes_by_kind: Mapping[str, int]
     calls_by_kind: Mapping[str, int]
     muon_source: str
+    memory: MemoryBreakdown
 
 
 def predict_for_run(
@@ -164,4 +168,5 @@ def predict_for_run(
         sent_bytes_by_kind={k: kinds[k].sent_bytes for k in PREDICTED_KINDS},
         calls_by_kind={k: kinds[k].calls for k in PREDICTED_KINDS},
         muon_source=stage.muon.source,
+        memory=memory,
     )
