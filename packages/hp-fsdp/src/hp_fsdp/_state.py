@@ -8,7 +8,8 @@ the flat gradient buffer and prefetches the next group in backward order; when e
 parameter's gradient has been accumulated, its reduce-scatter is issued into the root's
 gradient arena. A callback at the end of backward finishes groups whose parameters got no
 gradient, waits for the arena's collectives once, hands out the sharded gradients and
-reshards.
+reshards. A forward that activation checkpointing reruns inside backward only unshards (and
+casts): backward's order prefetches and reshards.
 """
 
 from __future__ import annotations
@@ -183,6 +184,18 @@ class FSDPState:
             self._lazy_init()
         root = self.root
         assert root is not None
+        if _recomputing():
+            # Activation checkpointing reruns this forward inside backward: the parameters
+            # are needed, but backward's own order drives prefetching and resharding, so a
+            # prefetch of the next group in forward order would all-gather a block whose
+            # backward already ran (or is far away), and no state may change.
+            for group in self.groups:
+                group.unshard(async_op=True)
+            for group in self.groups:
+                group.wait()
+            if self.input_dtype is not None:
+                args, kwargs = _cast((args, kwargs), self.input_dtype)
+            return args, kwargs
         if self.is_root:
             for state in root.states:
                 state._backward_started = False
@@ -204,6 +217,11 @@ class FSDPState:
         return args, kwargs
 
     def post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
+        if _recomputing():
+            # The recomputed outputs are not in the graph backward walks (its hooks sit on the
+            # first forward's outputs), and the group stays unsharded for the backward about
+            # to use it; its post-backward reshards it.
+            return output if self.output_dtype is None else _cast(output, self.output_dtype)
         done = self._forward_done if self._forward_done is not None else set()
         done.add(self.member_index(module))
         last = len(done) == len(self.modules)
@@ -327,6 +345,12 @@ class FSDPState:
             state._backward_started = False
             state._post_backward_done = False
         root.callback_queued = False
+
+
+def _recomputing() -> bool:
+    """Whether this forward runs inside a backward pass (activation checkpointing's recompute):
+    autograd's engine has a current graph task only while it executes one."""
+    return torch._C._current_graph_task_id() != -1
 
 
 def _replicate_wire(groups: list[FSDPParamGroup]) -> tuple[torch.dtype, int] | None:
