@@ -288,10 +288,11 @@ def _pytest(session: nox.Session, pkg: Package) -> None:
 
 
 def _run_pytest(session: nox.Session, *tests: Path) -> None:
-    """pytest on tests folders with the root configuration (extra arguments passed on)."""
+    """pytest on tests folders with the root configuration (extra arguments passed on); the
+    slowest tests are listed at the end, where CI's time goes."""
     session.run(
-        "pytest", "-c", str(PYPROJECT), "--rootdir", str(ROOT), *map(str, tests),
-        *session.posargs, env=TEST_ENV,
+        "pytest", "-c", str(PYPROJECT), "--rootdir", str(ROOT), "--durations=30",
+        *map(str, tests), *session.posargs, env=TEST_ENV,
     )  # fmt: skip
 
 
