@@ -12,7 +12,8 @@ steps come after a warm-up step, which records the forward order implicit prefet
 * Default on CPU (``hp_fsdp.policy.default_prefetch``: forward only): each group's forward start
   issues the next group's all-gather; backward gathers as without prefetch.
 * ``set_implicit_prefetch(True)`` (the accelerator default, forced here): each group's forward
-  and backward start issue the next group's all-gather, so two blocks are unsharded at a time.
+  and backward start issue the next group's all-gather, so two blocks are unsharded at a time;
+  the root's backward start issues the last block's, which gathers under the head's backward.
 * ``set_modules_to_forward_prefetch`` / ``set_modules_to_backward_prefetch``: the listed
   modules' all-gathers are issued, in list order, when that module's forward (backward) starts.
 * ``fully_shard(..., reshard_after_forward=False)``: one all-gather per group per step (not two
@@ -55,7 +56,7 @@ def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, torch.randint(0, CONFIG.vocab_size, (2, 16), generator=g)
 
 
-def _model(reshard_after_forward: bool = True) -> nn.Module:
+def _model(reshard_after_forward: bool = True, nested: bool = False) -> nn.Module:
     from hp_dtensor import DeviceMesh
     from hp_fsdp import fully_shard
     from hp_layout import Mesh
@@ -64,14 +65,19 @@ def _model(reshard_after_forward: bool = True) -> nn.Module:
     torch.manual_seed(0)
     model = Llama(CONFIG)
     for block in model.layers:
+        if nested:
+            fully_shard(block.ffn, mesh=mesh)
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=mesh)
     return model
 
 
-def _modules(model: nn.Module) -> dict[str, nn.Module]:
+def _modules(model: nn.Module, nested: bool = False) -> dict[str, nn.Module]:
     layers: Any = model.layers
-    return {"root": model, **{name: layers[i] for i, name in enumerate(BLOCKS)}}
+    out = {"root": model, **{name: layers[i] for i, name in enumerate(BLOCKS)}}
+    if nested:
+        out |= {f"{name}.ffn": layers[i].ffn for i, name in enumerate(BLOCKS)}
+    return out
 
 
 def _state(module: nn.Module) -> Any:
@@ -251,6 +257,22 @@ def _reshard() -> dict[tuple[bool, bool], dict[str, Any]]:
     return {(raf, keep): _reshard_run(raf, keep) for raf in (True, False) for keep in (False, True)}
 
 
+def _nested_run() -> list[str]:
+    """A warm-up step, then the log of one with implicit prefetch in both directions, each
+    block's feed-forward a group of its own inside the block's."""
+    torch.set_num_threads(1)
+    model = _model(nested=True)
+    model.set_implicit_prefetch(True)  # type: ignore[operator]
+    modules = _modules(model, nested=True)
+    log = _GatherLog(modules)
+    _add_markers(modules, log.events)
+    _loss(model, 0).backward()
+    log.events.clear()
+    with log:
+        _loss(model, 1).backward()
+    return list(log.events)
+
+
 @functools.cache
 def _prefetch_results() -> list[dict[str, dict[str, Any]]]:
     return run_on_ranks(2, _prefetch)
@@ -345,8 +367,8 @@ def test_implicit_prefetch_gathers_the_next_group_early() -> None:
         assert _forward(run["log"]) == _FORWARD_PREFETCHED
         assert _backward(run["log"]) == [
             "backward root",
+            "gather layers.2 [+root]",  # under the head's backward
             "backward layers.2",
-            "gather layers.2 [+root]",
             "gather layers.1 [+root,layers.2]",
             "backward layers.1",
             "gather layers.0 [+root,layers.1]",
@@ -356,6 +378,33 @@ def test_implicit_prefetch_gathers_the_next_group_early() -> None:
         assert run["losses"] == default["losses"]
         assert _same(run["grads"], default["grads"])
         assert _same(run["params"], default["params"])
+
+
+@pytest.mark.multiprocess
+def test_backward_prefetches_in_the_order_backward_runs() -> None:
+    """Nested groups (each block's feed-forward inside the block's group): backward prefetch
+    follows the reverse of the order forwards finished in, the order backward needs them: the
+    root's start gathers the last block, a block's start its feed-forward, a feed-forward's
+    start the block before; every group but the last block's is gathered ahead of its backward.
+    (Prefetching by forward start order instead sent a block's start to the previous block's
+    feed-forward, and every block and feed-forward gathered when its backward began.)"""
+    for log in run_on_ranks(2, _nested_run):
+        print(log)
+        assert [e.split(" [")[0] for e in _backward(log)] == [
+            "backward root",
+            "gather layers.2",
+            "backward layers.2",
+            "gather layers.2.ffn",
+            "backward layers.2.ffn",
+            "gather layers.1",
+            "backward layers.1",
+            "gather layers.1.ffn",
+            "backward layers.1.ffn",
+            "gather layers.0",
+            "backward layers.0",
+            "gather layers.0.ffn",
+            "backward layers.0.ffn",
+        ]
 
 
 @pytest.mark.multiprocess

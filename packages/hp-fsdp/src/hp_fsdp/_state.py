@@ -4,7 +4,8 @@ Forward: the pre-hook of a module unshards its group (waiting for a prefetched a
 one was issued) and prefetches the next group in forward order; the post-hook reshards (unless
 the module is the root) and registers pre-backward hooks on the outputs. Backward: the first
 gradient reaching a module's outputs unshards it again, points its parameters' gradients at
-the flat gradient buffer and prefetches the next group in backward order; when every
+the flat gradient buffer and prefetches the next group in backward order (the reverse of the
+order forwards finished in); when every
 parameter's gradient has been accumulated, its reduce-scatter is issued into the root's
 gradient arena. A callback at the end of backward finishes groups whose parameters got no
 gradient, waits for the arena's collectives once, hands out the sharded gradients and
@@ -53,6 +54,9 @@ class _RootContext:
     states: list[FSDPState]
     root_state: FSDPState
     forward_order: list[FSDPState] = field(default_factory=list)
+    # The order forwards finish in: backward runs in its reverse, nested states included
+    # (an inner state finishes before the one around it, and its backward comes first).
+    post_forward_order: list[FSDPState] = field(default_factory=list)
     recording: bool = True
     callback_queued: bool = False
     arena: GradArena | None = None
@@ -229,13 +233,16 @@ class FSDPState:
         if last and self.reshard_after_forward:
             for group in self.groups:
                 group.reshard()
+        root = self.root
+        assert root is not None
+        if last and root.recording and self.groups and self not in root.post_forward_order:
+            root.post_forward_order.append(self)
         if torch.is_grad_enabled():
             for tensor in tree_flatten(output)[0]:
                 if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
                     tensor.register_hook(self._pre_backward_hook)
         if self.is_root:
-            assert self.root is not None
-            self.root.recording = False
+            root.recording = False
         self.training = TrainingState.IDLE
         if self.output_dtype is not None:
             output = _cast(output, self.output_dtype)
@@ -275,7 +282,7 @@ class FSDPState:
                 group.prepare_gradients()
             self._hook_accumulation()
             self._accumulated = 0
-        for prev in self._next(self.backward_prefetch, root.forward_order, -1):
+        for prev in self._next(self.backward_prefetch, root.post_forward_order, -1):
             for group in prev.groups:
                 group.unshard(async_op=True)
 

@@ -140,9 +140,9 @@ class FSDPModule:
     def set_implicit_prefetch(
         self, forward: bool, backward: bool | None = None, *, recurse: bool = True
     ) -> None:
-        """Prefetch the next module in forward order (``forward``) and the previous one in
-        backward order (``backward``, the same as ``forward`` when not given), in the order of
-        the first forward. The default is :func:`hp_fsdp.policy.default_prefetch` of the
+        """Prefetch the next module in forward order (``forward``: the order forwards started
+        in the first forward) and the next one backward needs (``backward``, the same as
+        ``forward`` when not given: the reverse of the order forwards finished in). The default is :func:`hp_fsdp.policy.default_prefetch` of the
         groups' device: both on accelerators, forward only on CPU (backward prefetch costs one
         group's unsharded parameters at the peak)."""
         policy = PrefetchPolicy(forward, forward if backward is None else backward)
