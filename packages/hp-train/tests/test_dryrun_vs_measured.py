@@ -14,7 +14,7 @@ checkpointing (``ac`` full or selective) show the recomputed forward's exchanges
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import pytest
@@ -30,7 +30,7 @@ from hp_train.dryrun import predict_for_run
 from hp_train.expert import moe_layers
 from hp_train.model import Transformer, lm_loss
 from hp_train.optim import build_optimizer
-from hp_train.parallelize import build_layout, parallelize
+from hp_train.parallelize import Layout3D, build_layout, parallelize
 
 MODEL = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=4, ffn_dim=128, max_seq_len=32)
 CONFIG = TrainConfig(global_batch=4, seq_len=32, data="synthetic")
@@ -120,23 +120,49 @@ def _imbalance(model: Any, layout: Any, tokens: int) -> float:
     return float(sum(counts[j * local : (j + 1) * local])) / sent
 
 
-def _measure(
-    dims: tuple[int, int, int] | dict[str, Any],
-    model_config: ModelConfig = MODEL,
-    train: TrainConfig = CONFIG,
-) -> dict[str, Any]:
+@dataclass
+class _Built:
+    """A parallelized model and its optimizer on this rank, with the rank's batches."""
+
+    parallel: ParallelConfig
+    layout: Layout3D
+    model: Transformer
+    optimizer: torch.optim.Optimizer
+    local_batch: int
+    seq_len: int
+    vocab_size: int
+    generator: torch.Generator
+
+    def next_ids(self) -> torch.Tensor:
+        """The next local batch's token ids, one longer than a sequence (inputs, then targets)."""
+        shape = (self.local_batch, self.seq_len + 1)
+        return torch.randint(0, self.vocab_size, shape, generator=self.generator)
+
+
+def _built(parallel: ParallelConfig, model_config: ModelConfig, train: TrainConfig) -> _Built:
     torch.set_num_threads(1)
-    parallel = ParallelConfig(**dims) if isinstance(dims, dict) else ParallelConfig(*dims)
     layout = build_layout(parallel, "cpu")
     torch.manual_seed(0)
     model = Transformer(model_config)
     parallelize(model, layout, config=train)
     optimizer = build_optimizer(model, train)
-    g = torch.Generator().manual_seed(0)
-    local = train.global_batch // parallel.dp
+    return _Built(
+        parallel, layout, model, optimizer, train.global_batch // parallel.dp, train.seq_len,
+        model_config.vocab_size, torch.Generator().manual_seed(0),
+    )  # fmt: skip
+
+
+def _measure(
+    dims: tuple[int, int, int] | dict[str, Any],
+    model_config: ModelConfig = MODEL,
+    train: TrainConfig = CONFIG,
+) -> dict[str, Any]:
+    parallel = ParallelConfig(**dims) if isinstance(dims, dict) else ParallelConfig(*dims)
+    run = _built(parallel, model_config, train)
+    layout, model, optimizer = run.layout, run.model, run.optimizer
 
     def forward_backward() -> None:
-        ids = torch.randint(0, model_config.vocab_size, (local, train.seq_len + 1), generator=g)
+        ids = run.next_ids()
         batch = Batch(ids[:, :-1], ids[:, 1:])
         if layout.cp_mesh is None:
             loss = lm_loss(model(batch.inputs), batch.targets)
@@ -174,7 +200,7 @@ def _measure(
         "grad_bytes": sum(p.grad.nbytes for p in params if p.grad is not None),
         "optimizer_state_bytes": state_bytes,
         "muon_sent": muon.last_step_stats.bytes_sent if muon is not None else 0,
-        "imbalance": _imbalance(model, layout, local * train.seq_len // parallel.cp),
+        "imbalance": _imbalance(model, layout, run.local_batch * train.seq_len // parallel.cp),
     }
 
 
@@ -298,23 +324,13 @@ PEAK_TOLERANCE = 0.05
 def _measure_peak(dims: dict[str, Any], model_config: ModelConfig) -> int:
     """The peak of the bytes this rank's tensors hold over a step after the first (forward,
     backward, optimizer step, ``zero_grad``)."""
-    torch.set_num_threads(1)
-    parallel = ParallelConfig(**dims)
-    layout = build_layout(parallel, "cpu")
-    torch.manual_seed(0)
-    model = Transformer(model_config)
-    parallelize(model, layout, config=PEAK_TRAIN)
-    optimizer = build_optimizer(model, PEAK_TRAIN)
-    g = torch.Generator().manual_seed(0)
-    local = PEAK_TRAIN.global_batch // parallel.dp
+    run = _built(ParallelConfig(**dims), model_config, PEAK_TRAIN)
 
     def step() -> None:
-        ids = torch.randint(
-            0, model_config.vocab_size, (local, PEAK_TRAIN.seq_len + 1), generator=g
-        )
-        lm_loss(model(ids[:, :-1]), ids[:, 1:]).backward()
-        optimizer.step()
-        optimizer.zero_grad()
+        ids = run.next_ids()
+        lm_loss(run.model(ids[:, :-1]), ids[:, 1:]).backward()
+        run.optimizer.step()
+        run.optimizer.zero_grad()
 
     step()
     with PeakMemoryMode() as peak:
