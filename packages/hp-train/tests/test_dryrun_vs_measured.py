@@ -355,3 +355,78 @@ def test_predicted_peak_memory_is_the_measured_one() -> None:
             lines.append(f"{dims} rank {rank}: predicted {want}, measured {got} ({want / got:.3f})")
             assert abs(want - got) <= PEAK_TOLERANCE * got, lines[-1]
     print("\n".join(lines))
+
+
+# The order of FSDP collectives ------------------------------------------------------------------
+
+# (degrees, model, whether backward prefetch is forced on as on accelerators) at world 4; the
+# MoE case nests each MoE layer's expert group (sharded over 2 of the 4 ranks) in its block.
+ORDER_CASES: list[tuple[dict[str, Any], ModelConfig, bool]] = [
+    ({"dp_shard": 4}, MODEL, False),
+    ({"dp_shard": 4}, MODEL, True),
+    ({"dp_shard": 4, "ep": 2}, MOE_MODEL, True),
+]
+_ORDER_PURPOSES = ("param_all_gather", "grad_reduce_scatter")
+
+
+def _measure_orders(cases: list[tuple[dict[str, Any], ModelConfig, bool]]) -> list[Any]:
+    """Per case, the FSDP collectives of one forward and backward after a warm-up, in the
+    order the runtime issued them: ``(purpose, bytes)``."""
+    out = []
+    for dims, model_config, backward_prefetch in cases:
+        run = _built(ParallelConfig(**dims), model_config, ADAMW)
+        cast_model: Any = run.model
+        cast_model.set_implicit_prefetch(True, backward_prefetch)
+        ids = run.next_ids()
+        lm_loss(run.model(ids[:, :-1]), ids[:, 1:]).backward()  # records the forward order
+        run.model.zero_grad()
+        with CountingMode() as counts:
+            ids = run.next_ids()
+            lm_loss(run.model(ids[:, :-1]), ids[:, 1:]).backward()
+        out.append(
+            [(c.purpose, c.nbytes) for c in counts.collectives if c.purpose in _ORDER_PURPOSES]
+        )
+    return out
+
+
+def _predicted_order(
+    dims: dict[str, Any], model_config: ModelConfig, backward_prefetch: bool, rank: int
+) -> list[tuple[str, int]]:
+    """The dry run's program for the same step (``hp_train.dryrun.runtime_order``): its
+    collectives in issue order as ``(purpose, bytes)``, bytes from the predicted groups."""
+    from hp_layout import Topology
+    from hp_train.dryrun import DEVICE_PRESETS, StepShape, dry_run
+    from hp_train.dryrun.runtime_order import microbatch_program
+    from hp_train.dryrun.timeline import Issue
+
+    parallel = ParallelConfig(**dims)
+    shape = StepShape(ADAMW.global_batch, ADAMW.seq_len, optimizer="adamw")
+    run = dry_run(
+        model_config, parallel, Topology.single_host(parallel.world_size), shape,
+        device=DEVICE_PRESETS["cpu"], rank=rank,
+    )  # fmt: skip
+    stage = run.stages[0]
+    assert stage.fsdp_units is not None
+    unsharded = {g.name: g.flat.padded_numel * 4 for g in stage.groups}  # fp32
+    program = microbatch_program(
+        stage.fsdp_units, prefetch_forward=True, prefetch_backward=backward_prefetch
+    )
+    order = []
+    for op in program:
+        if isinstance(op, Issue) and op.kind in ("fsdp_all_gather", "fsdp_reduce_scatter"):
+            purpose = _ORDER_PURPOSES[op.kind == "fsdp_reduce_scatter"]
+            order.append((purpose, unsharded[op.name.rsplit(" ", 1)[1]]))
+    return order
+
+
+@pytest.mark.multiprocess
+def test_the_dry_run_issues_fsdp_collectives_in_the_runtimes_order() -> None:
+    """Every rank's parameter all-gathers and gradient reduce-scatters of a real step, in the
+    order hp-fsdp issued them (prefetches included, nested expert groups included), are those
+    of the dry run's program for it, with its bytes: dense FSDP 4 with forward prefetch (the
+    CPU default) and with backward prefetch too (the accelerator default), FSDP 4 x EP 2."""
+    measured = run_on_ranks(4, _measure_orders, ORDER_CASES, timeout=600)
+    for index, (dims, model_config, backward) in enumerate(ORDER_CASES):
+        for rank, per_rank in enumerate(measured):
+            want = _predicted_order(dims, model_config, backward, rank)
+            assert per_rank[index] == want, (dims, backward, rank)

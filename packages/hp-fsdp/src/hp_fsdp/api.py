@@ -142,9 +142,10 @@ class FSDPModule:
     ) -> None:
         """Prefetch the next module in forward order (``forward``: the order forwards started
         in the first forward) and the next one backward needs (``backward``, the same as
-        ``forward`` when not given: the reverse of the order forwards finished in). The default is :func:`hp_fsdp.policy.default_prefetch` of the
-        groups' device: both on accelerators, forward only on CPU (backward prefetch costs one
-        group's unsharded parameters at the peak)."""
+        ``forward`` when not given: the reverse of the order forwards finished in). The default
+        is :func:`hp_fsdp.policy.default_prefetch` of the groups' device: both on accelerators,
+        forward only on CPU (backward prefetch costs one group's unsharded parameters at the
+        peak)."""
         policy = PrefetchPolicy(forward, forward if backward is None else backward)
         for state in self._states(recurse):
             state.implicit_prefetch = policy

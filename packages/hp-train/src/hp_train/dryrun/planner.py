@@ -2,22 +2,13 @@
 
 Schedule model (per microbatch, on each pipeline stage; stated so its numbers can be checked):
 
-* **Forward.** The root's all-gather is exposed. With prefetch, block ``i``'s all-gather (with
-  its MoE layer's expert group under expert parallelism) overlaps the forward compute of the
-  unit before it (the root's embedding, whose compute is taken as zero, then block ``i - 1``);
-  only what exceeds that compute is exposed. Without prefetch (hp_fsdp on CPU) every
-  all-gather is exposed.
-* **Backward.** Units run head first (the root's parameters are still unsharded), then the
-  blocks in reverse. While unit ``k`` computes its backward (plus what its checkpointing policy
-  recomputes), the FSDP stream carries the prefetched re-gather of unit ``k + 1`` and the
-  reduce-scatter of unit ``k - 1``, one after the other (one stream on one tier: they queue);
-  what exceeds the compute is exposed. The reduce-scatters of the last block and of the root
-  come after the last compute and are exposed.
-* **HSDP all-reduce** (replicate axis): once per step, pipelined behind the last
-  microbatch's backward; exposed is the larger of the last groups' (block 0 and root)
-  all-reduce and whatever the total exceeds the time it can hide in: overlap is per tier, so
-  on a slower tier of its own (the usual layout) that is the backward's compute, on the FSDP
-  stream's tier only the compute the stream leaves idle.
+* **FSDP collectives** follow the runtime's own order (:mod:`~hp_train.dryrun.runtime_order`):
+  each ``fully_shard`` state's all-gather, prefetch, reshard, reduce-scatter and replicate
+  all-reduce issued and waited for where hp-fsdp (or the modeled torch FSDP2 or Megatron DDP)
+  issues and waits for them, nested expert groups included, simulated with one stream per
+  topology tier beside the compute stream (:mod:`~hp_train.dryrun.timeline`). The replicas'
+  all-reduce runs on the last microbatch of a step (torch FSDP2: on every one); what that
+  microbatch takes beyond the others is the step's once-per-step exposed time.
 * **Tensor, expert and context parallel** collectives (:mod:`~hp_train.dryrun.expert_comm`,
   :mod:`~hp_train.dryrun.context_comm`), pipeline sends and Muon's exchange are on the
   critical path (fully exposed): the runtime waits on each before computing on its result.
@@ -40,6 +31,7 @@ modeled baselines are other runtimes).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -53,6 +45,7 @@ from hp_train.dryrun.memory import MemoryBreakdown, fp8_record_bytes, memory_bre
 from hp_train.dryrun.muon_traffic import MuonTraffic, muon_traffic
 from hp_train.dryrun.presets import Device, device_for
 from hp_train.dryrun.refusals import check_runtime_accepts
+from hp_train.dryrun.runtime_order import FORWARD_END, Runtime, Unit, microbatch_program
 from hp_train.dryrun.schedule import in_flight, pipeline_timing
 from hp_train.dryrun.shapes import (
     GroupSpec,
@@ -63,7 +56,13 @@ from hp_train.dryrun.shapes import (
     stage_layers,
     tp_collectives,
 )
-from hp_train.dryrun.workload import StepShape, block_forward_flops, head_forward_flops
+from hp_train.dryrun.timeline import simulate
+from hp_train.dryrun.workload import (
+    StepShape,
+    attention_forward_flops,
+    block_forward_flops,
+    head_forward_flops,
+)
 
 __all__ = ["DryRun", "KindSummary", "StageResult", "StepTime", "dry_run"]
 
@@ -153,6 +152,8 @@ class StageResult:
         step_exposed: exposed seconds once per step (the replicas' all-reduce).
         fsdp_overhead: seconds per step of copies around the FSDP collectives (torch
             FSDP2's copy-in and copy-out; none for hp-fsdp).
+        fsdp_units: its ``fully_shard`` states with their collectives and compute, the tree
+            :func:`~hp_train.dryrun.runtime_order.microbatch_program` orders.
     """
 
     stage: int
@@ -169,6 +170,7 @@ class StageResult:
     offload_time: float = 0.0
     step_exposed: float = 0.0
     fsdp_overhead: float = 0.0
+    fsdp_units: Unit | None = None
 
     @property
     def microbatch_time(self) -> float:
@@ -216,42 +218,6 @@ class DryRun:
             if k.kind == name:
                 return k
         raise KeyError(f"no collective kind {name!r}; kinds are {list(KINDS)}")
-
-
-def _exposed_forward(units: Sequence[tuple[float, float]], prefetch: bool) -> float:
-    """``units``: ``(all-gather, forward compute)`` in forward order."""
-    if not prefetch:
-        return sum(ag for ag, _ in units)
-    exposed = units[0][0] if units else 0.0
-    for k in range(1, len(units)):
-        exposed += max(0.0, units[k][0] - units[k - 1][1])
-    return exposed
-
-
-def _exposed_backward(
-    units: Sequence[tuple[float, float, float]], prefetch: bool
-) -> tuple[float, float]:
-    """``units``: ``(all-gather, reduce-scatter, backward compute)`` in backward order.
-
-    Returns the exposed all-gather and reduce-scatter seconds; the first unit's all-gather
-    has no compute before it, the last unit's reduce-scatter none after it.
-    """
-    ag_exposed = rs_exposed = 0.0
-    n = len(units)
-    if not prefetch:
-        ag_exposed = sum(u[0] for u in units)
-    elif units:
-        ag_exposed = units[0][0]
-    for k in range(n):
-        ag = units[k + 1][0] if prefetch and k + 1 < n else 0.0
-        rs = units[k - 1][1] if k >= 1 else 0.0
-        over = max(0.0, ag + rs - units[k][2])
-        if over and ag + rs:
-            ag_exposed += over * ag / (ag + rs)
-            rs_exposed += over * rs / (ag + rs)
-    if n:
-        rs_exposed += units[-1][1]
-    return ag_exposed, rs_exposed
 
 
 def _local_param(p: ParamSpec, shape: tuple[int, ...]) -> ParamSpec:
@@ -316,9 +282,10 @@ def _stage(
     flops = device.flops
     speed = device.fp8_speedup if shape.fp8 != "none" else 1.0
     blocks = sorted({g.block for g in groups if g.block is not None})
-    root = next((g for g in groups if g.is_root), None)
     budget = shape.ac_budget_bytes
     fwd: dict[int, float] = {}
+    attention: dict[int, float] = {}
+    recompute_share: dict[int, float] = {}
     redo: dict[int, float] = {}
     for b in blocks:
         total = block_forward_flops(
@@ -331,18 +298,19 @@ def _stage(
         )
         scores = 2 * shape.seq_len * model.n_heads * model.head_dim / p.tp
         fwd[b] = ((total - scores) / speed + scores) * tokens / flops
+        attn = attention_forward_flops(model, p.tp, shape.seq_len)
+        attention[b] = ((attn - scores) / speed + scores) * tokens / flops
         acts = block_activations(
             model, b, tokens, shape.seq_len, p.tp, prec.compute, cp=p.cp, ep_tp=p.ep_tp
         )
-        redo[b] = kept_activations(acts, shape.ac, budget).recompute_fraction * fwd[b]
+        recompute_share[b] = kept_activations(acts, shape.ac, budget).recompute_fraction
+        redo[b] = recompute_share[b] * fwd[b]
     head_fwd = head_forward_flops(model, p.tp) * tokens / flops if last else 0.0
     mb_compute = 3 * (sum(fwd.values()) + head_fwd) + sum(redo.values())
     recomputes = shape.ac != "none"
 
     records: list[CollectiveRecord | None] = []
-    ag: dict[int | None, float] = {}
-    rs: dict[int | None, float] = {}
-    ar: dict[int | None, float] = {}
+    fsdp_units: dict[str, Unit] = {}
     copies: dict[int | None, tuple[float, float]] = {}
     for g in groups:
         padded, chunk = g.flat.padded_numel, g.flat.chunk_numel
@@ -368,9 +336,13 @@ def _stage(
                 "ddp_all_reduce", Collective.ALL_REDUCE, "backward", axis, padded * prec.reduce
             )
             records.append(reduce)
-            ag.setdefault(unit, 0.0)
-            rs.setdefault(unit, 0.0)
-            ar[unit] = ar.get(unit, 0.0) + (reduce.time if reduce else 0.0)
+            fsdp_units[g.name] = Unit(
+                g.name,
+                (0.0,),
+                replicate=reduce.time if reduce else 0.0,
+                chunk_bytes=padded * prec.reduce,
+                replicate_tier=reduce.tier if reduce else "",
+            )
             continue
         axis = "expert_shard" if g.is_experts else "dp_shard"
         gather = grid.record("fsdp_all_gather", Collective.ALL_GATHER, "forward", axis, gathered, m)
@@ -403,20 +375,27 @@ def _stage(
             m if fsdp2 else 1,
         )
         records += [gather, regather, scatter, reduce]
-        ag[unit] = ag.get(unit, 0.0) + (gather.time if gather else 0.0)
-        rs[unit] = rs.get(unit, 0.0) + (scatter.time if scatter else 0.0)
+        gather_copy = scatter_copy = 0.0
         if fsdp2:
-            # Copy-in and copy-out around each collective, on the compute stream; the
-            # replicas' all-reduce queued behind the group's reduce-scatter.
+            # Copy-in and copy-out around each collective, on the compute stream.
             move = 2 * (padded + chunk) / device.memory_bandwidth
+            gather_copy = move * prec.compute if gather else 0.0
+            scatter_copy = move * prec.reduce if scatter else 0.0
             c_ag, c_rs = copies.get(unit, (0.0, 0.0))
-            copies[unit] = (
-                c_ag + (move * prec.compute if gather else 0.0),
-                c_rs + (move * prec.reduce if scatter else 0.0),
-            )
-            rs[unit] += reduce.time if reduce else 0.0
-        else:
-            ar[unit] = ar.get(unit, 0.0) + (reduce.time if reduce else 0.0)
+            copies[unit] = (c_ag + gather_copy, c_rs + scatter_copy)
+        fsdp_units[g.name] = Unit(
+            g.name,
+            (0.0,),
+            gather=gather.time if gather else 0.0,
+            regather=regather.time if regather else 0.0,
+            scatter=scatter.time if scatter else 0.0,
+            replicate=reduce.time if reduce else 0.0,
+            chunk_bytes=chunk * prec.reduce,
+            tier=scatter.tier if scatter else (gather.tier if gather else ""),
+            replicate_tier=reduce.tier if reduce else "",
+            gather_copy=gather_copy,
+            scatter_copy=scatter_copy,
+        )
     # Per microbatch, by phase and collective: the blocks' activation collectives (again in
     # the recomputed forward), the embedding's, and the head's of the logits.
     block_calls: dict[tuple[str, str], int] = {}
@@ -475,45 +454,30 @@ def _stage(
     if muon.calls:
         records.append(_muon_record(grid, muon))
 
-    units_f = ([(ag[None], 0.0)] if root else []) + [(ag[b], fwd[b]) for b in blocks]
-    ag_fwd = _exposed_forward(units_f, shape.prefetch)
-    # The root's reduce-scatter goes last (the embedding's gradient is the last one), so its
-    # unit carries none and it is added as exposed after the last unit.
-    units_b = ([(0.0, 0.0, 2 * head_fwd)] if root else []) + [
-        (ag[b], rs[b], 2 * fwd[b] + redo[b]) for b in reversed(blocks)
-    ]
-    ag_bwd, rs_bwd = _exposed_backward(units_b, shape.prefetch)
-    if root is not None:
-        rs_bwd += rs[None]
-    # torch FSDP2's copies: every forward gather, every backward re-gather (not the root's)
-    # and every reduce-scatter.
-    ag_fwd += sum(c[0] for c in copies.values())
-    ag_bwd += sum(c[0] for u, c in copies.items() if u is not None)
-    rs_bwd += sum(c[1] for c in copies.values())
-    backward_compute = sum(u[2] for u in units_b)
-    ar_total = sum(ar.values())
-    ar_last = ar.get(None, 0.0) + (ar.get(blocks[0], 0.0) if blocks else 0.0)
-    # The replicas' all-reduce runs once per step, behind the last microbatch's backward.
-    # Per tier: on a tier of its own it has the whole backward; on the FSDP stream's tier
-    # only what that stream leaves idle (a DDP all-reduce has the stream to itself).
-    idle = backward_compute
-    if not ddp and grid.tier("dp_replicate") == grid.tier("dp_shard"):
-        idle = max(0.0, backward_compute - sum(u[0] + u[1] for u in units_b))
-    ar_exposed = max(ar_last, ar_total - idle) if ar_total else 0.0
+    tree = _unit_tree(fsdp_units, blocks, fwd, attention, recompute_share, head_fwd)
+    program = functools.partial(
+        microbatch_program,
+        tree,
+        Runtime(shape.runtime),
+        prefetch_forward=shape.prefetch,
+        prefetch_backward=shape.prefetch,
+    )
+    # Every microbatch but the last skips the replicas' all-reduce (torch FSDP2: none does).
+    regular = simulate(program(all_reduce=fsdp2))
+    last_mb = simulate(program(all_reduce=True))
+    forward_compute = sum(fwd.values()) + head_fwd
     done = [r for r in records if r is not None]
 
     def per_mb(kind: str, phase: str | None = None) -> float:
         return sum(r.total_time for r in done if r.kind == kind and phase in (None, r.phase)) / m
 
     critical = ("tp", "ep", "cp", "pp")
-    fwd_exposed = ag_fwd + sum(per_mb(k, "forward") for k in critical)
-    mb_exposed = ag_fwd + ag_bwd + rs_bwd + sum(per_mb(k) for k in critical)
+    fwd_exposed = regular.mark(FORWARD_END) - forward_compute
+    fwd_exposed += sum(per_mb(k, "forward") for k in critical)
+    mb_exposed = regular.makespan - regular.compute + sum(per_mb(k) for k in critical)
     muon_time = sum(r.total_time for r in done if r.kind == "muon")
     exposed = (
-        ("fsdp_all_gather", m * (ag_fwd + ag_bwd)),
-        ("fsdp_reduce_scatter", m * rs_bwd),
-        ("hsdp_all_reduce", 0.0 if ddp else ar_exposed),
-        ("ddp_all_reduce", ar_exposed if ddp else 0.0),
+        *((k, (m - 1) * regular.exposed_of(k) + last_mb.exposed_of(k)) for k in _FSDP),
         *((k, m * per_mb(k)) for k in critical),
         ("muon", muon_time),
     )
@@ -541,10 +505,37 @@ def _stage(
         exposed_by_kind=exposed,
         microbatch_forward=sum(fwd.values()) + head_fwd + fwd_exposed,
         offload_time=offload,
-        step_exposed=0.0 if fsdp2 else ar_exposed,
+        step_exposed=last_mb.makespan - regular.makespan,
+        fsdp_units=tree,
         fsdp_overhead=m * sum(a + b for a, b in copies.values())
         + m * sum(c[0] for u, c in copies.items() if u is not None),
     )
+
+
+def _unit_tree(
+    units: dict[str, Unit],
+    blocks: Sequence[int],
+    forward: dict[int, float],
+    attention: dict[int, float],
+    recompute: dict[int, float],
+    head_forward: float,
+) -> Unit:
+    """The stage's ``fully_shard`` states as :class:`Unit` s with their forward compute: the
+    root (the embedding's compute taken as zero, the head's last) around the blocks, an MoE
+    layer's expert group inside its block (the block's attention before it)."""
+    children = []
+    for b in blocks:
+        name = f"layers.{b}"
+        block = units.get(name, Unit(name, (0.0,)))
+        experts = units.get(f"{name}.ffn")
+        if experts is None:
+            block = replace(block, forward=(forward[b],))
+        else:
+            experts = replace(experts, forward=(forward[b] - attention[b],))
+            block = replace(block, forward=(attention[b], 0.0), children=(experts,))
+        children.append(replace(block, recompute=recompute[b]))
+    root = units.get("root", Unit("root", (0.0,)))
+    return replace(root, forward=(0.0,) * len(children) + (head_forward,), children=tuple(children))
 
 
 def _offload_time(

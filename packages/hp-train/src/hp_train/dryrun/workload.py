@@ -61,6 +61,7 @@ __all__ = [
     "RUNTIMES",
     "Precision",
     "StepShape",
+    "attention_forward_flops",
     "block_activation_bytes",
     "block_forward_flops",
     "head_activation_bytes",
@@ -267,8 +268,8 @@ def block_forward_flops(
     ``ep_tp``: the routed experts' hidden dims are split over ``tp`` (``--ep-tp``);
     ``expert_imbalance``: this rank's routed-expert rows over the balanced share (expert
     parallelism: a rank computes the rows its experts receive)."""
-    d, q = model.dim, _q_dim(model)
-    attn = 2 * (2 * d * q + 2 * d * _kv_dim(model)) / tp + 2 * seq_len * q / tp
+    d = model.dim
+    attn = attention_forward_flops(model, tp, seq_len)
     moe = model.moe
     if moe is not None and moe.is_moe_layer(index):
         split = tp if ep_tp else 1
@@ -278,6 +279,13 @@ def block_forward_flops(
     else:
         ffn = 6 * d * model.ffn_dim / tp
     return attn + ffn
+
+
+def attention_forward_flops(model: ModelConfig, tp: int, seq_len: int) -> float:
+    """Forward FLOPs per token of a block's attention (projections and scores) on one of
+    ``tp`` ranks: the part of :func:`block_forward_flops` before its feed-forward."""
+    d, q = model.dim, _q_dim(model)
+    return 2 * (2 * d * q + 2 * d * _kv_dim(model)) / tp + 2 * seq_len * q / tp
 
 
 def head_forward_flops(model: ModelConfig, tp: int) -> float:
