@@ -23,12 +23,16 @@ Not swapped (kept on the device as autograd would keep them): tensors below ``mi
 tensors that share storage with a parameter or buffer of the wrapped module (e.g. the
 transposed weight a linear saves), with a leaf that requires grad, or with a tensor argument of
 the forward that requires no grad (rotary tables, masks, token ids): another owner keeps those
-alive, so a copy would free nothing; views of a storage more than ``max_storage_ratio`` times
-their own size (the whole storage is what gets copied).
+alive, so a copy would free nothing; non-contiguous views of a storage more than
+``max_storage_ratio`` times their own size (the whole storage is what would be copied).
 
-What is copied is a tensor's whole storage, once per storage and layer call however many views
-of it autograd saves; backward gets views with the original shape, strides and offset over one
-fetched storage, so the bytes (and the kernels' results) are exactly those of the unwrapped run.
+What is copied is a contiguous tensor's own bytes when its storage is larger (a piece of a
+split, such as one expert's rows of an MoE layer's dispatched tokens: the pieces together are
+the storage, copied once), once per view and layer call, and it comes back as a tensor of its
+own with the same shape and strides. Otherwise a tensor's whole storage is copied, once per
+storage and layer call however many views of it autograd saves, and backward gets views with
+the original shape, strides and offset over one fetched storage. Either way the bytes (and the
+kernels' results) are exactly those of the unwrapped run.
 """
 
 from __future__ import annotations
@@ -115,10 +119,8 @@ class SwapRecord:
         "token",
     )
 
-    def __init__(
-        self, storage: torch.UntypedStorage, device: torch.device, group: SwapGroup
-    ) -> None:
-        self.nbytes = storage.nbytes()
+    def __init__(self, nbytes: int, device: torch.device, group: SwapGroup) -> None:
+        self.nbytes = nbytes
         self.device = device
         self.group = group
         self.host: torch.Tensor | None = None
@@ -136,10 +138,12 @@ class SwappedTensor:
 
     __slots__ = ("dtype", "offset", "record", "shape", "stride")
 
-    def __init__(self, t: torch.Tensor, record: SwapRecord) -> None:
+    def __init__(self, t: torch.Tensor, record: SwapRecord, alone: bool = False) -> None:
         self.record = record
         self.dtype = t.dtype
-        self.shape, self.stride, self.offset = t.shape, t.stride(), t.storage_offset()
+        self.shape, self.stride = t.shape, t.stride()
+        # A view copied alone starts its record's bytes.
+        self.offset = 0 if alone else t.storage_offset()
 
 
 class SwapGroup:
@@ -153,7 +157,7 @@ class SwapGroup:
         self.external: set[int] = set()
         # storage -> record during the layer's forward; holding the storage keeps its address
         # from being reused by another tensor before the forward ends (cleared at its end).
-        self.seen: dict[tuple[int, int], tuple[torch.UntypedStorage, SwapRecord]] = {}
+        self.seen: dict[tuple[int, int, bool], tuple[torch.UntypedStorage, SwapRecord]] = {}
 
 
 class Swapper:
@@ -166,9 +170,9 @@ class Swapper:
         device: the accelerator device the activations live on (default: the current
             accelerator, or ``cpu`` when there is none). On ``cpu`` the copies are
             synchronous and no stream is used.
-        max_storage_ratio: a saved view is swapped only if its storage is at most this many
-            times its own bytes (the whole storage is copied, so views share it again in
-            backward).
+        max_storage_ratio: a saved non-contiguous view is swapped (with its whole storage,
+            so views share it again in backward) only if the storage is at most this many
+            times its own bytes; contiguous views are copied alone.
     """
 
     def __init__(
@@ -241,31 +245,46 @@ class Swapper:
 
     # ---- per tensor ---------------------------------------------------------------------
 
+    @staticmethod
+    def _alone(t: torch.Tensor) -> bool:
+        """Whether ``t`` is copied alone: contiguous, and smaller than its storage."""
+        return t.is_contiguous() and t.untyped_storage().nbytes() > t.numel() * t.element_size()
+
     def should_swap(self, t: torch.Tensor, group: SwapGroup) -> bool:
         """The rule of the module docstring: large enough, not external, not a leaf that
-        requires grad, on the swapper's device, a view of at least ``1/max_storage_ratio``
-        of its storage."""
+        requires grad, on the swapper's device, contiguous or a view of at least
+        ``1/max_storage_ratio`` of its storage."""
         return (
             t.numel() * t.element_size() >= max(self.min_bytes, 1)
             and not (t.is_leaf and t.requires_grad)
             and t.device == self.device
             and t.untyped_storage().data_ptr() not in group.external
-            and t.untyped_storage().nbytes()
-            <= self.max_storage_ratio * t.numel() * t.element_size()
+            and (
+                self._alone(t)
+                or t.untyped_storage().nbytes()
+                <= self.max_storage_ratio * t.numel() * t.element_size()
+            )
         )
 
     def offload(self, t: torch.Tensor, group: SwapGroup) -> SwappedTensor:
-        """Copy ``t``'s whole storage into a pooled host buffer (on the side stream when
-        asynchronous), once per storage and layer call (the storage is held until the call's
+        """Copy ``t``'s whole storage (or, for a contiguous view of a larger storage, its own
+        bytes) into a pooled host buffer (on the side stream when asynchronous), once per
+        storage (view) and layer call (the storage is held until the call's
         :meth:`end_group`)."""
         storage = t.untyped_storage()
-        key = (storage.data_ptr(), storage.nbytes())
+        alone = self._alone(t)
+        if alone:
+            nbytes = t.numel() * t.element_size()
+            key = (t.data_ptr(), nbytes, True)
+            src = t.detach().reshape(-1).view(torch.uint8)
+        else:
+            key = (storage.data_ptr(), storage.nbytes(), False)
+            src = _bytes_of(storage, t.device)
         seen = group.seen.get(key)
         if seen is not None:
-            return SwappedTensor(t, seen[1])
-        rec = SwapRecord(storage, t.device, group)
+            return SwappedTensor(t, seen[1], alone)
+        rec = SwapRecord(src.numel(), t.device, group)
         buf = self.pool.acquire(rec.nbytes, torch.uint8)
-        src = _bytes_of(storage, t.device)
         if self.stream is not None:
             compute = torch.accelerator.current_stream(self.device)
             self.stream.wait_stream(compute)
@@ -284,7 +303,7 @@ class Swapper:
         group.records.append(weakref.ref(rec))
         group.seen[key] = (storage, rec)
         self.swapped_bytes += rec.nbytes
-        return SwappedTensor(t, rec)
+        return SwappedTensor(t, rec, alone)
 
     def _retire(self, keep: SwapGroup | None = None) -> None:
         """Drop device originals whose offload copy the compute stream has waited on."""
