@@ -5,7 +5,6 @@ trainer's refused pairs, the search over the new axes and the paper reproduction
 from __future__ import annotations
 
 import re
-import time
 from dataclasses import replace
 
 import pytest
@@ -17,6 +16,7 @@ from hp_train.config import ModelConfig, MoEConfig, ParallelConfig
 from hp_train.dryrun import DryRun, DryRunError, StepShape, dry_run, fsdp_groups, search
 from hp_train.dryrun.cli import build_parser, main
 from hp_train.dryrun.memory import GIB
+from hp_train.dryrun.presets import device_for
 from hp_train.dryrun.search import SearchSpace
 from hp_train.pipeline import PIPELINE_SCHEDULES
 
@@ -143,6 +143,34 @@ def test_offload_and_fp8_all_gather() -> None:
     assert ratio == pytest.approx((1 + 4 / 128) / 2, rel=1e-3)
 
 
+def test_swap_moves_kept_activations_to_host_and_times_their_copies() -> None:
+    """Swap keeps on the device only the small per-token tensors (and, under selective, the
+    block input) plus two blocks fetched back in backward; the rest is in host memory, the
+    copies' waits are offload time (not communication), and a slow host link exposes more."""
+    parallel = ParallelConfig(dp_shard=2)
+    for ac in ("none", "selective"):
+        kept = _run(parallel, replace(SHAPE, ac=ac), DEEP)
+        swap = _run(parallel, replace(SHAPE, ac=ac, swap=True), DEEP)
+        blocks = sum(b for name, b in kept.memory.activations_by_layer if name != "head")
+        on_device = sum(b for name, b in swap.memory.activations_by_layer if name != "head")
+        assert swap.memory.swapped + on_device == blocks
+        assert swap.memory.fetched == 2 * swap.memory.swapped // DEEP.n_layers
+        assert swap.memory.saved_peak < kept.memory.saved_peak
+        assert swap.memory.total < kept.memory.total
+        # Collectives run on while compute waits for a copy: less of them is exposed.
+        assert swap.time.exposed_comm <= kept.time.exposed_comm
+        assert swap.time.offload > 0 == kept.time.offload
+        assert swap.time.total >= kept.time.total
+    slow_host = replace(device_for(Topology.single_host(2)), host_bandwidth=1e6)
+    shape = replace(SHAPE, swap=True)
+    fast = _run(parallel, shape, DEEP)
+    slow = dry_run(DEEP, parallel, Topology.single_host(2), shape, device=slow_host)
+    assert slow.time.offload > 10 * fast.time.offload
+    assert [n for n in fast.notes if "activation swap" in n]
+    with pytest.raises(DryRunError, match="--swap"):
+        _run(parallel, replace(SHAPE, ac="full", swap=True), DEEP)
+
+
 def test_baseline_runtimes() -> None:
     parallel = ParallelConfig(dp_replicate=2, dp_shard=2)
     hp = _run(parallel)
@@ -170,6 +198,14 @@ def test_search_covers_the_new_axes_and_defaults_to_device_memory(
     assert main(["--model", "tiny-moe", "--topology", "single_host:4", "--search"]) == 0
     out = capsys.readouterr().out
     assert "fit in 80.0 GiB per rank" in out  # the accelerator preset's memory
+    # Swap is tried with the policies that can swap, never with full recomputation.
+    swapping = replace(space, ac=("none", "full"), swap=(False, True), pp=(1,), cp=(1,))
+    tried = search(MOE, Topology.single_host(4), SHAPE, 10**15, space=swapping).fitting
+    assert {(r.shape.ac, r.shape.swap) for r in tried} == {
+        ("none", False),
+        ("none", True),
+        ("full", False),
+    }
 
 
 def test_cli_takes_the_trainers_flags(capsys: pytest.CaptureFixture[str]) -> None:
@@ -195,10 +231,9 @@ def test_cli_takes_the_trainers_flags(capsys: pytest.CaptureFixture[str]) -> Non
 def test_reproduce_paper_prints_the_papers_figures_beside_the_model(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    start = time.perf_counter()
     assert main(["--reproduce-paper"]) == 0
-    assert time.perf_counter() - start < 60
     out = capsys.readouterr().out
+    assert re.search(r"GiB per rank \(searched in \d+ s\)", out)
     for figure in ("421k", "2.9%", "29.7%", "25.5%"):
         assert f"paper {figure:>7}" in out
     rows = re.findall(r"^  (\S.*?)\s+paper\s+\S+\s+predicted\s+(\S+)\s+\(([+-]\d+)%\)$", out, re.M)

@@ -9,7 +9,7 @@ from dataclasses import replace
 
 import pytest
 
-from hp_train.dryrun.runtime_order import Runtime, Unit, microbatch_program
+from hp_train.dryrun.runtime_order import SWAP_KIND, SWAP_TIER, Runtime, Unit, microbatch_program
 from hp_train.dryrun.timeline import Compute, Issue, Mark, Op, Wait, simulate
 
 KINDS = ("fsdp_all_gather", "fsdp_reduce_scatter", "hsdp_all_reduce")
@@ -195,3 +195,31 @@ def test_units_need_one_segment_more_than_children_and_their_own_names() -> None
     twice = Unit("root", (0.0, 0.0, 0.0), (Unit("a", (1.0,)), Unit("a", (1.0,))))
     with pytest.raises(ValueError, match="names repeat"):
         microbatch_program(twice)
+
+
+def test_swap_copies_in_the_swappers_order() -> None:
+    """A block's offload is issued at its forward end and waited for at the next block's;
+    its backward start fetches it and the previous block's and waits for its own; the copies
+    share the host stream, so a copy longer than the compute it overlaps is exposed."""
+    tree = _tree()
+    blocks = tuple(replace(b, swap=0.5) for b in tree.children)
+    swapped = replace(tree, children=blocks)
+    program = microbatch_program(swapped)
+    swaps = [op for op in program if getattr(op, "name", "").startswith(("offload", "fetch"))]
+    assert swaps == [
+        Issue("offload layers.0", SWAP_KIND, SWAP_TIER, 0.5),
+        Issue("offload layers.1", SWAP_KIND, SWAP_TIER, 0.5),
+        Wait("offload layers.0"),
+        Wait("offload layers.1"),
+        Issue("fetch layers.1", SWAP_KIND, SWAP_TIER, 0.5),
+        Issue("fetch layers.0", SWAP_KIND, SWAP_TIER, 0.5),
+        Wait("fetch layers.1"),
+        Wait("fetch layers.0"),
+    ]
+    # The offloads run under the head's forward and backward; the last block's fetch is
+    # waited for at once; the first block's hides behind the second's backward.
+    line = simulate(program)
+    assert line.exposed_of(SWAP_KIND) == pytest.approx(0.5)
+    assert line.makespan >= simulate(microbatch_program(tree)).makespan
+    slow = replace(tree, children=tuple(replace(b, swap=10.0) for b in tree.children))
+    assert simulate(microbatch_program(slow)).exposed_of(SWAP_KIND) > 10.0

@@ -27,11 +27,19 @@ seq / 2`` per token: with the zigzag split every rank attends to half the sequen
 keeps the gathered q/k/v and the attention output before the reverse all-to-all (``4 q``).
 Those are attention outputs, so ``selective`` keeps them too; ``full`` and ``budget`` rebuild
 them only for the block being recomputed.
+
+Swap (``TrainConfig.swap``, hp-offload's ``Swapper`` under ``none`` or ``selective``): what a
+block keeps goes to host memory, except its tensors below the swapper's ``min_bytes``
+(``hp_train.activations.SWAP_MIN_BYTES``): of those only the per-token fp32 vectors (the norms'
+reciprocal RMS, the attention's log-sum-exp, the router's scores) can be that small, each a
+``tokens x width x 4`` tensor; the rest are at least ``tokens x dim`` wide. Under
+``selective`` the block's input stays on the device too (the checkpoint saves it, not the
+swapper).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from hp_train.config import ModelConfig
 from hp_train.dryrun.presets import DryRunError
@@ -49,12 +57,17 @@ class BlockActivations:
         selective: the block's input and its matmul and attention outputs (extras included).
         input: the block's input.
         context: the context-parallel attention's extras (part of ``full`` and ``selective``).
+        full_unswapped: the part of ``full`` a swapper leaves on the device (tensors below
+            its ``min_bytes``; 0 when no threshold was given).
+        selective_unswapped: the same of ``selective``, the block's input included.
     """
 
     full: int
     selective: int
     input: int
     context: int
+    full_unswapped: int = 0
+    selective_unswapped: int = 0
 
 
 @dataclass(frozen=True)
@@ -62,14 +75,22 @@ class KeptActivations:
     """What a block keeps under a policy.
 
     Attributes:
-        kept: bytes kept from its forward to its backward, per microbatch.
+        kept: bytes kept from its forward to its backward, per microbatch (on the device,
+            or in host memory where swapped).
         transient: bytes rebuilt while it is recomputed in backward (one block at a time).
         recompute_fraction: share of its forward FLOPs run again in backward.
+        swapped: the part of ``kept`` held in host memory (0 without swap).
     """
 
     kept: int
     transient: int
     recompute_fraction: float
+    swapped: int = 0
+
+    @property
+    def on_device(self) -> int:
+        """The part of ``kept`` the device holds from forward to backward."""
+        return self.kept - self.swapped
 
 
 def _q(model: ModelConfig) -> int:
@@ -92,8 +113,10 @@ def block_activations(
     cp: int = 1,
     cp_variant: str = "ring",
     ep_tp: bool = False,
+    swap_min_bytes: int | None = None,
 ) -> BlockActivations:
-    """The activations of block ``index`` for ``tokens`` tokens of this rank (module doc)."""
+    """The activations of block ``index`` for ``tokens`` tokens of this rank (module doc);
+    with ``swap_min_bytes``, what a swapper of that threshold leaves on the device."""
     d, q, kv = model.dim, _q(model), _kv(model)
     heads = model.n_heads / tp
     scores = heads * (1 if flash_attention else seq_len)
@@ -104,6 +127,9 @@ def block_activations(
     sel_fp32 = heads
     moe = model.moe
     fp32 = scores + 2  # the two RMSNorms' reciprocal RMS
+    # The per-token fp32 tensors by width: each is one tensor the swapper judges by its size.
+    full_vectors = [1.0, 1.0, scores]
+    selective_vectors = [heads]
     if moe is not None and moe.is_moe_layer(index):
         fe = moe.expert_ffn_dim / (tp if ep_tp and tp > 1 else 1)
         shared = moe.n_shared_experts * moe.expert_ffn_dim
@@ -111,6 +137,8 @@ def block_activations(
         sel += moe.top_k * (2 * fe + d) + (2 * shared + d if shared else 0)
         fp32 += moe.n_experts
         sel_fp32 += moe.n_experts
+        full_vectors.append(moe.n_experts)
+        selective_vectors.append(moe.n_experts)
     else:
         ffn = 4 * model.ffn_dim / tp
         sel += 2 * model.ffn_dim / tp + d
@@ -121,20 +149,45 @@ def block_activations(
         context = 4 * q / tp * compute_bytes
     full = tokens * ((6 * d + attn + ffn) * compute_bytes + fp32 * 4 + context)
     selective = tokens * ((sel + d) * compute_bytes + sel_fp32 * 4 + context)
+
+    full_unswapped = selective_unswapped = 0
+    if swap_min_bytes is not None:
+        small = [int(tokens * w * 4) for w in full_vectors]
+        full_unswapped = sum(b for b in small if b < swap_min_bytes)
+        small = [int(tokens * w * 4) for w in selective_vectors]
+        selective_unswapped = sum(b for b in small if b < swap_min_bytes)
+        selective_unswapped += int(tokens * d * compute_bytes)
     return BlockActivations(
         full=int(full),
         selective=int(min(full, selective)),
         input=int(tokens * d * compute_bytes),
         context=int(tokens * context),
+        full_unswapped=full_unswapped,
+        selective_unswapped=selective_unswapped,
     )
 
 
-def kept_activations(acts: BlockActivations, ac: str, budget: int | None) -> KeptActivations:
-    """What a block keeps under policy ``ac`` (``budget``: the bytes of ``budget:<MiB>``).
+def kept_activations(
+    acts: BlockActivations, ac: str, budget: int | None, *, swap: bool = False
+) -> KeptActivations:
+    """What a block keeps under policy ``ac`` (``budget``: the bytes of ``budget:<MiB>``), with
+    ``swap`` what of it goes to host memory (``acts`` computed with the swapper's threshold).
+
+    Postcondition: ``0 <= swapped <= kept``; ``swapped == 0`` without ``swap``.
 
     Raises:
-        DryRunError: an unknown policy.
+        DryRunError: an unknown policy, or ``swap`` with ``full`` or a budget (the trainer
+            refuses both pairs: nothing to swap, or the budget decides what stays).
     """
+    if swap:
+        if budget is not None or ac not in ("none", "selective"):
+            raise DryRunError(
+                f"swap needs ac 'none' or 'selective', got {ac!r} (the trainer refuses --swap "
+                "with --ac full and --ac budget:<MiB>)"
+            )
+        whole = kept_activations(acts, ac, None)
+        small = acts.full_unswapped if ac == "none" else acts.selective_unswapped
+        return replace(whole, swapped=whole.kept - min(small, whole.kept))
     if budget is not None:
         kept = min(acts.full, acts.input + budget)
         matmul = max(1, acts.selective - acts.input)

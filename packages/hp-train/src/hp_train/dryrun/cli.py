@@ -9,7 +9,7 @@ Examples::
     python -m hp_train.dryrun --model tiny-moe --dp-shard 2 --tp 2 --rank 1 --print-plan
 
 The flags are the trainer's names (``--ep``, ``--ep-tp``, ``--cp``, ``--cp-variant``,
-``--ac``, ``--offload``, ``--mixed-precision``, ``--grad-reduce-dtype``, ``--fp8``,
+``--ac``, ``--swap``, ``--offload``, ``--mixed-precision``, ``--grad-reduce-dtype``, ``--fp8``,
 ``--fp8-all-gather``, ``--pp-schedule``); a pair the trainer refuses
 (:mod:`hp_train.combinations`) is refused with its message. ``--search`` keeps what fits
 ``--memory-limit-gib`` (default: the device preset's memory); ``--reproduce-paper`` prints
@@ -127,6 +127,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ap.add_argument(
         "--recompute", action="store_true", help="the same as --ac full (older spelling)"
+    )
+    ap.add_argument(
+        "--swap",
+        action="store_true",
+        help="the blocks' kept activations in host memory (with --ac none or selective); with "
+        "--search, each swappable policy is tried with and without it",
     )
     ap.add_argument("--offload", choices=OFFLOAD_TARGETS, default="none")
     ap.add_argument("--optimizer", choices=("muon", "adamw"), default="muon")
@@ -247,6 +253,7 @@ def _run(args: argparse.Namespace) -> str:
         fp8_all_gather=args.fp8_all_gather,
         expert_imbalance=args.expert_imbalance,
         pp_schedule=args.pp_schedule,
+        swap=args.swap and not args.search,
     )
     if args.search and not args.print_plan:
         gib = args.memory_limit_gib
@@ -259,6 +266,7 @@ def _run(args: argparse.Namespace) -> str:
             pp=args.search_pp,
             microbatches=args.search_microbatches,
             ac=args.search_ac,
+            swap=(False, True) if args.swap else (False,),
         )
         result = search(model, topology, shape, limit, device=device, space=space, model_name=name)
         return format_search(result, args.top)

@@ -18,7 +18,7 @@ Byte conventions, per call and per rank:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 
 from hp_layout import Collective, Mesh, Tier, Topology
@@ -96,6 +96,7 @@ class RankGrid:
     parallel: ParallelConfig
     topology: Topology
     mesh: Mesh
+    _tiers: dict[str, Tier] = field(default_factory=dict, compare=False, repr=False)
 
     @staticmethod
     def build(parallel: ParallelConfig, topology: Topology) -> RankGrid:
@@ -125,7 +126,10 @@ class RankGrid:
 
     def tier(self, axis: str) -> Tier:
         """The tier groups named ``axis`` communicate over (the slowest any of them needs)."""
-        return _group_tier(self.topology, self.mesh, GROUPS[axis])
+        tier = self._tiers.get(axis)
+        if tier is None:
+            tier = self._tiers[axis] = _group_tier(self.topology, self.mesh, GROUPS[axis])
+        return tier
 
     def coordinate(self, rank: int) -> dict[str, int]:
         """``rank``'s coordinate along each mesh axis, plus ``dp_shard`` (its index among the

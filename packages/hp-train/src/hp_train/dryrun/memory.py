@@ -15,7 +15,10 @@
 * activations: what every block keeps under the checkpointing policy
   (:mod:`~hp_train.dryrun.activation`) times the microbatches in flight (1, or the pipeline
   schedule's peak on the stage, :func:`~hp_train.dryrun.schedule.in_flight`), plus the
-  largest transient of one block recomputed in backward;
+  largest transient of one block recomputed in backward; with ``swap`` a block keeps on the
+  device only its tensors below the swapper's threshold, the rest is in host memory
+  (:attr:`MemoryBreakdown.host`) and backward fetches two blocks' back at once (the one in
+  backward and the previous one, prefetched: :attr:`MemoryBreakdown.fetched`);
 * buffers: the root's unsharded parameters (the root keeps them from forward to backward) and
   its unsharded gradient buffer, the unsharded parameters of the block being computed (with
   its MoE layer's expert group) and of the prefetched one, the unsharded gradient buffers of
@@ -37,7 +40,7 @@ The peak is the larger of two moments of backward, where every kept activation s
 * first reduce-scatter: the same less the head's and the last block's activations (freed by
   then), plus the gradients, the one block rebuilt by recomputation and every gradient buffer
   (the root's unsharded gradients, the block in backward and the one being reduced, their
-  reduce-dtype copy).
+  reduce-dtype copy), and with ``swap`` the two blocks fetched back.
 
 Gradients are none between steps (``zero_grad`` sets them to None) and the arena's chunks are
 allocated at the first reduce-scatter. Checked against the peak of the bytes a real step's
@@ -48,6 +51,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hp_train.activations import SWAP_MIN_BYTES
 from hp_train.config import ModelConfig, ParallelConfig
 from hp_train.dryrun.activation import block_activations, kept_activations
 from hp_train.dryrun.shapes import GroupSpec
@@ -88,6 +92,10 @@ class MemoryBreakdown:
         loss_gradient: what the first step of backward holds (the logits' gradients).
         first_freed: activations backward frees before the first reduce-scatter starts
             (the head's and the last block's, one microbatch).
+        fetched: swapped activations on the device at once in backward (the two largest
+            blocks' of one microbatch; 0 without swap).
+        swapped: activations in host memory at the end of forward (every microbatch in
+            flight; not in :attr:`total` nor :attr:`host`).
     """
 
     parameters: int
@@ -102,6 +110,8 @@ class MemoryBreakdown:
     transient: int = 0
     loss_gradient: int = 0
     first_freed: int = 0
+    fetched: int = 0
+    swapped: int = 0
 
     @property
     def buffer_total(self) -> int:
@@ -127,9 +137,19 @@ class MemoryBreakdown:
             + kept
             - self.first_freed
             + self.transient
+            + self.fetched
             + params
             + grads,
         }
+
+    @property
+    def saved_peak(self) -> int:
+        """The most bytes of saved activations the device holds at once (what
+        ``hp_offload.memory.ActivationMeter`` reports as its peak): every kept activation at
+        the end of forward, or with ``swap`` the swapped blocks fetched back in backward
+        beside what backward has not freed."""
+        kept = self.activations - self.transient
+        return max(kept, kept - self.first_freed + self.fetched)
 
     @property
     def total(self) -> int:
@@ -144,6 +164,32 @@ def _units(groups: tuple[GroupSpec, ...]) -> list[int]:
         if g.block is not None:
             per_block[g.block] = per_block.get(g.block, 0) + g.flat.padded_numel
     return list(per_block.values())
+
+
+_OPTIMIZER_STATE: dict[tuple[int, tuple[int, int], str], tuple[object, tuple[int, int]]] = {}
+
+
+def _optimizer_state(
+    groups: tuple[GroupSpec, ...], shard_coordinates: tuple[int, int], optimizer: str
+) -> tuple[int, int]:
+    """Elements of optimizer state on the rank: AdamW's two moments, and Muon's momentum
+    (``groups`` cached by identity, as ``fsdp_groups`` returns
+    them: the search asks once per microbatch count and policy)."""
+    key = (id(groups), shard_coordinates, optimizer)
+    cached = _OPTIMIZER_STATE.get(key)
+    if cached is not None and cached[0] is groups:
+        return cached[1]
+    adamw = muon = 0
+    dense, expert = shard_coordinates
+    for g in groups:
+        coordinate = expert if g.is_experts else dense
+        for p, n in zip(g.params, g.local_numels(coordinate), strict=True):
+            if optimizer == "muon" and p.optimizer == "muon":
+                muon += n
+            else:
+                adamw += 2 * n
+    _OPTIMIZER_STATE[key] = (groups, (adamw, muon))
+    return adamw, muon
 
 
 def memory_breakdown(
@@ -170,17 +216,19 @@ def memory_breakdown(
     prec = shape.precision
     tp = parallel.tp
     chunks = sum(g.flat.chunk_numel for g in groups)
-    optimizer = muon_state = 0
-    dense, expert = shard_coordinates
-    for g in groups:
-        coordinate = expert if g.is_experts else dense
-        for p, n in zip(g.params, g.local_numels(coordinate), strict=True):
-            if shape.optimizer == "muon" and p.optimizer == "muon":
-                muon_state += n * prec.optimizer
-            else:
-                optimizer += 2 * n * prec.optimizer + 4
+    optimizer, muon_state = _optimizer_state(groups, shard_coordinates, shape.optimizer)
+    optimizer *= prec.optimizer
+    muon_state *= prec.optimizer
+    # AdamW's 4-byte step counter per parameter it steps.
+    optimizer += 4 * sum(
+        1
+        for g in groups
+        for p in g.params
+        if not (shape.optimizer == "muon" and p.optimizer == "muon")
+    )
     optimizer += muon_state
     by_layer: list[tuple[str, int]] = []
+    swapped: list[int] = []
     transient = 0
     budget = shape.ac_budget_bytes
     for g in groups:
@@ -197,15 +245,18 @@ def memory_breakdown(
             cp=parallel.cp,
             cp_variant=parallel.cp_variant,
             ep_tp=parallel.ep_tp,
+            swap_min_bytes=SWAP_MIN_BYTES if shape.swap else None,
         )
-        kept = kept_activations(acts, shape.ac, budget)
+        kept = kept_activations(acts, shape.ac, budget, swap=shape.swap)
         transient = max(transient, kept.transient)
-        by_layer.append((g.name, kept.kept))
+        by_layer.append((g.name, kept.on_device))
+        swapped.append(kept.swapped)
     if head:
         by_layer.append(("head", head_activation_bytes(model, microbatch_tokens, prec)))
     activations = in_flight * sum(b for _, b in by_layer) + transient
     blocks = [b for name, b in by_layer if name != "head"]
     first_freed = (by_layer[-1][1] if head else 0) + (blocks[-1] if blocks else 0)
+    fetched = sum(sorted(swapped)[-2:])
     loss_gradient = loss_gradient_bytes(model, microbatch_tokens) if head else 0
     units = _units(groups)
     root = [g.flat.padded_numel for g in groups if g.is_root]
@@ -248,4 +299,6 @@ def memory_breakdown(
         first_freed=first_freed,
         host=(0 if params_on_device else chunks * (prec.param + prec.reduce))
         + (0 if optimizer_on_device else optimizer),
+        fetched=fetched,
+        swapped=in_flight * sum(swapped),
     )

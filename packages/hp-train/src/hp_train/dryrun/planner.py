@@ -21,6 +21,9 @@ Schedule model (per microbatch, on each pipeline stage; stated so its numbers ca
   (:mod:`~hp_train.dryrun.schedule`), every stage at the slowest stage's forward and backward
   microbatch times; stages keep the blocks the trainer gives them
   (:func:`hp_train.pipeline.stage_boundaries`).
+* **Activation swap** copies run on a host-link stream in the runtime's order (the swapper's
+  offload at a block's forward end, its fetch at the block's backward start, one block ahead);
+  the compute stream's waits for them are the step's swap time, reported with offload.
 
 Compute time is FLOPs (:mod:`hp_train.dryrun.workload`) over the device's achieved
 throughput, the blocks' linears ``fp8_speedup`` times faster under ``fp8``. Elementwise
@@ -36,6 +39,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from hp_layout import Collective, Topology
+from hp_train.activations import SWAP_MIN_BYTES
 from hp_train.config import ModelConfig, ParallelConfig
 from hp_train.dryrun.activation import block_activations, kept_activations
 from hp_train.dryrun.comm import KINDS, CollectiveRecord, RankGrid
@@ -45,7 +49,13 @@ from hp_train.dryrun.memory import MemoryBreakdown, fp8_record_bytes, memory_bre
 from hp_train.dryrun.muon_traffic import MuonTraffic, muon_traffic
 from hp_train.dryrun.presets import Device, device_for
 from hp_train.dryrun.refusals import check_runtime_accepts
-from hp_train.dryrun.runtime_order import FORWARD_END, Runtime, Unit, microbatch_program
+from hp_train.dryrun.runtime_order import (
+    FORWARD_END,
+    SWAP_KIND,
+    Runtime,
+    Unit,
+    microbatch_program,
+)
 from hp_train.dryrun.schedule import in_flight, pipeline_timing
 from hp_train.dryrun.shapes import (
     GroupSpec,
@@ -104,7 +114,8 @@ class StepTime:
         optimizer: Muon's exchange and Newton-Schulz.
         fsdp_comm: time of all FSDP and HSDP collectives (hidden or not).
         fsdp_exposed: their exposed part.
-        offload: host transfers of offloading (taken as exposed).
+        offload: host transfers of offloading (taken as exposed) and the waits for
+            activation swap copies.
     """
 
     compute: float
@@ -154,6 +165,8 @@ class StageResult:
             FSDP2's copy-in and copy-out; none for hp-fsdp).
         fsdp_units: its ``fully_shard`` states with their collectives and compute, the tree
             :func:`~hp_train.dryrun.runtime_order.microbatch_program` orders.
+        microbatch_swap_exposed: the part of :attr:`microbatch_exposed` that waits for
+            activation swap copies (host transfers, not communication).
     """
 
     stage: int
@@ -171,6 +184,7 @@ class StageResult:
     step_exposed: float = 0.0
     fsdp_overhead: float = 0.0
     fsdp_units: Unit | None = None
+    microbatch_swap_exposed: float = 0.0
 
     @property
     def microbatch_time(self) -> float:
@@ -247,6 +261,30 @@ def _muon_groups(groups: tuple[GroupSpec, ...]) -> tuple[GroupSpec, ...]:
     return _MUON_GROUPS[id(groups)][1]
 
 
+_MUON_TRAFFIC: dict[tuple[object, ...], tuple[tuple[GroupSpec, ...], MuonTraffic]] = {}
+
+
+def _muon_traffic(
+    groups: tuple[GroupSpec, ...],
+    parallel: ParallelConfig,
+    rank: int,
+    bucket_mb: float,
+    exact: bool | None,
+) -> MuonTraffic:
+    """:func:`muon_traffic` of ``groups`` (by identity, as :func:`_muon_groups`): the search
+    asks for the same stage's traffic once per microbatch count and policy, and it depends
+    on neither."""
+    key = (id(groups), parallel, rank, bucket_mb, exact)
+    cached = _MUON_TRAFFIC.get(key)
+    if cached is not None and cached[0] is groups:
+        return cached[1]
+    traffic = muon_traffic(
+        _muon_groups(groups), parallel, rank=rank, bucket_mb=bucket_mb, exact=exact
+    )
+    _MUON_TRAFFIC[key] = (groups, traffic)
+    return traffic
+
+
 def _stage(
     model: ModelConfig,
     grid: RankGrid,
@@ -287,6 +325,7 @@ def _stage(
     attention: dict[int, float] = {}
     recompute_share: dict[int, float] = {}
     redo: dict[int, float] = {}
+    swap: dict[int, float] = {}
     for b in blocks:
         total = block_forward_flops(
             model,
@@ -301,10 +340,21 @@ def _stage(
         attn = attention_forward_flops(model, p.tp, shape.seq_len)
         attention[b] = ((attn - scores) / speed + scores) * tokens / flops
         acts = block_activations(
-            model, b, tokens, shape.seq_len, p.tp, prec.compute, cp=p.cp, ep_tp=p.ep_tp
+            model,
+            b,
+            tokens,
+            shape.seq_len,
+            p.tp,
+            prec.compute,
+            cp=p.cp,
+            cp_variant=p.cp_variant,
+            ep_tp=p.ep_tp,
+            swap_min_bytes=SWAP_MIN_BYTES if shape.swap else None,
         )
-        recompute_share[b] = kept_activations(acts, shape.ac, budget).recompute_fraction
+        kept = kept_activations(acts, shape.ac, budget, swap=shape.swap)
+        recompute_share[b] = kept.recompute_fraction
         redo[b] = recompute_share[b] * fwd[b]
+        swap[b] = kept.swapped / device.host_bandwidth
     head_fwd = head_forward_flops(model, p.tp) * tokens / flops if last else 0.0
     mb_compute = 3 * (sum(fwd.values()) + head_fwd) + sum(redo.values())
     recomputes = shape.ac != "none"
@@ -442,19 +492,19 @@ def _stage(
     stage_parallel = ParallelConfig(p.dp_replicate, p.dp_shard * p.cp, p.tp, 1)
     stage_rank = rank - stage * stage_parallel.world_size
     if shape.optimizer == "muon":
-        muon = muon_traffic(
-            _muon_groups(groups),
+        muon = _muon_traffic(
+            groups,
             stage_parallel,
-            rank=stage_rank,
-            bucket_mb=shape.muon_bucket_mb,
-            exact=False if p.ep > 1 else muon_exact,
+            stage_rank,
+            shape.muon_bucket_mb,
+            False if p.ep > 1 else muon_exact,
         )
     else:
         muon = MuonTraffic("none", 0, 0, 0, 0, 0, 0, 0.0)
     if muon.calls:
         records.append(_muon_record(grid, muon))
 
-    tree = _unit_tree(fsdp_units, blocks, fwd, attention, recompute_share, head_fwd)
+    tree = _unit_tree(fsdp_units, blocks, fwd, attention, recompute_share, swap, head_fwd)
     program = functools.partial(
         microbatch_program,
         tree,
@@ -464,7 +514,8 @@ def _stage(
     )
     # Every microbatch but the last skips the replicas' all-reduce (torch FSDP2: none does).
     regular = simulate(program(all_reduce=fsdp2))
-    last_mb = simulate(program(all_reduce=True))
+    replicated = any(u.replicate for u in tree.preorder())
+    last_mb = simulate(program(all_reduce=True)) if replicated and not fsdp2 else regular
     forward_compute = sum(fwd.values()) + head_fwd
     done = [r for r in records if r is not None]
 
@@ -475,6 +526,7 @@ def _stage(
     fwd_exposed = regular.mark(FORWARD_END) - forward_compute
     fwd_exposed += sum(per_mb(k, "forward") for k in critical)
     mb_exposed = regular.makespan - regular.compute + sum(per_mb(k) for k in critical)
+    swap_exposed = regular.exposed_of(SWAP_KIND)
     muon_time = sum(r.total_time for r in done if r.kind == "muon")
     exposed = (
         *((k, (m - 1) * regular.exposed_of(k) + last_mb.exposed_of(k)) for k in _FSDP),
@@ -506,6 +558,7 @@ def _stage(
         microbatch_forward=sum(fwd.values()) + head_fwd + fwd_exposed,
         offload_time=offload,
         step_exposed=last_mb.makespan - regular.makespan,
+        microbatch_swap_exposed=swap_exposed,
         fsdp_units=tree,
         fsdp_overhead=m * sum(a + b for a, b in copies.values())
         + m * sum(c[0] for u, c in copies.items() if u is not None),
@@ -518,11 +571,13 @@ def _unit_tree(
     forward: dict[int, float],
     attention: dict[int, float],
     recompute: dict[int, float],
+    swap: dict[int, float],
     head_forward: float,
 ) -> Unit:
     """The stage's ``fully_shard`` states as :class:`Unit` s with their forward compute: the
     root (the embedding's compute taken as zero, the head's last) around the blocks, an MoE
-    layer's expert group inside its block (the block's attention before it)."""
+    layer's expert group inside its block (the block's attention before it), each block with
+    the seconds its swapped activations take to copy one way."""
     children = []
     for b in blocks:
         name = f"layers.{b}"
@@ -533,7 +588,7 @@ def _unit_tree(
         else:
             experts = replace(experts, forward=(forward[b] - attention[b],))
             block = replace(block, forward=(attention[b], 0.0), children=(experts,))
-        children.append(replace(block, recompute=recompute[b]))
+        children.append(replace(block, recompute=recompute[b], swap=swap[b]))
     root = units.get("root", Unit("root", (0.0,)))
     return replace(root, forward=(0.0,) * len(children) + (head_forward,), children=tuple(children))
 
@@ -672,12 +727,13 @@ def dry_run(
         bubble = timing.bubble
     time = StepTime(
         compute=m * slowest.microbatch_compute,
-        exposed_comm=m * slowest.microbatch_exposed + slowest.step_exposed,
+        exposed_comm=m * (slowest.microbatch_exposed - slowest.microbatch_swap_exposed)
+        + slowest.step_exposed,
         bubble=bubble,
         optimizer=max(exposed_of(s, "muon") + s.muon.ns_flops / dev.flops for s in stages),
         fsdp_comm=fsdp_comm,
         fsdp_exposed=sum(exposed[k] for k in _FSDP),
-        offload=max(s.offload_time for s in stages),
+        offload=max(s.offload_time for s in stages) + m * slowest.microbatch_swap_exposed,
     )
     notes = _notes(model, parallel, shape, dev, {s.muon.source for s in stages})
     return DryRun(
@@ -732,6 +788,12 @@ def _notes(
         notes.append(f"{device.name} has no FP8 matmul: FP8 linears are timed at bf16 speed")
     if shape.offload != "none":
         notes.append("offload transfers are taken as exposed; the host optimizer step is not timed")
+    if shape.swap:
+        notes.append(
+            f"activation swap: each block's copy to host memory starts at its forward end and "
+            f"its copy back at its backward start (and the next block's), at the host link's "
+            f"{device.host_bandwidth / 1e9:.0f} GB/s each way; the waits count as offload time"
+        )
     if shape.optimizer == "muon" and parallel.ep > 1:
         notes.append(
             "Muon with expert parallelism: the experts' exchange is estimated from each "

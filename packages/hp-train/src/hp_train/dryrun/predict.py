@@ -143,6 +143,7 @@ def predict_for_run(
         fp8_all_gather=train_config.fp8_all_gather,
         prefetch=False,
         expert_imbalance=expert_imbalance,
+        swap=train_config.swap,
     )
     run = dry_run(
         model_config, parallel_config, topo, shape, device=DEVICE_PRESETS["cpu"], rank=rank

@@ -39,6 +39,7 @@ def train_config(parallel: ParallelConfig, shape: StepShape) -> TrainConfig:
             grad_reduce_dtype="bf16" if shape.precision.reduce == 2 else "fp32",
             fp8=shape.fp8,
             fp8_all_gather=shape.fp8_all_gather,
+            swap=shape.swap,
         )
     except ConfigError as exc:
         raise DryRunError(str(exc)) from None

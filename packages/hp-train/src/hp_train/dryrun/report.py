@@ -24,6 +24,7 @@ def _config(run: DryRun) -> str:
         text += f" cp={p.cp} ({p.cp_variant})"
     text += f" microbatches={s.microbatches} ac={s.ac}"
     extras = [
+        "swap" if s.swap else "",
         f"offload={s.offload}" if s.offload != "none" else "",
         f"fp8={s.fp8}" if s.fp8 != "none" else "",
         "fp8_all_gather" if s.fp8_all_gather else "",
@@ -54,6 +55,11 @@ def format_dry_run(run: DryRun, *, layers: bool = False) -> str:
     lines.append(f"  total        {_gib(m.total)}")
     if m.host:
         lines.append(f"  (in host memory: {_gib(m.host).strip()})")
+    if m.swapped:
+        lines.append(
+            f"  (swapped activations in host memory: {_gib(m.swapped).strip()}; "
+            f"{_gib(m.fetched).strip()} fetched back at once in backward)"
+        )
     lines.append("communication per step per rank (slowest stage):")
     lines.append(
         f"  {'kind':<20} {'calls':>7} {'sent':>12} {'time':>9} {'exposed':>9} {'share':>6}  tiers"

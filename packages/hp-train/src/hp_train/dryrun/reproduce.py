@@ -15,6 +15,7 @@ printed with the report.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, replace
 
 from hp_train.dryrun.memory import GIB
@@ -109,6 +110,7 @@ class Reproduction:
         megatron: the search under modeled Megatron DDP.
         comparisons: the paper's figures beside the predictions.
         sources: where the hardware figures come from.
+        seconds: wall-clock seconds the three searches took on this machine.
     """
 
     model_name: str
@@ -119,6 +121,7 @@ class Reproduction:
     megatron: SearchResult
     comparisons: tuple[Comparison, ...]
     sources: tuple[str, ...]
+    seconds: float = 0.0
 
 
 def tokens_per_second(run: DryRun) -> float:
@@ -191,6 +194,8 @@ def _layout(run: DryRun) -> str:
     if p.ep_tp:
         parts.append("ep_tp")
     parts += [f"microbatches={s.microbatches}", f"ac={s.ac}"]
+    if s.swap:
+        parts.append("swap")
     return " ".join(parts)
 
 
@@ -250,6 +255,7 @@ def reproduce_paper(model: str = "moe_505b", topology: str = "ascend_supernode")
     device = device_for(topo)
     limit = device.memory_bytes
     shape = StepShape(preset.global_batch, preset.seq_len)
+    start = time.perf_counter()
     results = {
         runtime: search(
             preset.model,
@@ -262,6 +268,7 @@ def reproduce_paper(model: str = "moe_505b", topology: str = "ascend_supernode")
         )
         for runtime in ("hp", "torch_fsdp2", "megatron_ddp")
     }
+    seconds = time.perf_counter() - start
     hp = _best(results["hp"])
     # Where nothing fits, the comparison takes the layout closest to fitting (and says so).
     baselines = {
@@ -286,6 +293,7 @@ def reproduce_paper(model: str = "moe_505b", topology: str = "ascend_supernode")
         megatron=results["megatron_ddp"],
         comparisons=comparisons,
         sources=sources,
+        seconds=seconds,
     )
 
 
@@ -312,7 +320,7 @@ def format_reproduction(r: Reproduction, top: int = 3) -> str:
     """The report: best configurations per runtime, then the paper beside the prediction."""
     lines = [
         f"paper reproduction: {r.model_name} on {r.topology}, memory limit "
-        f"{r.memory_limit / GIB:.0f} GiB per rank",
+        f"{r.memory_limit / GIB:.0f} GiB per rank (searched in {r.seconds:.0f} s)",
     ]
     for title, result in (
         ("hp-fsdp (hp-train)", r.hp),

@@ -26,6 +26,14 @@ runtimes do:
   when its backward ends (buckets as above), on the microbatch that all-reduces (the last of a
   step), and waited for at the end of backward.
 
+* **Activation swap** (``hp_offload.Swapper``, every runtime alike). A block's kept
+  activations are copied to host memory on the :data:`SWAP_TIER` stream, taken as issued when its
+  forward ends (the real copies start as each tensor is saved: this is the late bound); the
+  next block's forward end waits for that copy (the swapper retires older offloads there). A
+  block's backward start fetches its own (waiting first for its offload if still in flight)
+  and the previous block's activations, and waits for its own before recomputing or computing
+  on them.
+
 Compute between unit boundaries is each unit's ``forward`` segments, backward twice that.
 Collectives of tensor, expert and context parallelism are not part of the program (the
 planner adds them as exposed: the runtime waits on each at once).
@@ -40,13 +48,20 @@ from enum import Enum
 
 from hp_train.dryrun.timeline import Compute, Issue, Mark, Op, Wait
 
-__all__ = ["HSDP_BUCKET_BYTES", "Runtime", "Unit", "microbatch_program"]
+__all__ = ["HSDP_BUCKET_BYTES", "SWAP_KIND", "SWAP_TIER", "Runtime", "Unit", "microbatch_program"]
 
 HSDP_BUCKET_BYTES = 25 * 1024 * 1024
 """hp-fsdp's replicate all-reduce bucket (``hp_fsdp._state._BUCKET_BYTES``); also DDP's."""
 
 FORWARD_END = "forward end"
 """The :class:`~hp_train.dryrun.timeline.Mark` between forward and backward."""
+
+SWAP_KIND = "activation_swap"
+"""The kind activation swap copies are charged to."""
+
+SWAP_TIER = "device-host copies"
+"""The stream activation swap copies run on (the swapper's one side stream), named apart from
+every topology tier (``host`` is one)."""
 
 
 class Runtime(Enum):
@@ -81,6 +96,7 @@ class Unit:
             backward start (0 to 1; the nested units' included).
         gather_copy: torch FSDP2's copy-in plus copy-out seconds around each of its gathers.
         scatter_copy: the same around its reduce-scatter.
+        swap: seconds to copy its swapped activations one way (0: nothing swapped).
     """
 
     name: str
@@ -96,6 +112,7 @@ class Unit:
     recompute: float = 0.0
     gather_copy: float = 0.0
     scatter_copy: float = 0.0
+    swap: float = 0.0
 
     def __post_init__(self) -> None:
         if len(self.forward) != len(self.children) + 1:
@@ -127,6 +144,7 @@ class _Writer:
     all_reduce: bool
     forward_next: dict[str, Unit]
     backward_next: dict[str, Unit]
+    swap_previous: dict[str, Unit]
     ops: list[Op] = field(default_factory=list)
     unsharded: set[str] = field(default_factory=set)
     issued: set[str] = field(default_factory=set)
@@ -134,6 +152,7 @@ class _Writer:
     bucket: list[Unit] = field(default_factory=list)
     bucket_bytes: int = 0
     replicated: list[str] = field(default_factory=list)
+    offloading: list[str] = field(default_factory=list)
 
     # Gathers -----------------------------------------------------------------------------
 
@@ -181,6 +200,26 @@ class _Writer:
                 self.forward(unit.children[index], recomputing)
         if not recomputing and unit.regather:
             self.unsharded.discard(unit.name)  # resharded after forward
+        if not recomputing and unit.swap:
+            name = f"offload {unit.name}"
+            self.ops.append(Issue(name, SWAP_KIND, SWAP_TIER, unit.swap))
+            for earlier in self.offloading:
+                self.ops.append(Wait(earlier))
+            self.offloading = [name]
+
+    # Activation swap ---------------------------------------------------------------------
+
+    def fetch(self, unit: Unit) -> None:
+        """Start copying ``unit``'s swapped activations back (once)."""
+        name = f"fetch {unit.name}"
+        if name in self.issued:
+            return
+        offload = f"offload {unit.name}"
+        if offload in self.offloading:
+            self.ops.append(Wait(offload))
+            self.offloading.remove(offload)
+        self.ops.append(Issue(name, SWAP_KIND, SWAP_TIER, unit.swap))
+        self.issued.add(name)
 
     # Backward ----------------------------------------------------------------------------
 
@@ -190,6 +229,12 @@ class _Writer:
             nxt = self.backward_next.get(unit.name)
             if nxt is not None:
                 self.prefetch(nxt, "backward")
+        if unit.swap:
+            self.fetch(unit)
+            previous = self.swap_previous.get(unit.name)
+            if previous is not None:
+                self.fetch(previous)
+            self.ops.append(Wait(f"fetch {unit.name}"))
         if unit.recompute:
             # After the pre-backward hook: the first saved tensor backward unpacks reruns it.
             self.forward(unit, recomputing=unit.recompute)
@@ -281,6 +326,7 @@ def microbatch_program(
     names = [u.name for u in forward_order]
     if len(set(names)) != len(names):
         raise ValueError(f"unit names repeat in {names}; each unit needs its own")
+    swapping = [u for u in forward_order if u.swap]
     writer = _Writer(
         runtime,
         prefetch_forward,
@@ -288,6 +334,7 @@ def microbatch_program(
         all_reduce,
         forward_next={a.name: b for a, b in itertools.pairwise(forward_order)},
         backward_next={a.name: b for a, b in itertools.pairwise(backward_order)},
+        swap_previous={b.name: a for a, b in itertools.pairwise(swapping)},
     )
     writer.forward(root)
     writer.ops.append(Mark(FORWARD_END))

@@ -14,6 +14,7 @@ limit. Muon traffic is analytic here (fast); pipeline stages are sampled as in
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
@@ -25,7 +26,17 @@ from hp_train.dryrun.refusals import check_runtime_accepts
 from hp_train.dryrun.shapes import check_fits
 from hp_train.dryrun.workload import StepShape
 
-__all__ = ["SearchResult", "SearchSpace", "divisors", "parallel_configs", "search"]
+__all__ = [
+    "SWAPPABLE_POLICIES",
+    "SearchResult",
+    "SearchSpace",
+    "divisors",
+    "parallel_configs",
+    "search",
+]
+
+SWAPPABLE_POLICIES = ("none", "selective")
+"""The checkpointing policies the trainer swaps under (it refuses ``--swap`` with the rest)."""
 
 
 @dataclass(frozen=True)
@@ -61,6 +72,8 @@ class SearchSpace:
         ep_tp: expert-tensor parallelism settings tried when ``ep > 1`` and ``tp > 1``.
         microbatches: microbatch counts.
         ac: checkpointing policies.
+        swap: activation swap settings tried with each policy that can swap (``none``,
+            ``selective``).
     """
 
     dp_replicate: tuple[int, ...] | None = None
@@ -72,6 +85,7 @@ class SearchSpace:
     ep_tp: tuple[bool, ...] = (False, True)
     microbatches: tuple[int, ...] = (1, 2, 4, 8, 16)
     ac: tuple[str, ...] = ("none", "selective", "full")
+    swap: tuple[bool, ...] = (False,)
 
 
 def divisors(n: int) -> tuple[int, ...]:
@@ -138,8 +152,8 @@ def search(
     """Enumerate, predict, reject what does not fit in ``memory_limit`` bytes, rank by time.
 
     ``shape`` gives the batch, precision, optimizer, offload and FP8 options; its
-    ``microbatches`` and ``ac`` are searched over (``space``; ``microbatch_options``
-    overrides its microbatch counts).
+    ``microbatches``, ``ac`` and ``swap`` are searched over (``space``;
+    ``microbatch_options`` overrides its microbatch counts).
 
     Postconditions: every result in ``fitting`` has ``memory.total <= memory_limit`` and the
     results are sorted by ``time.total``, ascending.
@@ -172,8 +186,10 @@ def search(
         for m in space.microbatches:
             if local % m or (parallel.pp > 1 and m < parallel.pp):
                 continue
-            for ac in space.ac:
-                candidate = replace(base, microbatches=m, ac=ac)
+            for ac, swap in itertools.product(space.ac, space.swap):
+                if swap and ac not in SWAPPABLE_POLICIES:
+                    continue
+                candidate = replace(base, microbatches=m, ac=ac, swap=swap)
                 try:
                     result = dry_run(
                         model,

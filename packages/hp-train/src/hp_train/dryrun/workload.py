@@ -166,6 +166,8 @@ class StepShape:
         runtime: the data-parallel runtime modeled (:data:`RUNTIMES`): ``"hp"`` (hp-fsdp,
             what hp-train runs), ``"torch_fsdp2"`` or ``"megatron_ddp"`` (the baselines of
             :mod:`~hp_train.dryrun.reproduce`).
+        swap: ``TrainConfig.swap``: the blocks' kept activations live in host memory between
+            their forward and backward (with ``ac`` ``"none"`` or ``"selective"``).
     """
 
     global_batch: int
@@ -183,6 +185,7 @@ class StepShape:
     expert_imbalance: float = 1.0
     pp_schedule: str = "1f1b"
     runtime: str = "hp"
+    swap: bool = False
 
     def __post_init__(self) -> None:
         for name in ("global_batch", "seq_len", "microbatches"):
@@ -207,6 +210,8 @@ class StepShape:
                 f"{self.expert_imbalance!r}"
             )
         self.ac_budget_bytes  # noqa: B018 - parses ``ac``
+        if not isinstance(self.swap, bool):
+            raise DryRunError(f"swap must be True or False, got {self.swap!r}")
 
     @property
     def recompute(self) -> bool:
