@@ -13,10 +13,11 @@ from hp_layout import Topology
 from hp_mpmd.simulate import simulate
 from hp_train.combinations import REFUSALS
 from hp_train.config import ModelConfig, MoEConfig, ParallelConfig
-from hp_train.dryrun import DryRun, DryRunError, StepShape, dry_run, fsdp_groups, search
+from hp_train.dryrun import DryRun, DryRunError, StepShape, cli, dry_run, fsdp_groups, search
 from hp_train.dryrun.cli import build_parser, main
 from hp_train.dryrun.memory import GIB
 from hp_train.dryrun.presets import device_for
+from hp_train.dryrun.reproduce import reproduce_paper
 from hp_train.dryrun.search import SearchSpace
 from hp_train.pipeline import PIPELINE_SCHEDULES
 
@@ -228,9 +229,25 @@ def test_cli_takes_the_trainers_flags(capsys: pytest.CaptureFixture[str]) -> Non
     assert "no runtime support" not in build_parser().format_help()
 
 
+# The layouts of the README's reproduction that come out best under each runtime (hp-fsdp:
+# replicate 2 x ep 128; FSDP2: shard 768 x ep 64; Megatron DDP: ep 32 x pp 8, 8 microbatches)
+# and their neighbours: the whole report in seconds instead of the full search's minute.
+SMALL_REPRODUCTION = SearchSpace(
+    dp_replicate=(1, 2),
+    tp=(1,),
+    ep=(32, 64, 128),
+    cp=(1,),
+    pp=(1, 8),
+    ep_tp=(False,),
+    microbatches=(1, 8),
+    ac=("full",),
+)
+
+
 def test_reproduce_paper_prints_the_papers_figures_beside_the_model(
-    capsys: pytest.CaptureFixture[str],
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setattr(cli, "reproduce_paper", lambda: reproduce_paper(space=SMALL_REPRODUCTION))
     assert main(["--reproduce-paper"]) == 0
     out = capsys.readouterr().out
     assert re.search(r"GiB per rank \(searched in \d+ s\)", out)
@@ -244,6 +261,7 @@ def test_reproduce_paper_prints_the_papers_figures_beside_the_model(
         explained = i + 1 < len(lines) and lines[i + 1].startswith("    why: ")
         assert explained == (abs(int(deviation)) > 20), name
     assert re.search(r"#1 .*GiB/rank, step .*k tokens/s, FSDP comm", out)
+    assert "#1 dp_replicate=2 dp_shard=384 ep=128 microbatches=1 ac=full: 41.7 GiB/rank" in out
     best = float(re.search(r"#1 .*?: ([\d.]+) GiB/rank", out).group(1))  # type: ignore[union-attr]
     assert best <= 64
     assert "source: device ascend_910c_die" in out

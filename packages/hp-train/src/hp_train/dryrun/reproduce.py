@@ -244,8 +244,13 @@ def _comparisons(
     return out
 
 
-def reproduce_paper(model: str = "moe_505b", topology: str = "ascend_supernode") -> Reproduction:
-    """Search the three runtimes for ``model`` on ``topology`` and compare (module doc).
+def reproduce_paper(
+    model: str = "moe_505b",
+    topology: str = "ascend_supernode",
+    space: SearchSpace = REPRODUCTION_SPACE,
+) -> Reproduction:
+    """Search the three runtimes for ``model`` on ``topology`` over ``space`` and compare
+    (module doc).
 
     Raises:
         DryRunError: nothing fits under hp-fsdp (the search's message), or a bad preset.
@@ -263,7 +268,7 @@ def reproduce_paper(model: str = "moe_505b", topology: str = "ascend_supernode")
             replace(shape, runtime=runtime),
             limit,
             device=device,
-            space=REPRODUCTION_SPACE,
+            space=space,
             model_name=preset.name,
         )
         for runtime in ("hp", "torch_fsdp2", "megatron_ddp")
