@@ -53,11 +53,18 @@ from dataclasses import dataclass
 
 from hp_train.activations import SWAP_MIN_BYTES
 from hp_train.config import ModelConfig, ParallelConfig
-from hp_train.dryrun.activation import block_activations, kept_activations
+from hp_train.dryrun.activation import KeptActivations, block_activations, kept_activations
 from hp_train.dryrun.shapes import GroupSpec
 from hp_train.dryrun.workload import StepShape, head_activation_bytes, loss_gradient_bytes
 
-__all__ = ["FP8_BLOCK", "GIB", "MemoryBreakdown", "fp8_record_bytes", "memory_breakdown"]
+__all__ = [
+    "FP8_BLOCK",
+    "GIB",
+    "MemoryBreakdown",
+    "block_kept",
+    "fp8_record_bytes",
+    "memory_breakdown",
+]
 
 GIB = 2**30
 
@@ -166,30 +173,53 @@ def _units(groups: tuple[GroupSpec, ...]) -> list[int]:
     return list(per_block.values())
 
 
-_OPTIMIZER_STATE: dict[tuple[int, tuple[int, int], str], tuple[object, tuple[int, int]]] = {}
+_OPTIMIZER_STATE: dict[tuple[int, tuple[int, int], str], tuple[object, tuple[int, int, int]]] = {}
 
 
 def _optimizer_state(
     groups: tuple[GroupSpec, ...], shard_coordinates: tuple[int, int], optimizer: str
-) -> tuple[int, int]:
-    """Elements of optimizer state on the rank: AdamW's two moments, and Muon's momentum
-    (``groups`` cached by identity, as ``fsdp_groups`` returns
-    them: the search asks once per microbatch count and policy)."""
+) -> tuple[int, int, int]:
+    """Elements of optimizer state on the rank: AdamW's two moments, Muon's momentum, and
+    how many parameters AdamW steps (``groups`` cached by identity, as ``fsdp_groups``
+    returns them: the search asks once per microbatch count and policy)."""
     key = (id(groups), shard_coordinates, optimizer)
     cached = _OPTIMIZER_STATE.get(key)
     if cached is not None and cached[0] is groups:
         return cached[1]
-    adamw = muon = 0
+    moments = momentum = adamw_params = 0
     dense, expert = shard_coordinates
     for g in groups:
         coordinate = expert if g.is_experts else dense
         for p, n in zip(g.params, g.local_numels(coordinate), strict=True):
             if optimizer == "muon" and p.optimizer == "muon":
-                muon += n
+                momentum += n
             else:
-                adamw += 2 * n
-    _OPTIMIZER_STATE[key] = (groups, (adamw, muon))
-    return adamw, muon
+                moments += 2 * n
+                adamw_params += 1
+    _OPTIMIZER_STATE[key] = (groups, (moments, momentum, adamw_params))
+    return moments, momentum, adamw_params
+
+
+def block_kept(
+    model: ModelConfig, index: int, tokens: int, shape: StepShape, parallel: ParallelConfig
+) -> KeptActivations:
+    """What block ``index`` keeps for ``tokens`` tokens of a rank under ``shape``'s policy
+    and swap, at ``parallel``'s degrees (:func:`~hp_train.dryrun.activation.block_activations`
+    and :func:`~hp_train.dryrun.activation.kept_activations`)."""
+    acts = block_activations(
+        model,
+        index,
+        tokens,
+        shape.seq_len,
+        parallel.tp,
+        shape.precision.compute,
+        flash_attention=shape.flash_attention,
+        cp=parallel.cp,
+        cp_variant=parallel.cp_variant,
+        ep_tp=parallel.ep_tp,
+        swap_min_bytes=SWAP_MIN_BYTES if shape.swap else None,
+    )
+    return kept_activations(acts, shape.ac, shape.ac_budget_bytes, swap=shape.swap)
 
 
 def memory_breakdown(
@@ -214,40 +244,18 @@ def memory_breakdown(
     padding) exactly.
     """
     prec = shape.precision
-    tp = parallel.tp
     chunks = sum(g.flat.chunk_numel for g in groups)
-    optimizer, muon_state = _optimizer_state(groups, shard_coordinates, shape.optimizer)
-    optimizer *= prec.optimizer
-    muon_state *= prec.optimizer
-    # AdamW's 4-byte step counter per parameter it steps.
-    optimizer += 4 * sum(
-        1
-        for g in groups
-        for p in g.params
-        if not (shape.optimizer == "muon" and p.optimizer == "muon")
-    )
-    optimizer += muon_state
+    moments, momentum, adamw_params = _optimizer_state(groups, shard_coordinates, shape.optimizer)
+    muon_state = momentum * prec.optimizer
+    # AdamW's two moments, and its 4-byte step counter per parameter it steps.
+    optimizer = moments * prec.optimizer + 4 * adamw_params + muon_state
     by_layer: list[tuple[str, int]] = []
     swapped: list[int] = []
     transient = 0
-    budget = shape.ac_budget_bytes
     for g in groups:
         if g.block is None or g.is_experts:
             continue
-        acts = block_activations(
-            model,
-            g.block,
-            microbatch_tokens,
-            shape.seq_len,
-            tp,
-            prec.compute,
-            flash_attention=shape.flash_attention,
-            cp=parallel.cp,
-            cp_variant=parallel.cp_variant,
-            ep_tp=parallel.ep_tp,
-            swap_min_bytes=SWAP_MIN_BYTES if shape.swap else None,
-        )
-        kept = kept_activations(acts, shape.ac, budget, swap=shape.swap)
+        kept = block_kept(model, g.block, microbatch_tokens, shape, parallel)
         transient = max(transient, kept.transient)
         by_layer.append((g.name, kept.on_device))
         swapped.append(kept.swapped)

@@ -39,13 +39,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from hp_layout import Collective, Topology
-from hp_train.activations import SWAP_MIN_BYTES
 from hp_train.config import ModelConfig, ParallelConfig
-from hp_train.dryrun.activation import block_activations, kept_activations
 from hp_train.dryrun.comm import KINDS, CollectiveRecord, RankGrid
 from hp_train.dryrun.context_comm import context_records
 from hp_train.dryrun.expert_comm import expert_records
-from hp_train.dryrun.memory import MemoryBreakdown, fp8_record_bytes, memory_breakdown
+from hp_train.dryrun.memory import (
+    MemoryBreakdown,
+    block_kept,
+    fp8_record_bytes,
+    memory_breakdown,
+)
 from hp_train.dryrun.muon_traffic import MuonTraffic, muon_traffic
 from hp_train.dryrun.presets import Device, device_for
 from hp_train.dryrun.refusals import check_runtime_accepts
@@ -320,7 +323,6 @@ def _stage(
     flops = device.flops
     speed = device.fp8_speedup if shape.fp8 != "none" else 1.0
     blocks = sorted({g.block for g in groups if g.block is not None})
-    budget = shape.ac_budget_bytes
     fwd: dict[int, float] = {}
     attention: dict[int, float] = {}
     recompute_share: dict[int, float] = {}
@@ -339,19 +341,7 @@ def _stage(
         fwd[b] = ((total - scores) / speed + scores) * tokens / flops
         attn = attention_forward_flops(model, p.tp, shape.seq_len)
         attention[b] = ((attn - scores) / speed + scores) * tokens / flops
-        acts = block_activations(
-            model,
-            b,
-            tokens,
-            shape.seq_len,
-            p.tp,
-            prec.compute,
-            cp=p.cp,
-            cp_variant=p.cp_variant,
-            ep_tp=p.ep_tp,
-            swap_min_bytes=SWAP_MIN_BYTES if shape.swap else None,
-        )
-        kept = kept_activations(acts, shape.ac, budget, swap=shape.swap)
+        kept = block_kept(model, b, tokens, shape, p)
         recompute_share[b] = kept.recompute_fraction
         redo[b] = recompute_share[b] * fwd[b]
         swap[b] = kept.swapped / device.host_bandwidth
