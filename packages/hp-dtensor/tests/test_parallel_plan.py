@@ -17,6 +17,7 @@ from torch import nn
 from hp_dtensor import DeviceMesh, layout_of
 from hp_dtensor.contract import parallel_plan_of
 from hp_dtensor.parallel import (
+    Boundary,
     CausalAttention,
     ColwiseParallel,
     ContextParallel,
@@ -30,6 +31,7 @@ from hp_dtensor.parallel import (
     ParallelStyle,
     PlanError,
     RowwiseParallel,
+    ShardingPlan,
     parallelize_module,
     resolve,
     transformer_tp_plan,
@@ -273,7 +275,7 @@ def _modules_on_ranks(case: str) -> dict[str, Any]:
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model: nn.Module
-    plan: dict[str, ParallelStyle]
+    plan: dict[str, ParallelStyle | ShardingPlan]
     axes: dict[str, Any]
     if case == "ep":
         mesh = DeviceMesh("cpu", Mesh((2,), ("ep",)))
@@ -286,7 +288,10 @@ def _modules_on_ranks(case: str) -> dict[str, Any]:
         x = torch.randn(6, 8, requires_grad=True)
     else:
         mesh = DeviceMesh("cpu", Mesh((2,), ("cp",)))
-        model, plan, axes = _Attention(), {"core": ContextParallel(variant=case)}, {}
+        # Each rank's x is its own piece of the sequence (dim 2): the root says so.
+        sequence = ShardingPlan(inputs=(Boundary(Shard(2)),), outputs=Boundary(Shard(2)))
+        model, axes = _Attention(), {}
+        plan = {"": sequence, "core": ContextParallel(variant=case)}
         x = torch.randn(1, 4, 4, 4, requires_grad=True)
     with torch.device("meta"):
         meta = MoE(8, 12, 4, 2) if case.startswith("ep") else _Attention()

@@ -8,7 +8,9 @@ enforces it). ``docs/architecture.md`` describes the plan's life cycle.
 * :func:`layout_of`, :func:`annotate_layout`: a tensor's layout (our DTensor, a production-mode
   parameter, a torch DTensor, a plain tensor), and marking a plain tensor as a rank's shard.
 * :func:`grad_reduction_of`: the reduction a tensor-parallel plan recorded for a parameter's
-  gradient (the axes a sharder that takes over the parameter must still reduce over).
+  gradient (the axes a sharder that takes over the parameter must still reduce over);
+  :func:`hand_over_grad_reduction`: a sharder that took the parameter over says so, and the
+  tensor-parallel executor leaves its gradient alone from then on.
 * :func:`set_grad_layout`: the layout a DTensor parameter's gradient has once a sharder has
   reduced it (so that ``param.grad`` reports it).
 * :func:`set_materialize_target`: where ``hp_dtensor.parallel.materialize`` writes a meta
@@ -24,7 +26,11 @@ from __future__ import annotations
 from hp_dtensor.gradients import recorded_grad_layout as grad_layout_of
 from hp_dtensor.gradients import set_grad_layout
 from hp_dtensor.interop import annotate_layout, layout_of
-from hp_dtensor.parallel._grad_reduction import GradReduction, grad_reduction_of
+from hp_dtensor.parallel._grad_reduction import (
+    GradReduction,
+    grad_reduction_of,
+    hand_over_grad_reduction,
+)
 from hp_dtensor.parallel._plan_record import (
     parallel_plan_of,
     record_flat_slots,
@@ -41,6 +47,7 @@ __all__ = [
     "annotate_layout",
     "grad_layout_of",
     "grad_reduction_of",
+    "hand_over_grad_reduction",
     "layout_of",
     "parallel_plan_of",
     "record_flat_slots",

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from hp_dtensor import DTensor
-from hp_dtensor.contract import record_flat_slots
+from hp_dtensor.contract import hand_over_grad_reduction, record_flat_slots
 from hp_fsdp._group import FSDPParam, FSDPParamGroup, plan_params
 from hp_fsdp._mesh import as_hp_mesh, resolve_mesh
 from hp_fsdp._state import FSDPState
@@ -346,6 +346,8 @@ def fully_shard(
                 p.fqn = p.fqn.split(".", 1)[1]  # relative to its member, as for one module
     for _, _, _, param in params:
         setattr(param, _OWNER, owner)
+        # This group's reduce-scatter reduces the plan's axes too (group_plan's tail).
+        hand_over_grad_reduction(param)
     input_dtype = policy.param_dtype if policy.cast_forward_inputs else None
     state = FSDPState(members, groups, reshard, policy.output_dtype, input_dtype)
     for member in members:

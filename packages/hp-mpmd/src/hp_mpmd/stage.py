@@ -32,8 +32,9 @@ class StagePlacement:
         rank_groups: per plan rank, the global ranks that run its stages (every one of them
             holds the stage's input and output whole, i.e. replicated over the group).
         partial_input_grad: stages whose input gradient is a *partial sum* over their group
-            (e.g. a stage under hp-dtensor production-mode tensor parallelism whose first layer
-            is column-parallel: each rank's input gradient is its own contribution).
+            (each rank's input gradient is its own contribution, as a hand-written
+            tensor-parallel stage with no all-reduce at its input gives it; hp-dtensor's
+            production mode hands a stage's input gradient back whole on every rank).
 
     Communication rules between a producer group ``P`` (``p`` ranks) and a consumer group ``C``
     (``c`` ranks), with a single tensor crossing each stage boundary:

@@ -148,11 +148,9 @@ def build_pipeline(
     groups = tuple(
         tuple(grid.rank_at((s, replica, shard, t)) for t in range(tp)) for s in range(pp)
     )
-    # Under tensor parallelism a stage's input feeds column-parallel projections, whose input
-    # gradient each tp rank holds a partial sum of: the next stage's ranks send theirs to all
-    # ranks of the previous one, which add them.
-    partial = frozenset(range(1, pp)) if tp > 1 else frozenset()
-    placement = StagePlacement(groups, partial_input_grad=partial)
+    # A tensor-parallel stage hands its input gradient back whole on every tp rank (summed
+    # over tp inside the fast tier by hp-dtensor): one rank of the next stage sends it.
+    placement = StagePlacement(groups)
     runner = PipelineSchedule(
         plan,
         [PipelineStage(module, stage, pp, device=device)],

@@ -1,20 +1,31 @@
 """Reduction of replicated parameters' gradients, bucketed into one collective per backward.
 
 A parallelized parameter that is replicated along some mesh axes gets partial gradients there
-(each replica's contribution). A hook on its local tensor takes each fresh contribution as it
-arrives (the parameter's ``.grad`` accumulates zeros instead); a callback queued for the end of
-the backward pass reduces all contributions of one kind in one flat collective and adds them to
-the gradients. Gradient accumulation over several backward passes works: only fresh
+(each replica's contribution). Each fresh contribution is stashed in the model's bucket as it
+arrives; a callback queued for the end of the backward pass reduces all contributions of one
+kind in one flat collective and adds them to the gradients (creating ``.grad`` where the
+backward left none). Gradient accumulation over several backward passes works: only fresh
 contributions are reduced. Every rank runs the same backward graph, so every rank reduces the
 same bucket. Before that, a sum all-reduce over the same group in backward (a row-parallel
 output's) takes pending contributions along in its own collective, so in a tensor-parallel
 model the reduction usually costs no collective of its own.
 
+Contributions reach the bucket one of two ways:
+
+* production mode has the model read a stand-in of each parameter inside the model
+  (:mod:`hp_dtensor.parallel._region`): only those uses' gradients are partial and stashed,
+  while a use by the caller (a penalty on the parameter) reaches ``.grad`` whole, as autograd
+  computes it on every rank;
+* validation mode, and plans whose ranks each compute a loss of their own (expert
+  parallelism), hook the parameter's local tensor (:func:`install_grad_reductions`): every
+  contribution is the rank's own, and ``.grad`` accumulates zeros in its place.
+
 The reduction is recorded on the parameter (:func:`grad_reduction_of` reads it; other packages
-through :mod:`hp_dtensor.contract`) and installed by :func:`install_grad_reductions`, so a
-parameter replaced later with the same attributes (as deferred initialization does) gets its
-hook again. Each model has its own bucket (kept on the root module), so two models' backward
-passes never share pending contributions.
+through :mod:`hp_dtensor.contract`), so a parameter replaced later with the same attributes (as
+deferred initialization does) is reduced the same way. A sharder that takes a parameter over
+and reduces its gradient itself says so with :func:`hand_over_grad_reduction`; nothing here
+touches that parameter's gradient afterwards. Each model has its own bucket (kept on the root
+module), so two models' backward passes never share pending contributions.
 """
 
 from __future__ import annotations
@@ -33,7 +44,9 @@ from hp_layout import ReduceOp
 
 __all__ = [
     "GradReduction",
+    "grad_reduction_handed_over",
     "grad_reduction_of",
+    "hand_over_grad_reduction",
     "install_grad_reductions",
     "set_grad_reduction",
 ]
@@ -41,6 +54,10 @@ __all__ = [
 _SPEC = "_hp_dtensor_grad_reduction"
 _OWNER = "_hp_dtensor_grad_hook_owner"
 _BUCKET_ATTR = "_hp_dtensor_grad_bucket"
+# A production-mode region's token: the region stands in for this parameter (no leaf hook).
+_REGION = "_hp_dtensor_grad_region"
+# Set by a sharder that reduces the parameter's gradient itself.
+_HANDED_OVER = "_hp_dtensor_grad_reduction_handed_over"
 
 
 @dataclass(frozen=True)
@@ -74,9 +91,7 @@ class _Kind:
 class _Bucket:
     """Fresh gradient contributions of one backward pass, per reduction kind."""
 
-    pending: dict[_Kind, list[tuple[torch.Tensor, torch.Tensor, bool]]] = field(
-        default_factory=dict
-    )
+    pending: dict[_Kind, list[tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=dict)
     queued: bool = False
     kinds: dict[GradReduction, _Kind] = field(default_factory=dict)
 
@@ -91,7 +106,7 @@ class _Bucket:
         entries = self.pending.get(kind)
         if entries is None:
             entries = self.pending[kind] = []
-        entries.append((leaf, grad, leaf.grad is not None))
+        entries.append((leaf, grad))
         if not self.queued:
             self.queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self.flush)
@@ -100,12 +115,12 @@ class _Bucket:
         pending, self.pending, self.queued = self.pending, {}, False
         for kind, entries in pending.items():
             spec = kind.spec
-            flat = torch.cat([grad.reshape(-1) for _, grad, _ in entries])
+            flat = torch.cat([grad.reshape(-1) for _, grad in entries])
             for axis, op in spec.axes:
                 flat = _comm.all_reduce(flat, op, _comm.AxisGroup.of(spec.mesh, axis))
             offset = 0
-            for leaf, grad, had_grad in entries:
-                _deliver(leaf, had_grad, flat[offset : offset + grad.numel()].view_as(grad))
+            for leaf, grad in entries:
+                _deliver(leaf, flat[offset : offset + grad.numel()].view_as(grad))
                 offset += grad.numel()
 
     def riders(self, group: _comm.AxisGroup, dtype: torch.dtype) -> list[_comm.Rider]:
@@ -118,29 +133,30 @@ class _Bucket:
             if own.process_group is not group.process_group:
                 continue
             entries = self.pending[kind]
-            if any(grad.dtype != dtype for _, grad, _ in entries):
+            if any(grad.dtype != dtype for _, grad in entries):
                 continue
             del self.pending[kind]
-            out.extend((grad, _delivery(leaf, had_grad)) for leaf, grad, had_grad in entries)
+            out.extend((grad, _delivery(leaf)) for leaf, grad in entries)
         return out
 
 
-def _deliver(leaf: torch.Tensor, had_grad: bool, reduced: torch.Tensor) -> None:
-    if had_grad:
-        assert leaf.grad is not None
-        leaf.grad.add_(reduced)
-    else:
+def _deliver(leaf: torch.Tensor, reduced: torch.Tensor) -> None:
+    # Whether ``.grad`` exists is read now, not when the contribution arrived: a use outside
+    # the model may have created it since.
+    if leaf.grad is None:
         leaf.grad = reduced.clone()
+    else:
+        leaf.grad.add_(reduced)
 
 
-def _delivery(leaf: torch.Tensor, had_grad: bool) -> Callable[[torch.Tensor], None]:
+def _delivery(leaf: torch.Tensor) -> Callable[[torch.Tensor], None]:
     def deliver(reduced: torch.Tensor) -> None:
-        _deliver(leaf, had_grad, reduced)
+        _deliver(leaf, reduced)
 
     return deliver
 
 
-def _bucket_of(root: nn.Module) -> _Bucket:
+def bucket_of(root: nn.Module) -> _Bucket:
     """``root``'s bucket, made on first use; its riders join collectives while ``root`` lives."""
     bucket = getattr(root, _BUCKET_ATTR, None)
     if bucket is None:
@@ -176,13 +192,41 @@ def grad_reduction_of(param: torch.Tensor) -> GradReduction | None:
     return spec if isinstance(spec, GradReduction) else None
 
 
+def hand_over_grad_reduction(param: torch.Tensor) -> None:
+    """Record that a sharder now reduces ``param``'s gradient itself, the reduction
+    :func:`grad_reduction_of` gives included: the tensor-parallel executor leaves the gradient
+    of ``param`` alone from then on (no stand-in, no hook of its own)."""
+    setattr(param, _HANDED_OVER, True)
+
+
+def grad_reduction_handed_over(param: torch.Tensor) -> bool:
+    """Whether a sharder took ``param``'s gradient reduction over
+    (:func:`hand_over_grad_reduction`)."""
+    return bool(getattr(param, _HANDED_OVER, False))
+
+
+def set_grad_region(param: torch.Tensor, token: int) -> None:
+    """Record that production-mode region ``token`` stands in for ``param`` in the model (its
+    gradient gets no leaf hook)."""
+    setattr(param, _REGION, token)
+
+
+def grad_region_of(param: torch.Tensor) -> int | None:
+    """The token of the region standing in for ``param``, None if none does."""
+    token = getattr(param, _REGION, None)
+    return token if isinstance(token, int) else None
+
+
 def install_grad_reductions(module: nn.Module) -> None:
-    """Install the recorded reductions on every parameter of ``module`` that lacks its hook
-    (``module``'s bucket collects their contributions)."""
-    bucket = _bucket_of(module)
+    """Hook the recorded reductions on every parameter of ``module`` that lacks its hook and
+    that no production-mode region stands in for (``module``'s bucket collects their
+    contributions)."""
+    bucket = bucket_of(module)
     for param in module.parameters():
         spec = getattr(param, _SPEC, None)
         if spec is None or getattr(param, _OWNER, None) == id(param):
+            continue
+        if grad_region_of(param) is not None or grad_reduction_handed_over(param):
             continue
         if not param.requires_grad:
             continue

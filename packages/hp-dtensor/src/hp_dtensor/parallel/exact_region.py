@@ -28,33 +28,11 @@ from torch import nn
 from hp_dtensor import _comm
 from hp_dtensor.collectives import _apply
 from hp_dtensor.device_mesh import DeviceMesh
-from hp_layout import ReduceOp
+from hp_dtensor.parallel._region import _ExactToPartial, _PartialToExact, keep_edge_outermost
 
 __all__ = ["exact_gradients_of", "partial_gradients_of", "run_in_exact_region"]
 
 _MARK = "_hp_dtensor_exact_region_axis"
-
-
-class _PartialToExact(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: _comm.AxisGroup) -> torch.Tensor:
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _comm.all_reduce(grad.contiguous(), ReduceOp.SUM, ctx.group), None
-
-
-class _ExactToPartial(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: _comm.AxisGroup) -> torch.Tensor:
-        ctx.keep = group.index == 0
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return (grad if ctx.keep else torch.zeros_like(grad)), None
 
 
 def exact_gradients_of(x: torch.Tensor, mesh: DeviceMesh, axis: str) -> torch.Tensor:
@@ -94,4 +72,6 @@ def run_in_exact_region(module: nn.Module, mesh: DeviceMesh, axis: str) -> None:
 
     module.register_forward_pre_hook(enter)
     module.register_forward_hook(leave)
+    # Called by the caller itself, the module's edge converts what leaves the exact region.
+    keep_edge_outermost(module)
     setattr(module, _MARK, axis)

@@ -46,7 +46,7 @@ from hp_dtensor.collectives import _apply, all_reduce, all_to_all_rows
 from hp_dtensor.device_mesh import DeviceMesh
 from hp_dtensor.dtensor import DTensor
 from hp_dtensor.interop import layout_of
-from hp_dtensor.parallel.exact_region import _PartialToExact as _CopyToTp
+from hp_dtensor.parallel._region import _PartialToExact as _CopyToTp
 from hp_dtensor.parallel.moe import MoE, combine, grouped_swiglu, route, sort_by_expert, swiglu
 from hp_dtensor.parallel.plan import PlanError
 from hp_layout import Layout, ReduceOp, Shard

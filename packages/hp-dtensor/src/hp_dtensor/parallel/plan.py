@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
-from hp_layout import Placement
+from hp_layout import Placement, Shard
 
 if TYPE_CHECKING:
     from torch import nn
@@ -100,6 +100,12 @@ class ShardingPlan:
         """Collectives the module runs inside per forward and backward, by kind, beyond its
         boundaries' (expert dispatch, context-parallel attention); none for most plans."""
         return {}
+
+    def per_rank_loss(self) -> bool:
+        """Whether, over the parallel axis, each rank's caller computes a loss of its own (the
+        global loss is the sum of the ranks' losses, as expert parallelism's per-rank tokens
+        make it), instead of one loss that is the same on every rank. False for most plans."""
+        return False
 
     def lower(self, module: nn.Module, name: str) -> ShardingPlan:
         """A ShardingPlan is already lowered; check its parameter names exist."""
@@ -239,6 +245,12 @@ class ExpertParallelPlan(ShardingPlan):
             "tokens dispatched and combined by all-to-all, sizes planned each forward from "
             "the router's counts"
         )
+
+    def per_rank_loss(self) -> bool:
+        """Tokens that arrive sharded (each rank routes its own batch) make each rank's loss
+        its own term of the global one; tokens that arrive replicated do not."""
+        arrives = self.input_boundary(0)
+        return arrives is None or arrives.layout is None or isinstance(arrives.layout, Shard)
 
     def collectives(self, axis_size: int) -> Mapping[str, int]:
         if axis_size == 1:

@@ -16,6 +16,7 @@ from hp_dtensor.parallel.styles import (
     ColwiseParallel,
     ParallelStyle,
     PrepareModuleInput,
+    PrepareModuleInputOutput,
     RowwiseParallel,
     SequenceParallel,
 )
@@ -99,5 +100,13 @@ def transformer_tp_plan(
         )
         plan[mlp] = PrepareModuleInput(
             input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+        )
+        # Nothing moves at a block's edge; the placements are recorded for a caller that runs
+        # the blocks itself (the sum a block returns carries none of its own).
+        plan[block] = PrepareModuleInputOutput(
+            input_layouts=(Shard(1),),
+            desired_input_layouts=(Shard(1),),
+            output_layouts=Shard(1),
+            desired_output_layouts=Shard(1),
         )
     return plan

@@ -30,67 +30,36 @@ from __future__ import annotations
 
 import types
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
 
-from hp_dtensor.collectives import _apply
+from hp_dtensor import _comm
 from hp_dtensor.device_mesh import DeviceMesh
 from hp_dtensor.interop import annotate_layout
 from hp_dtensor.parallel._boundary import BoundaryConverter, Move
-from hp_dtensor.parallel._grad_reduction import install_grad_reductions, set_grad_reduction
-from hp_dtensor.parallel._structure import map_tensors, rebuild_sequence
+from hp_dtensor.parallel._grad_reduction import (
+    bucket_of,
+    grad_region_of,
+    install_grad_reductions,
+    set_grad_reduction,
+    set_grad_region,
+)
+from hp_dtensor.parallel._region import (
+    GATHERED_FROM_ATTR,
+    ModuleEdge,
+    Region,
+    placement_of,
+    sequence_sharded,
+    set_placement,
+)
+from hp_dtensor.parallel._structure import rebuild_sequence
 from hp_dtensor.parallel.plan import Boundary, PlanError, ShardingPlan
 from hp_dtensor.parallel.resolved import ParallelPlan
 from hp_layout import Layout, Placement, Replicate
 
 __all__ = ["apply_production"]
-
-# Tensors handed on by a boundary carry their placement on the parallel axis in this attribute
-# (the root output hook reads it).
-_PLACEMENT_ATTR = "_hp_dtensor_boundary_placement"
-
-
-def _placement_of(value: torch.Tensor) -> Placement:
-    placement = getattr(value, _PLACEMENT_ATTR, None)
-    return placement if placement is not None else Replicate()
-
-
-class _ExactToAdjoint(torch.autograd.Function):
-    """Identity forward. Backward: the caller's gradient of a replicated output is the same on
-    every rank; the adjoint convention inside wants it once, at coordinate 0."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, keep: bool) -> torch.Tensor:
-        ctx.keep = keep
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return (grad if ctx.keep else torch.zeros_like(grad)), None
-
-
-_GATHERED_FROM_ATTR = "_hp_dtensor_gathered_from"
-
-
-class _GatheredOutput(torch.autograd.Function):
-    """The model's gathered output, connected straight to the local shard it came from: the
-    caller's gradient is whole on every rank, so the shard's gradient is its slice."""
-
-    @staticmethod
-    def forward(
-        ctx: Any, source: torch.Tensor, gathered: torch.Tensor, box: tuple[tuple[int, int], ...]
-    ) -> torch.Tensor:
-        ctx.box = box
-        return gathered.view_as(gathered)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        out = grad
-        for d, (a, b) in enumerate(ctx.box):
-            out = out.narrow(d, a, b - a)
-        return out, None, None
 
 
 def _moves(boundary: Boundary | None) -> bool:
@@ -141,12 +110,13 @@ class _Edge:
 
     def __call__(self, value: torch.Tensor) -> torch.Tensor:
         if self.static:
-            setattr(value, _PLACEMENT_ATTR, self.dst)
+            if self.dst is not None:
+                set_placement(value, self.dst)
             return value
         src = self.src
         if src is None:
             # Whatever arrives: its placement is part of the key.
-            src = _placement_of(value)
+            src = placement_of(value) or Replicate()
             dst = self.dst if self.dst is not None else src
             key: Any = (src, value.shape)
         else:
@@ -161,10 +131,9 @@ class _Edge:
         else:
             out = move(value)
             if move.gathered_box is not None:
-                # If this turns out to be the model's output, its backward can slice (see
-                # _root_output_hook).
-                setattr(out, _GATHERED_FROM_ATTR, (value, move.gathered_box))
-        setattr(out, _PLACEMENT_ATTR, dst)
+                # Handed to the caller, its backward can slice (see _region).
+                setattr(out, GATHERED_FROM_ATTR, (value, move.gathered_box))
+        set_placement(out, dst)
         return out
 
 
@@ -240,6 +209,7 @@ def apply_production(root: nn.Module, mesh: DeviceMesh, resolved: ParallelPlan) 
     axis_mesh = mesh[axis]
     converter = BoundaryConverter(axis_mesh)
     coordinate = mesh.get_local_rank(axis)
+    region = _region_of(root, mesh, resolved)
     done: dict[int, nn.Parameter] = {}
     for prefix, module in root.named_modules():
         for name, param in list(module.named_parameters(recurse=False)):
@@ -250,6 +220,8 @@ def apply_production(root: nn.Module, mesh: DeviceMesh, resolved: ParallelPlan) 
             local = _local_param(param, planned.layout, rank)
             if planned.reduction is not None:
                 set_grad_reduction(local, mesh, planned.reduction.axes)
+                if region is not None:
+                    set_grad_region(local, region.token)
             done[id(param)] = local
             setattr(module, name, local)
 
@@ -270,10 +242,49 @@ def apply_production(root: nn.Module, mesh: DeviceMesh, resolved: ParallelPlan) 
             check.install(module)
         if edges.outputs is not None:
             module.register_forward_hook(_post_hook(edges))
-    root.register_forward_hook(
-        _root_output_hook(coordinate, f"the output of {type(root).__name__}")
-    )
-    install_grad_reductions(root)
+    if region is None:
+        install_grad_reductions(root)
+    else:
+        _install_region(root, resolved, region)
+
+
+def _region_of(root: nn.Module, mesh: DeviceMesh, resolved: ParallelPlan) -> Region | None:
+    """The model's region (:mod:`hp_dtensor.parallel._region`), or None where each rank's
+    caller computes a loss of its own over the axis (expert parallelism)."""
+    if any(m.sharding.per_rank_loss() for m in resolved.modules):
+        return None
+    # What crosses between modules: inputs as they arrive, outputs as they are handed on.
+    placements: list[Placement | None] = []
+    for m in resolved.modules:
+        plan = m.sharding
+        placements += [b.layout for b in (*plan.inputs, *plan.kwarg_inputs.values()) if b]
+        outputs = plan.outputs
+        for b in outputs if isinstance(outputs, tuple) else (outputs,):
+            if b is not None:
+                placements.append(b.target)
+    group = _comm.AxisGroup.of(mesh, resolved.tp_axis)
+    return Region(root, group, bucket_of(root), sequence_sharded(placements))
+
+
+def _install_region(root: nn.Module, resolved: ParallelPlan, region: Region) -> None:
+    """Track the calls of the root, of every planned module and of every module holding
+    parameters: any of them the caller may call itself."""
+    planned = {m.name: m.sharding for m in resolved.modules}
+    for prefix, module in root.named_modules():
+        plan = planned.get(prefix)
+        if module is not root and plan is None and next(module.parameters(), None) is None:
+            continue
+        reduced = tuple(
+            (owner, n)
+            for owner in module.modules()
+            for n, p in owner.named_parameters(recurse=False)
+            if grad_region_of(p) == region.token
+        )
+        edge = ModuleEdge(prefix, params=reduced)
+        if plan is not None:
+            edge.inputs = tuple(None if b is None else b.layout for b in plan.inputs)
+            edge.kwargs = {k: b.layout for k, b in plan.kwarg_inputs.items()}
+        region.install(module, edge)
 
 
 class _FirstInputCheck:
@@ -289,7 +300,7 @@ class _FirstInputCheck:
     def __call__(self, module: nn.Module, args: tuple[Any, ...]) -> None:
         self.done = True
         x = args[0] if args else None
-        weight = module.get_parameter("weight")
+        weight = cast(torch.Tensor, module.weight)
         if isinstance(x, torch.Tensor) and x.dim() and x.shape[-1] != weight.shape[-1]:
             raise PlanError(
                 f"module {self.name!r} ({self.style}): its input arrives with {x.shape[-1]} "
@@ -326,33 +337,6 @@ def _pre_hook_with_kwargs(edges: _Edges) -> Callable[..., Any]:
 def _post_hook(edges: _Edges) -> Callable[..., Any]:
     def hook(module: nn.Module, args: Any, output: Any) -> Any:
         return edges.convert_output(output)
-
-    return hook
-
-
-def _root_output_hook(coordinate: int, where: str) -> Callable[..., Any]:
-    def adjoint(value: torch.Tensor) -> torch.Tensor:
-        placement = _placement_of(value)
-        if not isinstance(placement, Replicate) or not value.requires_grad:
-            return value
-        gathered = getattr(value, _GATHERED_FROM_ATTR, None)
-        if gathered is not None:
-            # Gathered shards whose gradient arrives whole on every rank: each rank's shard
-            # gradient is its slice, with no collective (instead of a reduce-scatter of the
-            # adjoint pieces).
-            source, box = gathered
-            sliced: torch.Tensor = _apply(_GatheredOutput)(source, value.detach(), box)
-            return sliced
-        out: torch.Tensor = _apply(_ExactToAdjoint)(value, coordinate == 0)
-        return out
-
-    def hook(module: nn.Module, args: Any, output: Any) -> Any:
-        if isinstance(output, torch.Tensor):
-            return adjoint(output)
-        # Every tensor the model hands out, wherever it sits (a loss inside a ModelOutput, a
-        # dict of heads): one skipped would keep every rank's gradient and scale the
-        # parameters' gradients by the axis size.
-        return map_tensors(adjoint, output, where=where)
 
     return hook
 

@@ -12,8 +12,8 @@ are placements on the parallel (tensor-parallel) mesh axis.
   sequence parallel).
 * :class:`SequenceParallel` -- replicated parameters, input and output sharded on the sequence
   dim (norms, dropout, element-wise modules).
-* :class:`PrepareModuleInput` / :class:`PrepareModuleOutput` -- only convert a module's inputs
-  or outputs.
+* :class:`PrepareModuleInput` / :class:`PrepareModuleOutput` /
+  :class:`PrepareModuleInputOutput` -- only convert a module's inputs, outputs, or both.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ __all__ = [
     "ExpertTensorParallel",
     "ParallelStyle",
     "PrepareModuleInput",
+    "PrepareModuleInputOutput",
     "PrepareModuleOutput",
     "RowwiseParallel",
     "SequenceParallel",
@@ -448,6 +449,50 @@ class PrepareModuleInput(ParallelStyle):
             kwarg_inputs=kwargs,
             use_local_output=self.use_local_output,
             style="PrepareModuleInput",
+        )
+
+
+@dataclass(frozen=True)
+class PrepareModuleInputOutput(ParallelStyle):
+    """Convert a module's inputs and its outputs (torch's name): :class:`PrepareModuleInput`
+    and :class:`PrepareModuleOutput` on one module. With layouts equal to the desired ones
+    nothing moves, but the placements are recorded: a caller may then call the module itself
+    with tensors whose placement it does not record (under sequence parallelism, a block
+    between sequence-sharded activations).
+
+    Attributes:
+        input_layouts, desired_input_layouts, input_kwarg_layouts,
+        desired_input_kwarg_layouts: as :class:`PrepareModuleInput`.
+        output_layouts, desired_output_layouts: as :class:`PrepareModuleOutput`.
+        use_local_output: hand on plain local tensors (validation mode keeps DTensors).
+    """
+
+    input_layouts: tuple[Placement | None, ...] | None = None
+    desired_input_layouts: tuple[Placement | None, ...] | None = None
+    input_kwarg_layouts: Mapping[str, Placement] = field(default_factory=dict)
+    desired_input_kwarg_layouts: Mapping[str, Placement] = field(default_factory=dict)
+    output_layouts: Placement | tuple[Placement | None, ...] = field(default_factory=Replicate)
+    desired_output_layouts: Placement | tuple[Placement | None, ...] = field(
+        default_factory=Replicate
+    )
+    use_local_output: bool = True
+
+    def lower(self, module: nn.Module, name: str) -> ShardingPlan:
+        inputs = PrepareModuleInput(
+            self.input_layouts,
+            self.desired_input_layouts,
+            self.input_kwarg_layouts,
+            self.desired_input_kwarg_layouts,
+        ).lower(module, name)
+        outputs = PrepareModuleOutput(
+            self.output_layouts, self.desired_output_layouts, self.use_local_output
+        ).lower(module, name)
+        return ShardingPlan(
+            inputs=inputs.inputs,
+            kwarg_inputs=inputs.kwarg_inputs,
+            outputs=outputs.outputs,
+            use_local_output=self.use_local_output,
+            style="PrepareModuleInputOutput",
         )
 
 

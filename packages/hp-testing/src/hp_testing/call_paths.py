@@ -1,0 +1,155 @@
+"""The ways a caller forms a loss from a model, for gradient tests of parallel executors.
+
+A parallel executor can be right for ``loss(model(x)).backward()`` and wrong for everything
+else: a loss on a chain of submodules the caller runs itself, on an intermediate tensor, on a
+parameter, on two forwards of one module, or with activation checkpointing around the
+modules. Each *call path* here is a function ``(model, ids, targets) -> [losses]`` over an
+:class:`hp_testing.llama.Llama` (or anything with its module names: ``tok_embeddings``,
+``layers``, ``norm``, ``output``, the ``cos``/``sin`` buffers). The caller runs ``backward()``
+on each loss in turn (two entries: gradient accumulation over two backward passes), on a
+single-device model and on the parallel one, and compares the gradients.
+
+Every path is written with plain module calls and plain tensor ops, so it runs unchanged on a
+single-device model, on an hp-dtensor production model and on a model parallelized by
+``torch.distributed.tensor.parallel`` (whose unplanned parameters, the norms, stay plain).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from types import MethodType
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+__all__ = ["PATHS", "CallPath", "cross_entropy", "penalized_parameters"]
+
+# The model is typed ``Any``: paths reach into its submodules by name.
+CallPath = Callable[[Any, torch.Tensor, torch.Tensor], list[torch.Tensor]]
+
+PENALTY = 0.1
+
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of ``[batch, seq, vocab]`` logits."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def penalized_parameters(model: Any) -> list[torch.Tensor]:
+    """The parameters the ``penalty`` path puts in the loss, as plain tensors: the norms'
+    scales, replicated by every tensor-parallel plan (the same values on every rank; a torch
+    DTensor under torch's sequence parallelism, read through ``to_local()``, whose gradient
+    torch takes as replicated)."""
+    out = []
+    for p in (model.norm.weight, model.layers[0].attn_norm.weight):
+        torch_dtensor = type(p).__module__.startswith("torch.distributed")
+        out.append(p.to_local() if torch_dtensor else p)
+    return out
+
+
+def _tables(model: Any, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    seq = ids.shape[1]
+    cos: torch.Tensor = model.cos[:seq]
+    sin: torch.Tensor = model.sin[:seq]
+    return cos, sin
+
+
+def _root(model: Any, ids: torch.Tensor, targets: torch.Tensor) -> list[torch.Tensor]:
+    return [cross_entropy(model(ids), targets)]
+
+
+def _chain(model: Any, ids: torch.Tensor, targets: torch.Tensor) -> list[torch.Tensor]:
+    # The caller runs every submodule itself, as a chunked or fused loss does with the head.
+    cos, sin = _tables(model, ids)
+    x = model.tok_embeddings(ids)
+    for layer in model.layers:
+        x = layer(x, cos, sin)
+    return [cross_entropy(model.output(model.norm(x)), targets)]
+
+
+def _intermediate(model: Any, ids: torch.Tensor, targets: torch.Tensor) -> list[torch.Tensor]:
+    # A term on the first block's output, which also feeds the next block.
+    cos, sin = _tables(model, ids)
+    x = model.tok_embeddings(ids)
+    first = model.layers[0](x, cos, sin)
+    x = first
+    for layer in list(model.layers)[1:]:
+        x = layer(x, cos, sin)
+    logits = model.output(model.norm(x))
+    return [cross_entropy(logits, targets) + 0.05 * first.pow(2).mean()]
+
+
+def _twice(model: Any, ids: torch.Tensor, targets: torch.Tensor) -> list[torch.Tensor]:
+    # Two forwards of the same modules in one backward.
+    return [cross_entropy(model(ids), targets) + 0.5 * cross_entropy(model(ids.flip(1)), targets)]
+
+
+def _penalty(model: Any, ids: torch.Tensor, targets: torch.Tensor) -> list[torch.Tensor]:
+    loss = cross_entropy(model(ids), targets)
+    for p in penalized_parameters(model):
+        loss = loss + PENALTY * (p - 0.5).pow(2).sum()
+    return [loss]
+
+
+def _accumulate(model: Any, ids: torch.Tensor, targets: torch.Tensor) -> list[torch.Tensor]:
+    # Two backward passes into the same gradients (accumulation over two micro-batches);
+    # each loss is built right before its backward.
+    half = ids.shape[0] // 2
+    return [
+        0.5 * cross_entropy(model(ids[:half]), targets[:half]),
+        0.5 * cross_entropy(model(ids[half:]), targets[half:]),
+    ]
+
+
+@contextlib.contextmanager
+def _checkpointed_blocks(model: Any, *, use_reentrant: bool) -> Iterator[None]:
+    """Each block's forward run through ``torch.utils.checkpoint`` (the block's own hooks stay
+    outside, its submodules' inside) while the context lasts."""
+    blocks = list(model.layers)
+    for block in blocks:
+        inner = type(block).forward
+
+        def forward(self: nn.Module, *args: Any, _inner: Any = inner) -> Any:
+            return checkpoint(_inner, self, *args, use_reentrant=use_reentrant)
+
+        block.forward = MethodType(forward, block)
+    try:
+        yield
+    finally:
+        for block in blocks:
+            del block.forward
+
+
+def _checkpoint_inside(use_reentrant: bool) -> CallPath:
+    def path(model: Any, ids: torch.Tensor, targets: torch.Tensor) -> list[torch.Tensor]:
+        with _checkpointed_blocks(model, use_reentrant=use_reentrant):
+            return [cross_entropy(model(ids), targets)]
+
+    return path
+
+
+def _checkpoint_chain(model: Any, ids: torch.Tensor, targets: torch.Tensor) -> list[torch.Tensor]:
+    # The caller checkpoints the blocks it calls itself.
+    cos, sin = _tables(model, ids)
+    x = model.tok_embeddings(ids)
+    for layer in model.layers:
+        x = checkpoint(layer, x, cos, sin, use_reentrant=False)
+    return [cross_entropy(model.output(model.norm(x)), targets)]
+
+
+#: Every call path by name.
+PATHS: dict[str, CallPath] = {
+    "root": _root,
+    "chain": _chain,
+    "intermediate": _intermediate,
+    "twice": _twice,
+    "penalty": _penalty,
+    "accumulate": _accumulate,
+    "checkpoint": _checkpoint_inside(use_reentrant=False),
+    "checkpoint_reentrant": _checkpoint_inside(use_reentrant=True),
+    "checkpoint_chain": _checkpoint_chain,
+}
