@@ -245,16 +245,18 @@ def _overlap_case() -> list[str]:
     for p, f in zip(params, fulls, strict=True):
         p.grad = sharder.grad(p, f)
     events: list[str] = []
-    ns_name = "orthogonalize_many"  # patched where Muon looks it up
+    ns_name = "orthogonalize_counted"  # patched where Muon looks it up
     real_a2a, real_ns = dist.all_to_all_single, getattr(muon_module, ns_name)
 
     def a2a(*args: object, **kwargs: object) -> object:
         events.append("a2a")
         return real_a2a(*args, **kwargs)  # type: ignore[arg-type]
 
-    def ns(matrices: list[torch.Tensor], *args: object, **kwargs: object) -> list[torch.Tensor]:
+    def ns(
+        matrices: list[torch.Tensor], *args: object, **kwargs: object
+    ) -> tuple[list[torch.Tensor], int]:
         events.append(f"ns{len(matrices)}")
-        out: list[torch.Tensor] = real_ns(matrices, *args, **kwargs)
+        out: tuple[list[torch.Tensor], int] = real_ns(matrices, *args, **kwargs)
         return out
 
     dist.all_to_all_single = a2a

@@ -43,8 +43,14 @@ def _step(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return loss.detach()
 
 
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    """A torch DTensor's (fully_shard's parameters and gradients) whole value; else ``t``."""
+    full = getattr(t, "full_tensor", None)
+    return full() if callable(full) else t
+
+
 def _grads(model: nn.Module) -> list[torch.Tensor]:
-    return [p.grad.reshape(-1) for p in model.parameters() if p.grad is not None]
+    return [_whole(p.grad).reshape(-1) for p in model.parameters() if p.grad is not None]
 
 
 def _compare(model: nn.Module, reference: nn.Module, x: torch.Tensor, what: str) -> None:
@@ -61,6 +67,10 @@ def snippet_fully_shard(x: torch.Tensor) -> None:
     model = _mlp()
     mesh = init_device_mesh(device_type="cpu", mesh_shape=(1,), mesh_dim_names=("dp",))
     model = fully_shard(model, mesh=mesh)
+    # As upstream: parameters of their global shape (hp-fsdp's per-parameter layout).
+    shapes = [tuple(p.shape) for p in model.parameters()]
+    if shapes != [tuple(p.shape) for p in _mlp().parameters()]:
+        raise AssertionError(f"fully_shard must keep global shapes, got {shapes}")
     _compare(model, _mlp(), x, "fully_shard")
 
 

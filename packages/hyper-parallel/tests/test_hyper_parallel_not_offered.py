@@ -106,7 +106,9 @@ CASES: list[tuple[str, Callable[[], object], type[Exception], tuple[str, ...]]] 
     ),
     (
         "get_hyper_optimizer unknown option",
-        lambda: hp.get_hyper_optimizer(_linear(), [], [_linear().bias], adamw_kwargs={"x": 1}),
+        lambda: hp.get_hyper_optimizer(
+            _linear(), [_linear().weight], [_linear().bias], adamw_kwargs={"x": 1}
+        ),
         TypeError,
         ("'x'", "betas"),
     ),

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor as TorchDTensor
 
 from hp_dtensor import DeviceMesh
 from hp_dtensor.parallel.equivalence import full_value
@@ -34,6 +35,14 @@ def _assert_close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
     )
 
 
+def _whole(t: torch.Tensor, mesh: DeviceMesh, like: torch.Tensor | None = None) -> torch.Tensor:
+    """The whole value of a parameter or gradient: a torch DTensor (``fully_shard``'s
+    per-parameter layout) gathers itself, anything else goes through ``full_value``."""
+    if isinstance(t, TorchDTensor):
+        return t.full_tensor().detach()
+    return full_value(t, mesh, like=like)
+
+
 def _grads_match(model: nn.Module, reference: nn.Module, mesh: DeviceMesh, what: str) -> list[str]:
     """Every parameter's whole gradient equals the reference's; the names compared."""
     names = []
@@ -42,7 +51,7 @@ def _grads_match(model: nn.Module, reference: nn.Module, mesh: DeviceMesh, what:
     ):
         assert p.grad is not None, (what, name)
         assert q.grad is not None, (what, name)
-        _assert_close(full_value(p.grad, mesh, like=p), q.grad, f"{what}: grad of {name}")
+        _assert_close(_whole(p.grad, mesh, like=p), q.grad, f"{what}: grad of {name}")
         names.append(ref_name)
     return names
 
@@ -69,7 +78,9 @@ def _snippet_fully_shard() -> dict[str, Any]:
     mesh = init_device_mesh(device_type="cpu", mesh_shape=(dp_size,), mesh_dim_names=("dp",))
     model = fully_shard(model, mesh=mesh)
     # --- end
-    local_numel = sum(p.numel() for p in model.parameters())
+    # As upstream and torch FSDP2: DTensors of the global shape, rows sharded over "dp".
+    shapes = [(tuple(p.shape), type(p).__name__, str(p.placements)) for p in model.parameters()]  # type: ignore[attr-defined]
+    local_numel = sum(p.to_local().numel() for p in model.parameters())  # type: ignore[attr-defined]
     g = torch.Generator().manual_seed(1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
@@ -87,13 +98,21 @@ def _snippet_fully_shard() -> dict[str, Any]:
         _grads_match(model, reference, mesh, f"step {step}")
         optimizer.step()
         ref_optimizer.step()
-    return {"local_numel": local_numel, "numel": sum(p.numel() for p in reference.parameters())}
+    return {
+        "local_numel": local_numel,
+        "numel": sum(p.numel() for p in reference.parameters()),
+        "shapes": shapes,
+    }
 
 
 @pytest.mark.multiprocess
 def test_snippet_1_fully_shard_matches_single_device() -> None:
+    want = [
+        (tuple(p.shape), "DTensor", "(Shard(dim=0),)") for p in _mlp().parameters()
+    ]  # (16, 8), (16,), (4, 16), (4,)
     for result in run_on_ranks(2, _snippet_fully_shard, timeout=TIMEOUT):
         assert result["local_numel"] < result["numel"], result  # sharded, not replicated
+        assert result["shapes"] == want, result
 
 
 # --------------------------------------------------------------------------------------------
@@ -479,7 +498,7 @@ def _snippet_optimizer() -> None:
             else:
                 _assert_close(got, loss.detach(), f"step {step} loss")
     for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
-        _assert_close(full_value(p, mesh), q.detach(), f"{name} after 3 steps")
+        _assert_close(_whole(p, mesh), q.detach(), f"{name} after 3 steps")
 
 
 @pytest.mark.multiprocess
@@ -542,7 +561,9 @@ def _snippet_activation() -> dict[str, int]:
     x = torch.randn(32 * world, 16, generator=torch.Generator().manual_seed(1))
     ref_loss = reference(x).pow(2).mean()
     ref_loss.backward()
-    with ActivationMeter(exclude=list(model.parameters())) as meter:
+    # The meter excludes storages: a DTensor parameter's is its local tensor's.
+    local_params = [p.to_local() if isinstance(p, TorchDTensor) else p for p in model.parameters()]
+    with ActivationMeter(exclude=local_params) as meter:
         loss = model(x.chunk(world)[rank]).pow(2).mean()
         loss.backward()
     global_loss = loss.detach().clone()

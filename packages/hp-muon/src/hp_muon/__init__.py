@@ -6,14 +6,21 @@ pieces gathered and results scattered in one bf16 all-to-all each way per bucket
 """
 
 from hp_muon.chained import ChainedOptimizer, ParamSplit, muon_with_adamw, split_params
+from hp_muon.checks import FLAT_LAYOUT_HINT, check_muon_params, flat_pieces_of_matrices
 from hp_muon.coefficients import KELLER, PRESETS, coefficient_schedule
 from hp_muon.muon import Muon, MuonStepStats, adjusted_lr
-from hp_muon.newton_schulz import orthogonalize, orthogonalize_batch, orthogonalize_many
+from hp_muon.newton_schulz import (
+    orthogonalize,
+    orthogonalize_batch,
+    orthogonalize_counted,
+    orthogonalize_many,
+)
 from hp_muon.plan import MatrixTensor, MuonPlan, PlanError, plan_muon_step
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "FLAT_LAYOUT_HINT",
     "KELLER",
     "PRESETS",
     "ChainedOptimizer",
@@ -25,10 +32,13 @@ __all__ = [
     "PlanError",
     "__version__",
     "adjusted_lr",
+    "check_muon_params",
     "coefficient_schedule",
+    "flat_pieces_of_matrices",
     "muon_with_adamw",
     "orthogonalize",
     "orthogonalize_batch",
+    "orthogonalize_counted",
     "orthogonalize_many",
     "plan_muon_step",
     "split_params",

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 from torch.optim.optimizer import Optimizer
 
+from hp_muon.checks import check_muon_params
 from hp_muon.muon import Muon
 from hp_muon.tensors import global_shape
 
@@ -238,11 +239,20 @@ def muon_with_adamw(
     ``torch.optim.AdamW`` (``adamw`` keyword arguments) on the rest, chained.
 
     ``muon_factory`` defaults to :class:`hp_muon.Muon`.
+
+    Raises:
+        ValueError: the split gives Muon no parameters, or one whose global shape has fewer
+            than 2 dims (:func:`hp_muon.check_muon_params`; the message names it): a chain
+            whose Muon steps nothing would train every matrix with AdamW.
     """
     chosen = split or split_params(model)
-    optimizers: list[Optimizer] = []
-    if chosen.muon:
-        optimizers.append((muon_factory or Muon)(chosen.muon_params, **dict(muon or {})))
+    check_muon_params(
+        chosen.muon_params,
+        "muon_with_adamw: the Muon part of the split",
+        names=[name for name, _ in chosen.muon],
+        model_params=model.named_parameters(),
+    )
+    optimizers: list[Optimizer] = [(muon_factory or Muon)(chosen.muon_params, **dict(muon or {}))]
     if chosen.adamw:
         optimizers.append(torch.optim.AdamW(chosen.adamw_params, **dict(adamw or {})))
     return ChainedOptimizer(optimizers)

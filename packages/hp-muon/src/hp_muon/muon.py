@@ -30,9 +30,10 @@ import torch.distributed as dist
 from torch.optim.optimizer import Optimizer, ParamsT
 
 from hp_layout import Mesh
+from hp_muon.checks import check_muon_params
 from hp_muon.coefficients import KELLER, Coefficients, CoefficientSpec, coefficient_schedule
 from hp_muon.exchange import ExchangeStats, piece_view, run_program
-from hp_muon.newton_schulz import default_dtype, orthogonalize_many
+from hp_muon.newton_schulz import default_dtype, orthogonalize_counted
 from hp_muon.plan import MatrixTensor, MuonPlan, RankProgram, plan_muon_step, rank_program
 from hp_muon.tensors import global_shape, like_param, local_data, local_grad, planning_layout
 
@@ -66,6 +67,13 @@ class MuonStepStats:
     Attributes:
         matrices: matrices in the step (the same on every rank that holds them all).
         orthogonalized: matrices this rank orthogonalized.
+        newton_schulz_runs: Newton-Schulz runs this rank issued: each is one call of
+            :func:`hp_muon.orthogonalize` (one matrix) or :func:`hp_muon.orthogonalize_batch`
+            (a batch of same-shape matrices, a shape and its transpose together). Without
+            ``fuse_shapes`` it equals ``orthogonalized``; with it, one per shape class (and
+            per group settings) among the matrices this rank owns. Summed over the ranks it is
+            the job's runs for the step; 0 on a rank means it orthogonalized nothing (and a
+            step in which every rank reports 0 orthogonalized nothing at all).
         elements_sent: elements this rank sent to other ranks.
         bytes_sent: bytes this rank sent to other ranks.
         collectives: all-to-all calls this rank issued.
@@ -73,6 +81,7 @@ class MuonStepStats:
 
     matrices: int
     orthogonalized: int
+    newton_schulz_runs: int
     elements_sent: int
     bytes_sent: int
     collectives: int
@@ -176,10 +185,21 @@ class Muon(Optimizer):
 
     Raises:
         ValueError: as ``torch.optim.Muon`` for a bad ``lr``, ``momentum``, ``weight_decay`` or
-            ``adjust_lr_fn``, or a parameter with fewer than 2 dims; and for bad
-            ``row_blocks`` or ``bucket_cap_mb``. At :meth:`step`, for ``ns_steps >= 100`` or bad
-            ``ns_coefficients`` (``ValueError``), complex parameters and sparse gradients
-            (``RuntimeError``), as torch does.
+            ``adjust_lr_fn``, or a parameter with fewer than 2 dims (by its global shape:
+            a flat FSDP piece of a matrix is accepted, a piece of a bias is not; the message
+            names the parameter); for a group with no parameters (torch accepts one and steps
+            nothing); and for bad ``row_blocks`` or ``bucket_cap_mb``. At :meth:`step`, for
+            ``ns_steps >= 100`` or bad ``ns_coefficients`` (``ValueError``), complex parameters
+            and sparse gradients (``RuntimeError``), as torch does.
+
+    Attributes:
+        last_step_stats: what this rank did in the last :meth:`step`
+            (:class:`MuonStepStats`: matrices, Newton-Schulz runs, traffic), None before the
+            first.
+        newton_schulz_runs: Newton-Schulz runs this rank issued over every step so far (the
+            sum of ``last_step_stats.newton_schulz_runs``). Only :meth:`step` adds to it: under
+            gradient accumulation it grows by one step's runs per optimizer step, never per
+            micro-batch.
     """
 
     def __init__(
@@ -235,6 +255,7 @@ class Muon(Optimizer):
         self._fuse = fuse_shapes
         self._prepared: dict[tuple[Any, ...], _Prepared] = {}
         self.last_step_stats: MuonStepStats | None = None
+        self.newton_schulz_runs = 0
         super().__init__(params, defaults)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -248,17 +269,21 @@ class Muon(Optimizer):
                 group.setdefault(key, value)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a group (checked: every parameter at least 2-D, row blocks fitting)."""
+        """Add a group, checked (:func:`hp_muon.check_muon_params`): at least one parameter,
+        every parameter's global shape at least 2-D (a flat FSDP piece of a matrix counts by
+        its layout's shape), row blocks fitting. A refused group is not added."""
         super().add_param_group(param_group)
-        group = self.param_groups[-1]
-        for p in group["params"]:
-            shape = global_shape(p)
-            if len(shape) < 2:
-                raise ValueError(
-                    f"Muon optimizes matrices (2-D or more) but a parameter has shape "
-                    f"{shape}; optimize it with AdamW (see hp_muon.split_params)"
-                )
-            _row_blocks(group.get("row_blocks"), shape)
+        index = len(self.param_groups) - 1
+        group = self.param_groups[index]
+        try:
+            check_muon_params(
+                group["params"], f"Muon parameter group {index}", names=group.get("param_names")
+            )
+            for p in group["params"]:
+                _row_blocks(group.get("row_blocks"), global_shape(p))
+        except ValueError:
+            self.param_groups.pop()
+            raise
 
     # Step ---------------------------------------------------------------------------------------
 
@@ -335,8 +360,10 @@ class Muon(Optimizer):
         return prepared
 
     def _orthogonalizer(
-        self, plan: MuonPlan, entries: Sequence[_Entry]
+        self, plan: MuonPlan, entries: Sequence[_Entry], runs: list[int]
     ) -> Callable[[Sequence[int], Sequence[torch.Tensor]], list[torch.Tensor]]:
+        """The executor's orthogonalize callback; adds its Newton-Schulz runs to ``runs[0]``."""
+
         def run(jobs: Sequence[int], matrices: Sequence[torch.Tensor]) -> list[torch.Tensor]:
             by_settings: dict[_Settings, list[int]] = {}
             for k, j in enumerate(jobs):
@@ -347,7 +374,10 @@ class Muon(Optimizer):
                 device = chosen[0].device
                 fuse = self._fuse if self._fuse is not None else device.type != "cpu"
                 dtype = ns_dtype if ns_dtype is not None else default_dtype(device)
-                results = orthogonalize_many(chosen, schedule, eps, fuse=fuse, dtype=dtype)
+                results, issued = orthogonalize_counted(
+                    chosen, schedule, eps, fuse=fuse, dtype=dtype
+                )
+                runs[0] += issued
                 for k, r in zip(members, results, strict=True):
                     out[k] = r
             return [cast(torch.Tensor, o) for o in out]
@@ -371,6 +401,7 @@ class Muon(Optimizer):
             for e in entries
         }
         stats: list[ExchangeStats] = []
+        runs = [0]
         prepared_by_entries: list[tuple[Sequence[_Entry], _Prepared]] = []
 
         def exchange(
@@ -388,7 +419,7 @@ class Muon(Optimizer):
                     prepared.plan,
                     [e.update for e in group_entries],
                     [outputs[id(e)] for e in group_entries],
-                    self._orthogonalizer(prepared.plan, group_entries),
+                    self._orthogonalizer(prepared.plan, group_entries, runs),
                     group=group,
                     while_first_gather=while_first_gather,
                 )
@@ -410,10 +441,12 @@ class Muon(Optimizer):
         self.last_step_stats = MuonStepStats(
             matrices=sum(len(p.plan.jobs) for _, p in prepared_by_entries),
             orthogonalized=sum(s.orthogonalized for s in stats),
+            newton_schulz_runs=runs[0],
             elements_sent=sum(s.elements_sent for s in stats),
             bytes_sent=sum(s.bytes_sent for s in stats),
             collectives=sum(s.collectives for s in stats),
         )
+        self.newton_schulz_runs += runs[0]
         return loss
 
     def _apply(

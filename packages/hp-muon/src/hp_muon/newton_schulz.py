@@ -38,6 +38,7 @@ __all__ = [
     "default_dtype",
     "orthogonalize",
     "orthogonalize_batch",
+    "orthogonalize_counted",
     "orthogonalize_many",
     "uses_hp_kernels",
 ]
@@ -119,6 +120,22 @@ def orthogonalize_many(
     (tall ones in their wide orientation); a matrix alone in its shape class runs through
     :func:`orthogonalize`. Empty matrices are returned as they are (bf16).
     """
+    return orthogonalize_counted(matrices, schedule, eps, fuse=fuse, dtype=dtype)[0]
+
+
+def orthogonalize_counted(
+    matrices: Sequence[torch.Tensor],
+    schedule: Sequence[Coefficients],
+    eps: float,
+    *,
+    fuse: bool = True,
+    dtype: torch.dtype = torch.bfloat16,
+) -> tuple[list[torch.Tensor], int]:
+    """:func:`orthogonalize_many`, and the number of Newton-Schulz runs it issued: calls of
+    :func:`orthogonalize` (one matrix) and :func:`orthogonalize_batch` (one batch of a shape
+    class). Unfused: one per non-empty matrix; fused: one per shape class (a shape and its
+    transpose); empty matrices take none."""
+    runs = 0
     out: list[torch.Tensor | None] = [None] * len(matrices)
     classes: dict[tuple[int, int], list[int]] = {}
     for i, m in enumerate(matrices):
@@ -126,10 +143,12 @@ def orthogonalize_many(
             out[i] = m.to(dtype)
         elif not fuse:
             out[i] = orthogonalize(m, schedule, eps, dtype)
+            runs += 1
         else:
             rows, cols = m.shape
             classes.setdefault((min(rows, cols), max(rows, cols)), []).append(i)
     for members in classes.values():
+        runs += 1
         if len(members) == 1:
             out[members[0]] = orthogonalize(matrices[members[0]], schedule, eps, dtype)
             continue
@@ -153,4 +172,4 @@ def orthogonalize_many(
             out[i] = r if matrices[i].size(0) <= matrices[i].size(1) else r.T
     done = [o for o in out if o is not None]
     assert len(done) == len(out), "every matrix belongs to exactly one shape class"
-    return done
+    return done, runs

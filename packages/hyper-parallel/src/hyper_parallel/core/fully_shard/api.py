@@ -1,5 +1,12 @@
 """``hyper_parallel.core.fully_shard.api``: upstream's ``fully_shard`` (HSDP) on
-``hp_fsdp.fully_shard``."""
+``hp_fsdp.fully_shard``.
+
+Upstream, like torch FSDP2, hands the model DTensors of each parameter's global shape, so the
+usual ``p.ndim == 2`` rule picks Muon's matrices. hp-fsdp's default flat layout hands out 1-d
+pieces instead; this adapter asks for hp-fsdp's per-parameter layout
+(``param_layout="per_param"``: torch DTensors of the global shape, ``Shard(0)``) wherever hp-fsdp
+offers it, i.e. for every group without tensor-parallel parameters.
+"""
 
 from __future__ import annotations
 
@@ -9,8 +16,9 @@ from typing import Any, TypeVar, overload
 from torch import nn
 
 from hp_dtensor import DeviceMesh, DTensor
-from hp_fsdp import MixedPrecisionPolicy, OffloadPolicy
+from hp_fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy
 from hp_fsdp import fully_shard as hp_fully_shard
+from hp_fsdp.group_plan import spec_of
 from hyper_parallel.errors import not_offered
 from hyper_parallel.migration import adapts
 
@@ -21,6 +29,33 @@ _M = TypeVar("_M", bound=nn.Module)
 
 def _modules(module: nn.Module | Iterable[nn.Module]) -> list[nn.Module]:
     return [module] if isinstance(module, nn.Module) else list(module)
+
+
+def _own_parameters(member: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """The parameters one ``fully_shard`` call on ``member`` takes: those of its subtree outside
+    modules an earlier (nested) call already sharded."""
+    out: list[tuple[str, nn.Parameter]] = []
+    pending: list[tuple[str, nn.Module]] = [("", member)]
+    while pending:
+        prefix, module = pending.pop()
+        out += [(prefix + name, p) for name, p in module.named_parameters(recurse=False)]
+        pending += [
+            (f"{prefix}{name}.", child)
+            for name, child in module.named_children()
+            if not isinstance(child, FSDPModule)
+        ]
+    return out
+
+
+def _param_layout(modules: list[nn.Module]) -> str:
+    """``"per_param"`` (FSDP2's global-shape DTensors, as upstream) unless a parameter is
+    already laid out by tensor parallelism (``shard_module``, ``parallelize_module``), for which
+    hp-fsdp offers only its flat layout: 1-d pieces annotated with their layouts (hp-muon reads
+    their global shapes through ``hp_dtensor.layout_of``)."""
+    tensor_parallel = any(
+        spec_of(name, p).base is not None for m in modules for name, p in _own_parameters(m)
+    )
+    return "flat" if tensor_parallel else "per_param"
 
 
 @overload
@@ -59,7 +94,9 @@ def fully_shard(
 
 @adapts(
     "hp_fsdp.fully_shard",
-    "upstream's HSDP arguments; DTensor (`shard_module`) parameters' gradients summed",
+    "upstream's HSDP arguments; parameters are DTensors of their global shape "
+    "(`param_layout='per_param'`; flat 1-d pieces under tensor parallelism); DTensor "
+    "(`shard_module`) parameters' gradients summed",
 )
 def fully_shard(
     module: Any,
@@ -84,9 +121,20 @@ def fully_shard(
     * ``reshard_after_forward``, ``mp_policy``, ``offload_policy``: as hp-fsdp (its
       ``MixedPrecisionPolicy`` / ``CPUOffloadPolicy``, or torch's);
     * ``comm_fusion``, ``comm_fusion_zero_copy``: accepted, nothing to choose: hp-fsdp always
-      keeps one flat buffer per group that the all-gather and reduce-scatter use in place;
+      runs one all-gather and one reduce-scatter per group on one flat buffer (the
+      per-parameter layout copies each parameter's rows out of it and into it, as FSDP2);
     * ``shard_placement_fn``, ``ignored_params``, ``replicate_params``,
       ``sharded_accumulated_grad``: not offered (the error says what to use).
+
+    The sharded parameters are what upstream and torch FSDP2 hand out: torch DTensors of each
+    parameter's global shape, ``Shard(0)`` over the mesh (``Replicate`` on HSDP's replicate
+    axis), hp-fsdp's ``param_layout="per_param"``; so ``p.ndim`` and ``p.shape`` are the whole
+    parameter's and a ``p.ndim == 2`` rule picks Muon's matrices. Exception: parameters a
+    tensor-parallel plan already laid out (:func:`~hyper_parallel.shard_module`,
+    :func:`~hyper_parallel.parallelize_module`) are sharded in hp-fsdp's flat layout, the only
+    one it offers under tensor parallelism: this rank's 1-d pieces, whose global shape is
+    ``hp_dtensor.layout_of(p).global_shape`` (what ``hp_muon.split_params`` and hp-muon's
+    ``Muon`` read).
 
     Gradients of DTensor parameters (a :func:`~hyper_parallel.shard_module` model, whose loss
     is a global DTensor value) are summed over the data-parallel ranks, upstream's default for
@@ -133,6 +181,7 @@ def fully_shard(
         reshard_after_forward=reshard_after_forward,
         mp_policy=mp_policy,
         offload_policy=offload_policy,
+        param_layout=_param_layout(modules),
     )
     if dtensor_params:
         for sharded in modules:

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hp_muon import ChainedOptimizer, Muon
+from hp_muon import ChainedOptimizer, Muon, check_muon_params
 from hyper_parallel.errors import not_offered
 from hyper_parallel.migration import adapts
 
@@ -91,9 +91,38 @@ def _muon_arguments(options: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _muon_groups(model: nn.Module, given: list[Any]) -> list[Any]:
+    """``given`` (parameters or group dicts) with each group's parameters in a list, checked by
+    ``hp_muon.check_muon_params``: refuses what would leave Muon nothing to step or a parameter
+    that is not a matrix, naming parameters by the model's names."""
+    names = {id(p): name for name, p in model.named_parameters()}
+    if not given:
+        check_muon_params(
+            [], "get_hyper_optimizer: muon_params", model_params=model.named_parameters()
+        )
+    out: list[Any] = []
+    for index, group in enumerate(given):
+        if isinstance(group, dict):
+            raw = group["params"]
+            params = [raw] if isinstance(raw, torch.Tensor) else list(raw)
+            where = f"get_hyper_optimizer: muon_params group {index}"
+            out.append({**group, "params": params})
+        else:
+            params, where = [group], "get_hyper_optimizer: muon_params"
+            out.append(group)
+        check_muon_params(
+            params,
+            where,
+            names=[names.get(id(p), f"muon_params[{index}]") for p in params],
+            model_params=model.named_parameters(),
+        )
+    return out
+
+
 @adapts(
     "hp_muon.muon_with_adamw",
-    "upstream's param groups and `muon_kwargs=`/`adamw_kwargs=`, with upstream's numerics",
+    "upstream's param groups and `muon_kwargs=`/`adamw_kwargs=`, with upstream's numerics; "
+    "an empty Muon group or a non-matrix Muon parameter refused",
 )
 def get_hyper_optimizer(
     model: nn.Module,
@@ -105,9 +134,13 @@ def get_hyper_optimizer(
     """Muon on ``muon_params`` chained with AdamW on ``adamw_params`` (upstream's arguments).
 
     Args:
-        model: the model the parameters belong to.
+        model: the model the parameters belong to (errors name parameters by its names).
         muon_params, adamw_params: parameters or param-group dicts (``{"params": [...],
-            "lr": ...}``); an empty list leaves that optimizer out.
+            "lr": ...}``); an empty ``adamw_params`` leaves AdamW out. ``muon_params`` must
+            hold the matrices: parameters whose global shape has 2 or more dims. Under
+            :func:`hyper_parallel.fully_shard` they are DTensors of their global shape, so
+            upstream's ``p.ndim == 2`` rule selects them (under tensor parallelism they are
+            flat 1-d pieces: select by ``hp_dtensor.layout_of(p).global_shape``).
         muon_kwargs: upstream's Muon options (``lr``, ``weight_decay``, ``momentum``,
             ``nesterov``, ``ns_steps``, ``matched_adamw_rms``; a ``muon_`` prefix is
             dropped) and hp-muon's own (``ns_coefficients``, ``ns_dtype``, ...).
@@ -120,18 +153,20 @@ def get_hyper_optimizer(
 
     Raises:
         NotOfferedError: an upstream option hp-muon does not implement (the message says what
-            to use); TypeError for an unknown option; ValueError if both lists are empty.
+            to use); TypeError for an unknown option.
+        ValueError: ``muon_params`` is empty or holds an empty group (Muon would step nothing
+            and the matrices would silently train with AdamW or not at all; when the model
+            holds hp-fsdp flat 1-d pieces of matrices the message names one and
+            ``param_layout="per_param"``), or a Muon parameter whose global shape has fewer
+            than 2 dims (named).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"get_hyper_optimizer: model must be an nn.Module, got {type(model)}")
-    muon_groups, adamw_groups = list(muon_params), list(adamw_params)
+    muon_groups, adamw_groups = _muon_groups(model, list(muon_params)), list(adamw_params)
     muon_options = _options("muon", muon_kwargs, (*_MUON_UPSTREAM, *_MUON_NATIVE), _MUON_INSTEAD)
     adamw_options = _options("adamw", adamw_kwargs, (*_ADAMW, *_ADAMW_NATIVE), {})
     optimizers: list[torch.optim.Optimizer] = []
     if adamw_groups:
         optimizers.append(torch.optim.AdamW(adamw_groups, **adamw_options))
-    if muon_groups:
-        optimizers.append(Muon(muon_groups, **_muon_arguments(muon_options)))
-    if not optimizers:
-        raise ValueError("get_hyper_optimizer: muon_params and adamw_params are both empty")
+    optimizers.append(Muon(muon_groups, **_muon_arguments(muon_options)))
     return ChainedOptimizer(optimizers)
