@@ -40,17 +40,71 @@ def test_two_d_bit_equal_to_torch_muon(shape: tuple[int, int]) -> None:
     assert bit_equal(got, _zeropower_via_newtonschulz(x, KELLER, 5, 1e-7))
 
 
-def test_batch_close_to_per_matrix() -> None:
+@pytest.mark.parametrize("shape", [(4, 32, 48), (3, 48, 32)], ids=["wide", "tall"])
+def test_batch_close_to_per_matrix(shape: tuple[int, int, int]) -> None:
     # Batched bf16 products may run other kernels than per-matrix ones, so the batch is not
     # promised bitwise. Measured bit-equal on the development CPU (torch 2.13, x86; this shape
     # and seven others up to [4, 256, 704]), so no tolerance can be sized from a measurement
     # here; asserted within 2**-7, one bf16 rounding of an entry below 2 (the outputs are below
     # 0.7), the bound hp-muon's fused steps use for the same kernels.
-    x = torch.randn(4, 32, 48, generator=torch.Generator().manual_seed(2))
-    got = hp_kernels.newton_schulz(x, dtype=torch.bfloat16).float()
-    for i in range(4):
-        one = _zeropower_via_newtonschulz(x[i], KELLER, 5, 1e-7).float()
-        torch.testing.assert_close(got[i], one, atol=2**-7, rtol=0)
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(2))
+    got = hp_kernels.newton_schulz(x, dtype=torch.bfloat16)
+    assert got.shape == x.shape
+    for i in range(shape[0]):
+        one = _zeropower_via_newtonschulz(x[i], KELLER, 5, 1e-7)
+        assert one.shape == x[i].shape
+        torch.testing.assert_close(got[i].float(), one.float(), atol=2**-7, rtol=0)
+
+
+def _quintic_float64(x: torch.Tensor, schedule: list[tuple[float, float, float]]) -> torch.Tensor:
+    """Muon's quintic iteration written out in float64 (the oracle, apart from the package):
+    normalize each matrix by its Frobenius norm, then per step ``X <- a X + (b A + c A^2) X``
+    with ``A = X X^T``, on the orientation with fewer rows."""
+    y = x.double()
+    tall = y.size(-2) > y.size(-1)
+    if tall:
+        y = y.mT
+    y = y / torch.linalg.matrix_norm(y, keepdim=True).clamp_min(1e-7)
+    for a, b, c in schedule:
+        gram = y @ y.mT
+        y = a * y + (b * gram + c * gram @ gram) @ y
+    out: torch.Tensor = y.mT if tall else y
+    return out
+
+
+# Against the quintic written out in float64, relative to the result's largest entry. Measured
+# (torch 2.13, x86 CPU): fp32 at most 1.5e-6 over these shapes (fp32 rounding of 5 steps of
+# three products; asserted 5e-6, as above); bf16 at most 2.5e-2 (asserted 0.08: bf16 keeps 8
+# bits, and the iteration does not contract rounding errors at Keller's coefficients).
+QUINTIC_SHAPES = [(24, 40), (40, 24), (17, 17), (3, 12, 30), (3, 30, 12), (2, 1, 9)]
+
+
+@pytest.mark.parametrize("shape", QUINTIC_SHAPES)
+@pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 5e-6), (torch.bfloat16, 0.08)])
+def test_matches_the_quintic_written_out(
+    shape: tuple[int, ...], dtype: torch.dtype, tol: float
+) -> None:
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(6)) * 3.0
+    first = (1.875, -1.25, 0.375)  # the classic quintic (15 s - 10 s^3 + 3 s^5) / 8
+    got = hp_kernels.newton_schulz(x, steps=5, coefficients=[first, KELLER], dtype=dtype)
+    want = _quintic_float64(x, [first] + [KELLER] * 4)
+    assert got.dtype == dtype
+    assert got.shape == x.shape
+    error = (got.double() - want).abs().max().item() / want.abs().max().item()
+    assert error < tol, error
+
+
+def test_zero_matrices_stay_zero() -> None:
+    # The norm's clamp at eps keeps an all-zero matrix (a parameter with no gradient yet)
+    # from dividing 0 by 0.
+    x = torch.randn(3, 8, 12, generator=torch.Generator().manual_seed(7))
+    x[1] = 0.0
+    for dtype in (torch.float32, torch.bfloat16):
+        got = hp_kernels.newton_schulz(x, dtype=dtype)
+        assert torch.isfinite(got).all()
+        assert torch.equal(got[1], torch.zeros(8, 12, dtype=dtype))
+        two_d = hp_kernels.newton_schulz(torch.zeros(12, 8), dtype=dtype)
+        assert torch.equal(two_d, torch.zeros(12, 8, dtype=dtype))
 
 
 def test_schedule_repeats_its_last_triple() -> None:

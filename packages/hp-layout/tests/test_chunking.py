@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hp_layout import chunk_bounds, chunk_sizes
+from hp_layout import chunk_bounds, chunk_length, chunk_sizes
 
 
 @given(st.integers(0, 60), st.integers(1, 12))
@@ -39,6 +39,7 @@ def test_parts_tile_the_range_in_order(length: int, parts: int) -> None:
 )
 def test_matches_torch_chunk(length: int, parts: int, expected: tuple[int, ...]) -> None:
     assert chunk_sizes(length, parts) == expected
+    assert tuple(chunk_length(length, parts, i) for i in range(parts)) == expected
 
 
 def test_bad_arguments_are_named() -> None:

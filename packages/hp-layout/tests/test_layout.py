@@ -17,6 +17,7 @@ from hp_layout import (
     RaggedShard,
     Replicate,
     Shard,
+    is_sharding,
 )
 
 
@@ -116,6 +117,13 @@ def test_shard_order_matters_only_for_axes_on_the_same_dim() -> None:
     ]
     assert outer_tp.dim_sharding(0) == ("tp", "dp")
     assert "shard_order=['tp', 'dp']" in repr(outer_tp)
+
+
+def test_is_sharding_names_the_placements_that_split() -> None:
+    assert is_sharding(Shard(0))
+    assert is_sharding(RaggedShard((1, 2)))
+    assert not is_sharding(Replicate())
+    assert not is_sharding(Partial("max"))
 
 
 def test_negative_dims_normalize() -> None:

@@ -138,6 +138,25 @@ def test_known_cheapest_plans(src: list[object], dst: list[object], kinds: list[
     assert [s.kind for s in plan.steps] == kinds
 
 
+@pytest.mark.parametrize(
+    ("src", "dst"),
+    [
+        # All-to-all over tp while dp holds partial sums (each dp rank keeps its own copy).
+        ([Partial(), Shard(0)], [Partial(), Shard(1)]),
+        ([Partial("max"), Shard(1)], [Partial("max"), Shard(0)]),
+        # ... while dp replicates, and nested under a dp shard of another dim.
+        ([Replicate(), Shard(0)], [Replicate(), Shard(1)]),
+        ([Shard(1), Shard(0)], [Shard(1), Shard(1)]),
+    ],
+)
+def test_all_to_all_accounting_counts_every_copy(src: list[object], dst: list[object]) -> None:
+    mesh = Mesh((2, 3), ("dp", "tp"))
+    plan = plan_redistribute(Layout((5, 7), mesh, src), Layout((5, 7), mesh, dst))  # type: ignore[arg-type]
+    assert StepKind.ALL_TO_ALL in [s.kind for s in plan.steps]
+    received = _check_result(plan, np.arange(35).reshape(5, 7), 1)
+    assert received == [s.elements for s in plan.steps]
+
+
 def test_nested_order_is_respected() -> None:
     src = Layout((6, 4), MESH, [Replicate(), Replicate()])
     dst = Layout((6, 4), MESH, [Shard(0), Shard(0)], ["tp", "dp"])
@@ -171,8 +190,39 @@ def test_topology_prefers_moving_bytes_over_the_fast_tier() -> None:
         (StepKind.ALL_REDUCE, "node"),
         (StepKind.ALL_GATHER, "local"),
     ]
+    # Two plain all-reduces (the naive plan) carry the whole buffer over the cluster tier.
+    naive = plan_gather_then_slice(src, dst)
+    assert [s.kind for s in naive.steps] == [StepKind.ALL_REDUCE] * 2
+    assert plan.bytes_by_tier(topo, 4)["cluster"] * 4 == naive.bytes_by_tier(topo, 4)["cluster"]
+    # Without a topology the reduction is hierarchical too (fewer elements in all); which axis
+    # it reduce-scatters first is then a tie.
     flat = plan_redistribute(src, dst)
-    assert plan.bytes_by_tier(topo, 4)["cluster"] < flat.bytes_by_tier(topo, 4)["cluster"]
+    assert [s.kind for s in flat.steps] == [s.kind for s in plan.steps]
+    assert flat.elements_moved == plan.elements_moved < naive.elements_moved
+
+
+def test_estimated_time_is_the_alpha_beta_sum_of_the_steps() -> None:
+    mesh = Mesh((2, 4), ("node", "local"))
+    topo = Topology.two_tier_cluster(hosts=2, ranks_per_host=4)
+    plan = plan_redistribute(
+        Layout((8, 8), mesh, [Partial(), Partial()]),
+        Layout((8, 8), mesh, [Replicate(), Replicate()]),
+        topo,
+    )
+    assert [s.kind for s in plan.steps] == [
+        StepKind.REDUCE_SCATTER,
+        StepKind.ALL_REDUCE,
+        StepKind.ALL_GATHER,
+    ]
+    # fp32; host tier 100 GB/s, 5 us; cluster tier 12.5 GB/s, 20 us. Each collective is costed
+    # with the buffer one rank starts from (reduce-scatter input: 64 elements; all-reduce of
+    # the 16-element quarter) or ends with (all-gather output: 64 elements).
+    reduce_scatter = 3 * 5e-6 + 3 / 4 * 256 / 100e9
+    all_reduce = 2 * (1 * 20e-6 + 1 / 2 * 64 / 12.5e9)
+    all_gather = 3 * 5e-6 + 3 / 4 * 256 / 100e9
+    expected = reduce_scatter + all_reduce + all_gather
+    assert plan.estimated_time(topo, 4) == pytest.approx(expected, rel=1e-12)
+    assert plan.bytes_by_tier(topo, 4) == {"host": 2 * 8 * 48 * 4, "cluster": 8 * 16 * 4}
 
 
 def test_plans_are_cached_and_immutable() -> None:

@@ -77,6 +77,15 @@ def test_collective_time_values() -> None:
     assert topo.collective_time(Collective.ALL_REDUCE, 4, 4e9, tier) == pytest.approx(6e-6 + 6.0)
     assert topo.collective_time(Collective.ALL_GATHER, 1, 4e9, tier) == 0.0
     assert topo.collective_time(Collective.SEND_RECV, 2, 1e9, tier) == pytest.approx(1 + 1e-6)
+    # Reduce-scatter and all-to-all move (p-1)/p of their input, like an all-gather.
+    for kind in (Collective.REDUCE_SCATTER, Collective.ALL_TO_ALL):
+        assert topo.collective_time(kind, 3, 3e9, tier) == pytest.approx(2e-6 + 2.0)
+    # Broadcast (binomial tree): ceil(log2 p) latencies and the whole buffer once. A slow
+    # link (1 ms per message) so that one latency more or less shows.
+    slow = Tier("s", 8, bandwidth=1e9, latency=1e-3)
+    for p, hops in ((2, 1), (3, 2), (4, 2), (5, 3), (8, 3)):
+        got = Topology((slow,)).collective_time(Collective.BROADCAST, p, 1e6, slow)
+        assert got == pytest.approx(hops * 1e-3 + 1e-3, rel=1e-12), p
 
 
 @pytest.mark.parametrize(

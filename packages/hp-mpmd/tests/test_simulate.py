@@ -50,6 +50,66 @@ def test_zero_bubble_h1_beats_1f1b(p: int, m: int) -> None:
     assert max(zb.peak_in_flight) <= max(ref.peak_in_flight) == min(p, m)
 
 
+@pytest.mark.parametrize(("p", "m"), GRID)
+def test_peak_in_flight_counts_forward_to_last_backward(p: int, m: int) -> None:
+    """Written here: +1 at a forward, -1 at the pass that frees the microbatch (the full
+    backward, or the weight pass of a split one: its input pass still needs the graph)."""
+    plans = [gpipe(p, m), one_f_one_b(p, m), zero_bubble_h1(p, m)]
+    plans += [interleaved_1f1b(p, v, m) for v in (1, 2) if m % p == 0]
+    free = {ActionKind.FORWARD: 1, ActionKind.BACKWARD: -1, ActionKind.BACKWARD_WEIGHT: -1}
+    for plan in plans:
+        peaks = []
+        for actions in plan.actions:
+            alive = peak = 0
+            for a in actions:
+                alive += free.get(a.kind, 0)
+                peak = max(peak, alive)
+            peaks.append(peak)
+        assert simulate(plan).peak_in_flight == tuple(peaks), plan.name
+
+
+@pytest.mark.parametrize(("p", "m"), [(2, 2), (3, 5), (4, 4), (4, 9), (6, 7)])
+@pytest.mark.parametrize(("f", "i", "w"), [(1.0, 1.0, 1.0), (1.0, 1.5, 0.5), (2.0, 1.0, 0.5)])
+def test_zero_bubble_h1_makespan_with_unequal_passes(
+    p: int, m: int, f: float, i: float, w: float
+) -> None:
+    """ZB-H1 (m >= p, W <= F and W <= I): each rank computes m (F + I + W) and idles
+    (p - 1)(F + I - W), the paper's figure; 1F1B with B = I + W idles (p - 1)(F + B)."""
+    zb = simulate(zero_bubble_h1(p, m), forward=f, backward_input=i, backward_weight=w)
+    assert abs(zb.makespan - (m * (f + i + w) + (p - 1) * (f + i - w))) < EXACT
+    assert zb.busy == (m * (f + i + w),) * p
+    ref = simulate(one_f_one_b(p, m), forward=f, backward=i + w)
+    assert abs(ref.makespan - (m + p - 1) * (f + i + w)) < EXACT
+    # The last rank starts after p - 1 forwards and runs its first input pass right away.
+    first, then = zb.compute[p - 1][:2]
+    assert (first.action.kind, first.start) == (ActionKind.FORWARD, (p - 1) * f)
+    assert (then.action.kind, then.end) == (ActionKind.BACKWARD_INPUT, p * f + i)
+    first, then = ref.compute[p - 1][:2]
+    assert (first.start, then.action.kind) == ((p - 1) * f, ActionKind.BACKWARD)
+    assert then.end == p * f + i + w
+
+
+@pytest.mark.parametrize(("p", "m"), GRID)
+def test_gpipe_makespan_with_transfer_time(p: int, m: int) -> None:
+    """GPipe with eager sends and transfer time c: the first microbatch crosses p - 1
+    boundaries forward and p - 1 back; everything else overlaps. 3 (m + p - 1) + 2 c (p - 1)."""
+    for c in (0.25, 1.0):
+        sim = simulate(gpipe(p, m), comm=c)
+        assert abs(sim.makespan - (3 * (m + p - 1) + 2 * c * (p - 1))) < EXACT
+
+
+def test_rendezvous_transfers_cost_time() -> None:
+    """gpipe(2, 2), c = 0.5, blocking batches, worked by hand: rank 0's F0 [0, 1], its send
+    completes at 1.5 (F1 [1.5, 2.5]); rank 1 F0 [1.5, 2.5], F1 [3, 4], B0 [4, 6], B1 [6.5, 8.5];
+    rank 0 B0 [6.5, 8.5], B1 [9, 11]. Eager sends: 10."""
+    plan = gpipe(2, 2)
+    sim = simulate(plan, comm=0.5, rendezvous=True)
+    assert sim.makespan == 11.0
+    starts = [[t.start for t in row] for row in sim.compute]
+    assert starts == [[0.0, 1.5, 6.5, 9.0], [1.5, 3.0, 4.0, 6.5]]
+    assert simulate(plan, comm=0.5).makespan == 10.0
+
+
 def test_measured_values_p4_m8() -> None:
     """The figures quoted in the docs (p = 4, m = 8, F = 1, B = 2, I = W = 1)."""
     eager = {

@@ -12,9 +12,10 @@ over all ranks of what each receives. Because the naive path -- reduce every pen
 gather every shard, slice the destination -- is one of the paths searched, a plan never moves
 more than :func:`plan_gather_then_slice`.
 
-The dims searched are those ``src`` or ``dst`` shard, and on a multi-tier topology every
-dim, so that hierarchical collectives (reduce-scatter inside the fast tier, all-reduce the
-pieces across the slow one, all-gather inside) come out of the search.
+Every tensor dim may be sharded along the way, also one that neither ``src`` nor ``dst``
+shards: hierarchical collectives (reduce-scatter over one axis, all-reduce the pieces over
+another, all-gather again) come out of the search that way. They pay off on one tier too: two
+partial axes of 2 ranks reduced this way receive 3/4 of what two all-reduces do.
 
 Which steps are legal: a step may only undo the innermost sharding of a tensor dimension (the
 axis applied last on it), and new shards always become innermost; a ``RaggedShard`` is always
@@ -279,17 +280,15 @@ def _check_pair(src: Layout, dst: Layout) -> None:
             )
 
 
-def _shard_dims(src: Layout, dst: Layout, topology: Topology | None) -> tuple[int, ...]:
-    """Tensor dims the search may shard along.
+def _shard_dims(src: Layout) -> tuple[int, ...]:
+    """Tensor dims the search may shard along: all of them.
 
-    On one tier, sharding a dim that neither end shards never lowers the total moved, so
-    only the dims of ``src`` and ``dst`` are searched. With several tiers, a temporary shard
-    on any dim can move traffic off the slow tier (reduce-scatter inside the fast tier, reduce
-    the pieces across, gather inside again), so every dim is searched.
+    A temporary shard of a dim that neither end shards can lower the total moved even on one
+    tier: on a 2 x 2 mesh, reduce-scatter over one axis, all-reduce the halves over the other
+    and all-gather receive 3/4 of two all-reduces' elements. With several tiers the same move
+    also shifts traffic off the slow tier.
     """
-    if topology is not None and len(topology.tiers) > 1:
-        return tuple(range(src.ndim))
-    return tuple(sorted({p.dim for p in src.placements + dst.placements if isinstance(p, Shard)}))
+    return tuple(range(src.ndim))
 
 
 def _moved(state: Layout, axis: int, target: Placement) -> Layout | None:
@@ -359,7 +358,7 @@ def _cost_key(
 
 @lru_cache(maxsize=8192)
 def _search(src: Layout, dst: Layout, topology: Topology | None) -> tuple[Step, ...]:
-    dims = _shard_dims(src, dst, topology)
+    dims = _shard_dims(src)
     width = 2 if topology is None else len(topology.tiers) + 1
     zero = (0,) * width
     best: dict[Layout, tuple[int, ...]] = {src: zero}

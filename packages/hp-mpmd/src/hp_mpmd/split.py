@@ -72,7 +72,11 @@ def boundaries_by_names(layer_names: Sequence[str], first_layers: Sequence[str])
 
 def balanced_boundaries(costs: Sequence[float], num_stages: int) -> tuple[int, ...]:
     """Contiguous split of layers with ``costs`` into ``num_stages`` non-empty stages that
-    minimizes the largest stage cost (exact dynamic program; ties: earlier cuts)."""
+    minimizes the largest stage cost (exact dynamic program).
+
+    Ties: the last cut is the earliest that any optimal split has, and the layers before it
+    are split the same way (recursively), so equal costs leave the later stages longer.
+    """
     n = len(costs)
     if not 1 <= num_stages <= n:
         raise SplitError(f"cannot split {n} layers into {num_stages} non-empty stages")
