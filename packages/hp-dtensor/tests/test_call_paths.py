@@ -175,6 +175,86 @@ def test_every_call_path_gives_the_single_device_gradient(plan_name: str, world:
     _check(run_on_ranks(world, _dense, plan_name, paths, timeout=300))
 
 
+# The MLP: the caller runs a column-parallel and a row-parallel Linear itself ---------
+
+
+class _MLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(8)
+        self.up = nn.Linear(8, 16)
+        self.down = nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.down(F.relu(self.up(self.norm(x))))
+        return out
+
+
+def _mlp_paths() -> dict[str, Callable[[Any, torch.Tensor], list[torch.Tensor]]]:
+    def root(m: Any, x: torch.Tensor) -> list[torch.Tensor]:
+        return [m(x).pow(2).sum()]
+
+    def by_caller(m: Any, x: torch.Tensor) -> list[torch.Tensor]:
+        return [m.down(F.relu(m.up(m.norm(x)))).pow(2).sum()]
+
+    def penalty(m: Any, x: torch.Tensor) -> list[torch.Tensor]:
+        return [m(x).pow(2).sum() + m.norm.weight.pow(2).sum()]
+
+    def twice(m: Any, x: torch.Tensor) -> list[torch.Tensor]:
+        return [m(x).pow(2).sum() + m(2 * x).sum()]
+
+    def accumulate(m: Any, x: torch.Tensor) -> list[torch.Tensor]:
+        return [m(x[:2]).pow(2).sum(), m(x[2:]).pow(2).sum()]
+
+    return {
+        "root": root,
+        "by_caller": by_caller,
+        "penalty": penalty,
+        "twice": twice,
+        "accumulate": accumulate,
+    }
+
+
+def _mlp(paths: list[str]) -> dict[str, dict[str, tuple[float, str]]]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel as TorchColwise
+    from torch.distributed.tensor.parallel import RowwiseParallel as TorchRowwise
+    from torch.distributed.tensor.parallel import parallelize_module as torch_parallelize
+
+    torch.set_num_threads(1)
+    world = dist.get_world_size()
+    torch.manual_seed(0)
+    reference, hp, torch_model = _MLP(), _MLP(), _MLP()
+    hp.load_state_dict(reference.state_dict())
+    torch_model.load_state_dict(reference.state_dict())
+    mesh = DeviceMesh("cpu", Mesh((world,), ("tp",)))
+    parallelize_module(hp, mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    torch_mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    torch_parallelize(torch_model, torch_mesh, {"up": TorchColwise(), "down": TorchRowwise()})
+
+    def hp_grad(p: torch.Tensor) -> torch.Tensor:
+        assert p.grad is not None
+        return full_value(p.grad, mesh, like=p)
+
+    models: dict[str, nn.Module] = {"reference": reference, "hp": hp, "torch": torch_model}
+    grads = {"hp": hp_grad, "torch": _torch_grad}
+    out: dict[str, dict[str, tuple[float, str]]] = {}
+    for i, path in enumerate(paths):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(i))
+        for model in models.values():
+            model.zero_grad(set_to_none=True)
+            for loss in _mlp_paths()[path](model, x):
+                loss.backward()
+        out[path] = {name: _worst(models[name], reference, grads[name]) for name in ("hp", "torch")}
+    return out
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("world", [2, 4])
+def test_mlp_called_any_way_gives_the_single_device_gradient(world: int) -> None:
+    _check(run_on_ranks(world, _mlp, list(_mlp_paths()), timeout=300))
+
+
 # Hugging Face Llama: the caller's own head call, hidden states the model returns ------------
 
 

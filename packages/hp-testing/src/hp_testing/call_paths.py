@@ -5,9 +5,10 @@ else: a loss on a chain of submodules the caller runs itself, on an intermediate
 parameter, on two forwards of one module, or with activation checkpointing around the
 modules. Each *call path* here is a function ``(model, ids, targets) -> [losses]`` over an
 :class:`hp_testing.llama.Llama` (or anything with its module names: ``tok_embeddings``,
-``layers``, ``norm``, ``output``, the ``cos``/``sin`` buffers). The caller runs ``backward()``
-on each loss in turn (two entries: gradient accumulation over two backward passes), on a
-single-device model and on the parallel one, and compares the gradients.
+``layers`` (a list, or a dict keyed by index), ``norm``, ``output``, the ``cos``/``sin``
+buffers, blocks called as ``block(x, cos, sin)``: hp-train's model too). The caller runs
+``backward()`` on each loss in turn (two entries: gradient accumulation over two backward
+passes), on a single-device model and on the parallel one, and compares the gradients.
 
 Every path is written with plain module calls and plain tensor ops, so it runs unchanged on a
 single-device model, on an hp-dtensor production model and on a model parallelized by
@@ -44,11 +45,18 @@ def penalized_parameters(model: Any) -> list[torch.Tensor]:
     scales, replicated by every tensor-parallel plan (the same values on every rank; a torch
     DTensor under torch's sequence parallelism, read through ``to_local()``, whose gradient
     torch takes as replicated)."""
-    out = []
-    for p in (model.norm.weight, model.layers[0].attn_norm.weight):
+    first: Any = _blocks(model)[0]
+    out: list[torch.Tensor] = []
+    for p in (model.norm.weight, first.attn_norm.weight):
         torch_dtensor = type(p).__module__.startswith("torch.distributed")
         out.append(p.to_local() if torch_dtensor else p)
     return out
+
+
+def _blocks(model: Any) -> list[nn.Module]:
+    """The blocks in order (``layers`` a list, or a dict keyed by index as hp-train keeps it)."""
+    layers = model.layers
+    return list(layers.values() if isinstance(layers, nn.ModuleDict) else layers)
 
 
 def _tables(model: Any, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -66,7 +74,7 @@ def _chain(model: Any, ids: torch.Tensor, targets: torch.Tensor) -> list[torch.T
     # The caller runs every submodule itself, as a chunked or fused loss does with the head.
     cos, sin = _tables(model, ids)
     x = model.tok_embeddings(ids)
-    for layer in model.layers:
+    for layer in _blocks(model):
         x = layer(x, cos, sin)
     return [cross_entropy(model.output(model.norm(x)), targets)]
 
@@ -75,9 +83,9 @@ def _intermediate(model: Any, ids: torch.Tensor, targets: torch.Tensor) -> list[
     # A term on the first block's output, which also feeds the next block.
     cos, sin = _tables(model, ids)
     x = model.tok_embeddings(ids)
-    first = model.layers[0](x, cos, sin)
+    first = _blocks(model)[0](x, cos, sin)
     x = first
-    for layer in list(model.layers)[1:]:
+    for layer in _blocks(model)[1:]:
         x = layer(x, cos, sin)
     logits = model.output(model.norm(x))
     return [cross_entropy(logits, targets) + 0.05 * first.pow(2).mean()]
@@ -109,7 +117,7 @@ def _accumulate(model: Any, ids: torch.Tensor, targets: torch.Tensor) -> list[to
 def _checkpointed_blocks(model: Any, *, use_reentrant: bool) -> Iterator[None]:
     """Each block's forward run through ``torch.utils.checkpoint`` (the block's own hooks stay
     outside, its submodules' inside) while the context lasts."""
-    blocks = list(model.layers)
+    blocks = _blocks(model)
     for block in blocks:
         inner = type(block).forward
 
@@ -136,7 +144,7 @@ def _checkpoint_chain(model: Any, ids: torch.Tensor, targets: torch.Tensor) -> l
     # The caller checkpoints the blocks it calls itself.
     cos, sin = _tables(model, ids)
     x = model.tok_embeddings(ids)
-    for layer in model.layers:
+    for layer in _blocks(model):
         x = checkpoint(layer, x, cos, sin, use_reentrant=False)
     return [cross_entropy(model.output(model.norm(x)), targets)]
 

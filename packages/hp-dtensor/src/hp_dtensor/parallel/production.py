@@ -18,12 +18,13 @@ parallel), a sum over the axis runs in place on it, as Megatron's hand-written `
 a module's own forward hooks see its output after the conversion.
 
 Gradient conventions: inside the model the local gradients are the true per-rank adjoints, so a
-replicated value's gradient is a partial contribution. The user computes the loss on every
-rank and calls ``loss.backward()`` with the gradient 1 everywhere; the root module's output
-boundary turns that into adjoint pieces (the replica at coordinate 0 keeps it). Gradients of
-replicated parameters are reduced in backward by hooks: summed over the parallel axis, averaged
-over data-parallel axes (each data-parallel rank's loss is the mean over its own batch, as in
-DDP).
+replicated value's gradient is a partial contribution. The caller computes the loss on every
+rank and calls ``loss.backward()`` with the gradient 1 everywhere: its tensors carry the whole
+gradient. The model's edge (:mod:`hp_dtensor.parallel._region`) converts between the two
+wherever the caller calls one of the model's modules, and stands in for replicated parameters
+inside the model so that only their partial gradients are reduced: summed over the parallel
+axis, averaged over data-parallel axes (each data-parallel rank's loss is the mean over its own
+batch, as in DDP).
 """
 
 from __future__ import annotations
