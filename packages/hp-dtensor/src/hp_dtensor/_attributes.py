@@ -2,16 +2,19 @@
 
 Metadata of the global tensor (shape, dtype, ...) comes from the wrapper; autograd bookkeeping
 (requires_grad, grad_fn, is_leaf, .grad, backward) from the local tensor, which is the real
-autograd variable, with gradients wrapped in the dual layout.
+autograd variable, with gradients wrapped in the dual layout. ``F.l1_loss`` gets the ``weight``
+torch leaves out of its ``__torch_function__`` call back before its rule runs.
 """
 
 from __future__ import annotations
 
 import copy
+import inspect
 from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch._C import DisableTorchFunctionSubclass
 
 from hp_dtensor.dtensor import DTensor
@@ -230,6 +233,34 @@ def _to(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any])
     return _dispatch.dispatch(func, (self, *rest), kwargs)
 
 
+def _argument_of_caller(func: Callable[..., Any], name: str) -> Any:
+    """Argument ``name`` of the innermost running call of the Python function ``func``."""
+    code = getattr(func, "__code__", None)
+    frame = inspect.currentframe()
+    try:
+        while frame is not None:
+            if frame.f_code is code:
+                return frame.f_locals.get(name)
+            frame = frame.f_back
+        return None
+    finally:
+        del frame
+
+
+def _l1_loss(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``F.l1_loss`` as its sharding rule must see it: torch (2.13) leaves ``weight`` out of
+    the arguments it hands to ``__torch_function__`` (for every tensor subclass), which would
+    compute the unweighted loss without a word; the weight is read back from the running
+    ``F.l1_loss`` call."""
+    from hp_dtensor import _dispatch
+
+    if kwargs.get("weight") is None:
+        weight = _argument_of_caller(F.l1_loss, "weight")
+        if weight is not None:
+            kwargs = {**kwargs, "weight": weight}
+    return _dispatch.dispatch(func, args, kwargs)
+
+
 def _metadata_functions() -> list[Any]:
     names_get = [
         "shape",
@@ -285,3 +316,4 @@ SPECIAL[torch.Tensor.__deepcopy__] = _deepcopy
 SPECIAL[torch.Tensor.to] = _to
 for _f in (torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.__bool__):
     SPECIAL[_f] = _refuse_if_not_replicated
+SPECIAL[F.l1_loss] = _l1_loss

@@ -5,6 +5,21 @@ sharding rule and *prepares* the call: the redistribution plan of every input, t
 of the local call, and the output layouts with this rank's expected local shapes. The
 prepared call is cached (rules are pure), so later calls with the same layouts only run the
 planned redistributions, the local op, and the output wrapping.
+
+Plain tensors among DTensors. A 0-d tensor is a scalar: it reaches the local call as it is,
+on every rank. Any other plain tensor is an error (its layout would be guessed), except where
+plain tensors are *implicitly replicated*: inside :func:`implicit_replication`, and on a mesh
+:func:`replicate_plain_tensors_on` marked (validation mode marks the mesh of the model it
+converts, so the loss a production script computes outside the model against plain targets
+runs unchanged). Such a tensor is taken as the same value on every rank: a ``Replicate``
+DTensor over the mesh whose local tensor is the tensor itself.
+
+Gradient of a plain tensor (or 0-d scalar) that requires grad: it is one value, the same on
+every rank (as :meth:`DTensor.full_tensor`'s result is), so its ``.grad`` is the true gradient
+on every rank, as ``torch.distributed.tensor`` gives it, never a per-rank share and never
+mesh-size times it. Inside, the DTensor's local gradient is in the dual layout (a
+``Partial(sum)`` contribution per rank); the tensor enters through an identity whose backward
+all-reduces that contribution over every mesh axis (one all-reduce per use).
 """
 
 from __future__ import annotations
@@ -20,10 +35,11 @@ from torch._C import DisableTorchFunctionSubclass
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from hp_dtensor.device_mesh import DeviceMesh
-from hp_dtensor.dtensor import DTensor
+from hp_dtensor.dtensor import DTensor, as_one_value
 from hp_dtensor.redistribute import execute_plan, plan_for
 from hp_dtensor.rules.registry import (
     OpCall,
+    ReplicatedResult,
     ShardingDecision,
     ShardingRuleError,
     canonical_name,
@@ -31,7 +47,7 @@ from hp_dtensor.rules.registry import (
 )
 from hp_layout import Layout, RedistributePlan, Replicate
 
-__all__ = ["dispatch", "implicit_replication"]
+__all__ = ["dispatch", "implicit_replication", "replicate_plain_tensors_on"]
 
 _CACHE_SIZE = 8192
 
@@ -112,7 +128,7 @@ class _Prepared:
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
     outputs: Any
-    flat_outputs: tuple[Layout | None, ...]
+    flat_outputs: tuple[Layout | ReplicatedResult | None, ...]
     local_shapes: tuple[tuple[int, ...] | None, ...]
     inplace_self: bool
     describe: str
@@ -131,14 +147,36 @@ def implicit_replication() -> Iterator[None]:
     on their mesh (as in ``torch.distributed.tensor.experimental.implicit_replication``).
 
     Model code creates tensors of its own (position ids from ``arange``, causal masks, rotary
-    tables) and mixes them with its activations; outside this context that is an error, so a
-    tensor whose layout matters is never guessed.
+    tables) and mixes them with its activations; outside this context (and off the meshes
+    :func:`replicate_plain_tensors_on` marked) that is an error, so a tensor whose layout
+    matters is never guessed. A replicated plain tensor that requires grad gets the true
+    gradient on every rank (see the module docstring).
     """
     _IMPLICIT_REPLICATION[0] += 1
     try:
         yield
     finally:
         _IMPLICIT_REPLICATION[0] -= 1
+
+
+# Set on a DeviceMesh object (its own private state) by replicate_plain_tensors_on.
+_MESH_REPLICATES_PLAIN = "_hp_dtensor_replicates_plain_tensors"
+
+
+def replicate_plain_tensors_on(mesh: DeviceMesh) -> None:
+    """From now on, a plain tensor that meets DTensors on ``mesh`` (this object, and the
+    DTensors ops derive from them) is taken as replicated, as inside
+    :func:`implicit_replication`.
+
+    Validation mode calls it for the mesh of the model it converts: a production script
+    mixes the model's outputs with plain tensors of its own (targets, masks, class weights),
+    which production mode runs as the same value on every rank.
+    """
+    setattr(mesh, _MESH_REPLICATES_PLAIN, True)
+
+
+def _replicates_plain(mesh: DeviceMesh) -> bool:
+    return bool(_IMPLICIT_REPLICATION[0]) or getattr(mesh, _MESH_REPLICATES_PLAIN, False)
 
 
 OpObserver = Callable[
@@ -184,10 +222,12 @@ def _prepare(call: OpCall, decision: ShardingDecision, dtensors: Sequence[DTenso
             f"for {len(dtensors)} DTensor inputs"
         )
     flat_outputs, _ = tree_flatten(
-        decision.outputs, is_leaf=lambda x: isinstance(x, Layout) or x is None
+        decision.outputs,
+        is_leaf=lambda x: isinstance(x, Layout | ReplicatedResult) or x is None,
     )
     shapes = tuple(
-        None if layout is None else layout.local_shape(call.rank) for layout in flat_outputs
+        layout.local_shape(call.rank) if isinstance(layout, Layout) else None
+        for layout in flat_outputs
     )
     return _Prepared(
         plans,
@@ -245,7 +285,7 @@ def _wrap(out: Any, prepared: _Prepared, mesh: DeviceMesh) -> Any:
 
 def _wrap_one(
     value: torch.Tensor,
-    layout: Layout | None,
+    layout: Layout | ReplicatedResult | None,
     shape: tuple[int, ...] | None,
     prepared: _Prepared,
     mesh: DeviceMesh,
@@ -254,6 +294,10 @@ def _wrap_one(
         raise ShardingRuleError(
             f"the rule for {prepared.describe} gave no layout for a tensor output"
         )
+    if isinstance(layout, ReplicatedResult):
+        # Every rank computed the whole result from replicated inputs: its shape is global.
+        whole = Layout(tuple(value.shape), layout.mesh, [Replicate()] * layout.mesh.ndim)
+        return DTensor(value, whole, mesh)
     if tuple(value.shape) != shape:
         raise ShardingRuleError(
             f"the rule for {prepared.describe} promised {layout!r} (local shape {shape} on "
@@ -335,15 +379,22 @@ def dispatch(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, 
     return result
 
 
-def _replicate_plain(flat: list[Any]) -> list[Any]:
+def _replicate_plain(flat: list[Any], mesh: DeviceMesh) -> list[Any]:
     """Plain tensors (not 0-d scalars) among DTensors, wrapped as replicated on their mesh."""
-    mesh = next((v._device_mesh for v in flat if isinstance(v, DTensor)), None)
-    if mesh is None:
-        return flat
     replicated = [Replicate()] * mesh.ndim
     return [
-        DTensor(v, Layout(tuple(v.shape), mesh.mesh, replicated), mesh)
+        DTensor(as_one_value(v, mesh), Layout(tuple(v.shape), mesh.mesh, replicated), mesh)
         if isinstance(v, torch.Tensor) and not isinstance(v, DTensor) and v.dim() > 0
+        else v
+        for v in flat
+    ]
+
+
+def _plain_scalars(flat: list[Any], mesh: DeviceMesh) -> list[Any]:
+    """0-d plain tensors that require grad, made one value (see the module docstring)."""
+    return [
+        as_one_value(v, mesh)
+        if isinstance(v, torch.Tensor) and not isinstance(v, DTensor) and v.dim() == 0
         else v
         for v in flat
     ]
@@ -355,8 +406,17 @@ def _dispatch_uncached(
     """The general path: any pytree of arguments, 0-d plain tensors as scalars."""
     flat, spec = tree_flatten((args, kwargs))
     name, inplace = canonical_name(func)
-    if _IMPLICIT_REPLICATION[0]:
-        flat = _replicate_plain(flat)
+    first = next((v for v in flat if isinstance(v, DTensor)), None)
+    replicated: list[tuple[int, ...]] = []  # shapes of plain tensors taken as replicated
+    if first is not None:
+        if _replicates_plain(first._device_mesh):
+            replicated = [
+                tuple(v.shape)
+                for v in flat
+                if isinstance(v, torch.Tensor) and not isinstance(v, DTensor) and v.dim() > 0
+            ]
+            flat = _replicate_plain(flat, first._device_mesh)
+        flat = _plain_scalars(flat, first._device_mesh)
     dtensors: list[DTensor] = []
     placeholders: list[Any] = []
     plain: list[torch.Tensor] = []
@@ -371,7 +431,8 @@ def _dispatch_uncached(
                 raise ShardingRuleError(
                     f"{name}: got a torch.Tensor of shape {tuple(value.shape)} together with "
                     "DTensors; make it a DTensor (distribute_tensor or DTensor.from_local) so "
-                    "its layout is explicit"
+                    "its layout is explicit, or take it as replicated on every rank inside "
+                    "hp_dtensor.implicit_replication()"
                 )
             plain.append(value)
             placeholders.append(value)
@@ -380,7 +441,19 @@ def _dispatch_uncached(
     mesh = _mesh_of(dtensors, name)
     call_args, call_kwargs = tree_unflatten(placeholders, spec)
     call = OpCall(func, name, tuple(call_args), call_kwargs, mesh.get_rank(), inplace)
-    prepared = _prepare(call, _decide(func, call), dtensors)
+    try:
+        decision = _decide(func, call)
+    except (ShardingRuleError, RuntimeError) as exc:
+        if not replicated or type(exc) not in (ShardingRuleError, RuntimeError):
+            raise
+        # The likely cause: a rank-local piece (a data-parallel rank's batch of targets)
+        # taken as the whole value.
+        raise type(exc)(
+            f"{exc} (plain tensors of shapes {replicated} were taken as replicated: the whole "
+            "value, the same on every rank; give a rank-local piece, such as a data-parallel "
+            "rank's batch, as DTensor.from_local(tensor, mesh, placements))"
+        ) from exc
+    prepared = _prepare(call, decision, dtensors)
     result = _run(prepared, dtensors, mesh)
     for observer in OBSERVERS:
         observer(func, args, kwargs, dtensors, prepared, result)

@@ -29,7 +29,7 @@ from hp_dtensor.gradients import grad_layout
 from hp_dtensor.redistribute import redistribute_local
 from hp_layout import Layout, Partial, Placement, ReduceOp, Replicate, Shard, Topology
 
-__all__ = ["DTensor", "distribute_tensor"]
+__all__ = ["DTensor", "as_one_value", "distribute_tensor"]
 
 
 class DTensor(torch.Tensor):
@@ -243,6 +243,24 @@ class _GradientAs(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         return redistribute_local(grad, ctx.given, ctx.wanted, ctx.mesh), None, None, None
+
+
+def as_one_value(value: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """A plain tensor that is the same on every rank of ``mesh``, ready to be used as the
+    local tensor of a ``Replicate`` DTensor (or as a scalar of a local call).
+
+    Its uses produce local gradients in the dual layout (``Partial(sum)`` contributions);
+    the value is one tensor, so its gradient must be their sum, whole on every rank
+    (``torch.distributed.tensor``'s reading). When it takes part in autograd it passes
+    through an identity whose backward all-reduces over every mesh axis; otherwise it is
+    returned as it is.
+    """
+    if not (value.requires_grad and torch.is_grad_enabled()) or mesh.size() == 1:
+        return value
+    whole = Layout(tuple(value.shape), mesh.mesh, [Replicate()] * mesh.ndim)
+    contributions = grad_layout(whole)
+    apply = cast(Callable[..., torch.Tensor], _GradientAs.apply)
+    return apply(value, contributions, whole, mesh)
 
 
 def _redistributed(x: DTensor, dst: Layout, topology: Topology | None) -> DTensor:

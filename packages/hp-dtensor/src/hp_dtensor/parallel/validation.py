@@ -12,6 +12,11 @@ a distributed computation). Modules whose forward the style replaces in producti
 ops that take sizes (``view``, ``reshape``, ...) are checked for needed redistributions only,
 because their size arguments come from shapes, which are global on DTensors.
 
+Outside the model, plain tensors that meet its DTensors (a loss's targets, class weights) are
+taken as replicated on its mesh, as production mode runs them
+(:func:`hp_dtensor._dispatch.replicate_plain_tensors_on`); a plain tensor that requires grad
+gets its true gradient on every rank.
+
 Gradients of replicated parameters are reduced in backward (summed over every replicated axis:
 the DTensor loss is global) so that, after backward, every gradient has its parameter's layout;
 :func:`check_gradients` verifies it.
@@ -29,7 +34,7 @@ from torch._C import DisableTorchFunctionSubclass
 from torch.utils._pytree import tree_flatten
 
 from hp_dtensor import _dispatch
-from hp_dtensor._dispatch import implicit_replication
+from hp_dtensor._dispatch import implicit_replication, replicate_plain_tensors_on
 from hp_dtensor.device_mesh import DeviceMesh
 from hp_dtensor.dtensor import DTensor, distribute_tensor
 from hp_dtensor.gradients import set_grad_layout
@@ -243,6 +248,9 @@ def apply_validation(root: nn.Module, mesh: DeviceMesh, resolved: ParallelPlan) 
     axis, dp_axes = resolved.tp_axis, resolved.dp_axes
     index = mesh.mesh.axis_index(axis)
     tracker = _Tracker(index)
+    # The script around the model (its loss against plain targets, say) mixes the model's
+    # DTensors with plain tensors that production mode runs as one value on every rank.
+    replicate_plain_tensors_on(mesh)
     done: dict[int, nn.Parameter] = {}
     for prefix, module in root.named_modules():
         for name, param in list(module.named_parameters(recurse=False)):

@@ -1,6 +1,18 @@
 """Sharding rules, registered on import (one module per family of ops)."""
 
-from hp_dtensor.rules import contraction, factories, indexing, nn, pointwise, reductions, views
+from hp_dtensor.rules import (
+    contraction,
+    factories,
+    indexing,
+    losses,
+    nn,
+    pointwise,
+    reductions,
+    scans,
+    scatter,
+    selection,
+    views,
+)
 from hp_dtensor.rules.registry import (
     OpCall,
     ShardingDecision,
@@ -16,10 +28,14 @@ __all__ = [
     "contraction",
     "factories",
     "indexing",
+    "losses",
     "nn",
     "pointwise",
     "reductions",
     "register_sharding_rule",
     "rule_for",
+    "scans",
+    "scatter",
+    "selection",
     "views",
 ]

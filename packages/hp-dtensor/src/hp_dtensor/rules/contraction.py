@@ -1,4 +1,4 @@
-"""Sharding rules for contractions: linear, matmul, mm, bmm, addmm, baddbmm, einsum-like.
+"""Sharding rules for contractions: linear, matmul, mm, bmm, addmm, baddbmm, grouped_mm.
 
 Each op is described by dimension labels (``linear``: input ``[..., k]``, weight ``[o, k]``,
 bias ``[o]``, output ``[..., o]``). Per mesh axis, the first input (in anchor order: weights
@@ -12,12 +12,19 @@ decides:
 * no shard but a ``Partial(sum | avg)`` input -> the output stays Partial in that input
   (multilinear), the other factors are replicated, additive inputs are partitioned;
 * otherwise everything is replicated.
+
+``grouped_mm`` (``torch._grouped_mm``, which ``F.grouped_mm`` calls): 3-d by 3-d is ``bmm``
+over groups; 2-d ``[S, K]`` by 3-d ``[E, K, N]`` with ``offs`` (the mixture-of-experts form:
+rows grouped by expert, group ``e`` ending at ``offs[e]``) splits ``K`` (``Partial(sum)``) and
+``N`` like a matmul, while the rows and the experts are made ``Replicate`` and ``offs`` is
+replicated (the offsets are global row positions). Other forms are refused.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -258,3 +265,76 @@ def _baddbmm(call: OpCall) -> ShardingDecision:
         anchors=(2, 1),
     )
     return contraction_decision(call, spec)
+
+
+_GROUPED_MM_PARAMS = ("mat_a", "mat_b", "offs", "bias", "out_dtype")
+
+
+def _grouped_mm_layouts(call: OpCall) -> dict[str, Layout]:
+    names = dict(zip(_GROUPED_MM_PARAMS, call.args, strict=False))
+    names.update(call.kwargs)
+    return {k: v for k, v in names.items() if isinstance(v, Layout)}
+
+
+@register_sharding_rule(torch._grouped_mm)  # F.grouped_mm calls it without torch-function checks
+def _grouped_mm(call: OpCall) -> ShardingDecision:
+    """``grouped_mm(mat_a, mat_b, offs=None, bias=None)``: see the module docstring."""
+    given = _grouped_mm_layouts(call)
+    a, b, offs = given.get("mat_a"), given.get("mat_b"), given.get("offs")
+    if a is None or b is None:
+        raise ShardingRuleError(f"{call.describe()}: mat_a and mat_b must be DTensors")
+    if a.ndim == 3 and b.ndim == 3 and offs is None:
+        labels: list[tuple[str | None, ...]] = [("g", "m", "k"), ("g", "k", "n")]
+        output: tuple[str, ...] = ("g", "m", "n")
+    elif a.ndim == 2 and b.ndim == 3 and offs is not None and offs.ndim == 1:
+        # Rows and groups are tied to offs (global positions): whole on every rank.
+        a = with_placements(a, _unsharded(a, 0))
+        b = with_placements(b, _unsharded(b, 0))
+        offs = with_placements(offs, [Replicate()] * offs.mesh.ndim)
+        labels = [("s", "k"), ("e", "k", "n"), ("e",)]
+        output = ("s", "n")
+    else:
+        raise ShardingRuleError(
+            f"{call.describe()}: grouped_mm of a {a.ndim}-d by a {b.ndim}-d operand "
+            f"{'with' if offs is not None else 'without'} offs is not supported on DTensors; "
+            "supported: 3-d by 3-d without offs, 2-d [S, K] by 3-d [E, K, N] with 1-d offs"
+        )
+    operands = [a, b] if offs is None else [a, b, offs]
+    names = ["mat_a", "mat_b"] if offs is None else ["mat_a", "mat_b", "offs"]
+    additive: tuple[int, ...] = ()
+    bias = given.get("bias")
+    if bias is not None:
+        labels.append(("g", "n") if offs is None else ("e", "n"))
+        if bias.ndim != 2:
+            raise ShardingRuleError(f"{call.describe()}: a DTensor bias must be 2-d")
+        operands.append(with_placements(bias, _unsharded(bias, 0)) if offs is not None else bias)
+        names.append("bias")
+        additive = (len(operands) - 1,)
+    spec = ContractionSpec(tuple(labels), output, additive, anchors=(1, 0))
+    inner = OpCall(call.func, call.name, tuple(operands), {}, call.rank)
+    decision = contraction_decision(inner, spec)
+    # offs (replicated above) carries no label of a and b's shards, so it stays replicated.
+    by_name = dict(zip(names, decision.inputs, strict=True))
+    order = [k for k in _ordered_names(call) if k in given]
+    return ShardingDecision(
+        tuple(by_name[k] for k in order), decision.outputs, local_func=_grouped_mm_local
+    )
+
+
+def _grouped_mm_local(mat_a: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """The local product; ``mat_a`` made contiguous, since a redistribution can hand on a
+    strided view the CPU kernel refuses (it wants row strides of whole 16-byte units)."""
+    out: torch.Tensor = torch._grouped_mm(mat_a.contiguous(), *args, **kwargs)
+    return out
+
+
+def _ordered_names(call: OpCall) -> list[str]:
+    """The names of the call's arguments, in the flattened ``(args, kwargs)`` order."""
+    return [*_GROUPED_MM_PARAMS[: len(call.args)], *call.kwargs]
+
+
+def _unsharded(layout: Layout, dim: int) -> list[Placement]:
+    return [
+        Replicate() if isinstance(p, RaggedShard) or (isinstance(p, Shard) and p.dim == dim) else p
+        for p in layout.placements
+    ]

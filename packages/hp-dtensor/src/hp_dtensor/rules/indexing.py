@@ -21,6 +21,9 @@ rank:
   DTensors; anything else raises ``ShardingRuleError`` (gathering a dim for a gather is the
   caller's decision: redistribute the dim to ``Replicate`` first). A boolean mask gives a
   data-dependent shape and is rejected.
+* ``__setitem__`` (``x[index] = value``): in place, so ``x`` keeps its layout; the index is
+  planned as for ``__getitem__`` and must not cut or tensor-index a sharded dim (refused: an
+  in-place write cannot gather its target); ``value`` takes the written region's layout.
 * ``index_select``: the indexed dim is made ``Replicate``; a replicated index keeps the
   other shards; an index sharded on dim 0 gives an output sharded on the indexed dim (each
   rank selects its own indices from the replicated input), so it is never gathered.
@@ -441,6 +444,47 @@ def _getitem(call: OpCall) -> ShardingDecision:
     return ShardingDecision(
         (target, *index_layouts), output, local_args=(target, plan.index), local_kwargs={}
     )
+
+
+def _value_target(value: Layout, region: Layout) -> Layout:
+    """``value`` laid out to be written into ``region`` (right-aligned broadcasting: a dim
+    of the value that spans a sharded region dim is sharded alike, a broadcast one is
+    replicated; Partial is reduced, since overwriting is not linear)."""
+    offset = region.ndim - value.ndim
+    placements: list[Placement] = []
+    for p in region.placements:
+        d = p.dim - offset if isinstance(p, Shard) else -1
+        spans = (
+            isinstance(p, Shard) and d >= 0 and value.global_shape[d] == region.global_shape[p.dim]
+        )
+        placements.append(Shard(d) if spans and value.global_shape[d] != 1 else Replicate())
+    return with_placements(value, placements, shard_order=region.shard_order)
+
+
+@register_sharding_rule(torch.Tensor.__setitem__)
+def _setitem(call: OpCall) -> ShardingDecision:
+    """``x[index] = value``: in place, so ``x`` keeps its layout. The index is planned as for
+    ``__getitem__``; the dims it cuts (ints, slices that do not keep the whole dim) and the
+    dims it indexes with tensors must not be sharded (an in-place write cannot gather its
+    target: refused), nor may ``x`` be Partial. The written region keeps ``x``'s other shards
+    and ``value`` is laid out like it."""
+    layout = call.layouts[0]
+    value = call.arg(2, "value")
+    plan = plan_index(layout, call.arg(1, "key"), "setitem")
+    sharded = [d for d in (*plan.cut, *plan.advanced) if layout.dim_sharding(d)]
+    if sharded or layout.ragged_axis is not None or replicate_axes_where(layout) != layout:
+        raise ShardingRuleError(
+            f"setitem on {layout!r}: an in-place write keeps the tensor's layout, but this "
+            f"index needs dims {sharded or 'all'} whole (or the tensor is Partial or "
+            "RaggedShard); redistribute the tensor first, or build the result out of place "
+            "(torch.where, scatter, index_put)"
+        )
+    region = _shift_shards(layout, plan.shape, plan.placement_of.get)
+    index_layouts = call.layouts[1:-1] if isinstance(value, Layout) else call.layouts[1:]
+    inputs: tuple[Layout, ...] = (layout, *index_layouts)
+    if isinstance(value, Layout):
+        inputs = (*inputs, _value_target(value, region))
+    return ShardingDecision(inputs, layout, local_args=(layout, plan.index, value), local_kwargs={})
 
 
 # index_select -----------------------------------------------------------------------------------

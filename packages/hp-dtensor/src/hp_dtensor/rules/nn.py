@@ -20,7 +20,8 @@ rejecting where an exact local computation exists):
   dims are gathered. A ``Partial(sum)`` value stays partial (attention is linear in the
   value). ``dropout_p > 0`` is rejected.
 * ``cross_entropy`` / ``nll_loss``: the class dim is gathered; batch dims may be sharded (the
-  targets follow the logits). ``reduction='none'`` is sharded like the targets, ``'sum'`` is
+  targets follow the logits, a replicated target is sliced for free) and are never gathered;
+  a RaggedShard input is refused. ``reduction='none'`` is sharded like the targets, ``'sum'`` is
   ``Partial(sum)`` over the batch-sharding axes, and ``'mean'`` is ``Partial(sum)`` of the
   local sum divided by the *global* count (non-ignored targets, or their summed class weights),
   which one all-reduce of the local count finds. Class weights are replicated.
@@ -53,6 +54,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
+from hp_dtensor.rules._binding import Bound, bind, named_decision, ordered
 from hp_dtensor.rules._common import (
     normalize_dim,
     replicate_axes_where,
@@ -71,89 +73,6 @@ if TYPE_CHECKING:
     from hp_dtensor.parallel.random import DropoutVariant
 
 __all__: list[str] = []
-
-
-# Argument binding ------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class _Bound:
-    """A call's arguments by parameter name, and which of them are DTensors.
-
-    Attributes:
-        values: every given argument by name (defaults are not filled in).
-        tensor_names: names of the DTensor (Layout) arguments, in the flattened
-            ``(args, kwargs)`` order the executor pairs decisions with.
-    """
-
-    values: dict[str, Any]
-    tensor_names: tuple[str, ...]
-
-    def get(self, name: str, default: Any = None) -> Any:
-        """The argument ``name``, or ``default`` when it was not given."""
-        return self.values.get(name, default)
-
-    def layout(self, name: str) -> Layout | None:
-        """The layout of DTensor argument ``name``, or None when it is not a DTensor."""
-        value = self.values.get(name)
-        return value if isinstance(value, Layout) else None
-
-
-def _bind(call: OpCall, params: Sequence[str]) -> _Bound:
-    """Name ``call``'s arguments after ``params`` (positional parameter order)."""
-    if len(call.args) > len(params):
-        raise ShardingRuleError(
-            f"{call.name}: got {len(call.args)} positional arguments, expected at most "
-            f"{len(params)} ({', '.join(params)})"
-        )
-    values: dict[str, Any] = dict(zip(params, call.args, strict=False))
-    order = list(values)
-    for key, value in call.kwargs.items():
-        if key in values:
-            raise ShardingRuleError(f"{call.name}: argument {key!r} given twice")
-        values[key] = value
-        order.append(key)
-    names = tuple(n for n in order if isinstance(values[n], Layout))
-    if len(names) != len(call.layouts):
-        raise ShardingRuleError(
-            f"{call.describe()}: DTensors nested inside argument containers are not supported; "
-            "pass each tensor as its own argument"
-        )
-    return _Bound(values, names)
-
-
-def _ordered(bound: _Bound, targets: Mapping[str, Layout], op: str) -> tuple[Layout, ...]:
-    """The target layouts in the order of the call's DTensor arguments."""
-    missing = [n for n in bound.tensor_names if n not in targets]
-    if missing:
-        raise ShardingRuleError(f"{op}: unexpected DTensor argument(s) {missing}")
-    return tuple(targets[n] for n in bound.tensor_names)
-
-
-def _call_named(
-    impl: Callable[..., Any],
-    names: tuple[str, ...],
-    static: Mapping[str, Any],
-    *tensors: torch.Tensor,
-) -> Any:
-    """Call ``impl`` with the local tensors by name plus the static arguments."""
-    return impl(**static, **dict(zip(names, tensors, strict=True)))
-
-
-def _named_decision(
-    bound: _Bound,
-    targets: Mapping[str, Layout],
-    outputs: Any,
-    impl: Callable[..., Any],
-    static: Mapping[str, Any],
-    op: str,
-) -> ShardingDecision:
-    """A decision whose local work is ``impl(**static, **local_tensors_by_name)``."""
-    inputs = _ordered(bound, targets, op)
-    local_func = functools.partial(_call_named, impl, bound.tensor_names, dict(static))
-    return ShardingDecision(
-        inputs, outputs, local_args=inputs, local_kwargs={}, local_func=local_func
-    )
 
 
 # Layout helpers ----------------------------------------------------------------------------------
@@ -218,7 +137,7 @@ _RMS_NORM_PARAMS = ("input", "normalized_shape", "weight", "eps")
 
 
 def _norm_decision(call: OpCall, params: Sequence[str]) -> ShardingDecision:
-    bound = _bind(call, params)
+    bound = bind(call, params)
     layout = bound.layout("input")
     if layout is None:
         raise ShardingRuleError(f"{call.name}: the input must be a DTensor")
@@ -232,7 +151,7 @@ def _norm_decision(call: OpCall, params: Sequence[str]) -> ShardingDecision:
     target = _gather_dims(layout, range(layout.ndim - count, layout.ndim))
     targets = {name: _replicated(bound.values[name]) for name in bound.tensor_names}
     targets["input"] = target
-    return ShardingDecision(_ordered(bound, targets, call.name), target)
+    return ShardingDecision(ordered(bound, targets, call.name), target)
 
 
 @register_sharding_rule(F.layer_norm, torch.layer_norm)
@@ -284,7 +203,7 @@ def _embedding_placements(
 
 
 def _embedding_rule(call: OpCall, params: Sequence[str]) -> ShardingDecision:
-    bound = _bind(call, params)
+    bound = bind(call, params)
     weight = bound.layout("weight")
     if weight is None or weight.ndim != 2:
         raise ShardingRuleError(f"{call.name}: the weight must be a 2-d DTensor")
@@ -318,7 +237,7 @@ def _embedding_rule(call: OpCall, params: Sequence[str]) -> ShardingDecision:
         "scale_grad_by_freq": freq,
         "vocab": (start, stop) if any(isinstance(p, Partial) for p in out_p) else None,
     }
-    return _named_decision(bound, targets, output, _embedding_local, static, call.name)
+    return named_decision(bound, targets, output, _embedding_local, static, call.name)
 
 
 def _global_padding_idx(given: Any, vocab: int, func: Any) -> int | None:
@@ -414,7 +333,7 @@ class _Attention:
         return self.ndim - 3
 
 
-def _attention(call: OpCall, bound: _Bound) -> _Attention:
+def _attention(call: OpCall, bound: Bound) -> _Attention:
     q, k, v = (bound.layout(n) for n in ("query", "key", "value"))
     if q is None or k is None or v is None:
         raise ShardingRuleError(f"{call.name}: query, key and value must all be DTensors")
@@ -544,7 +463,7 @@ def _follow(att: _Attention, layout: Layout, name: str, kind: str, od: int, axis
 @register_sharding_rule(F.scaled_dot_product_attention)
 def _sdpa(call: OpCall) -> ShardingDecision:
     """scaled_dot_product_attention: see the module docstring."""
-    bound = _bind(call, _SDPA_PARAMS)
+    bound = bind(call, _SDPA_PARAMS)
     if float(bound.get("dropout_p", 0.0) or 0.0) > 0.0:
         raise ShardingRuleError(
             f"{call.name}: dropout_p > 0 draws a random attention mask that cannot be "
@@ -563,14 +482,14 @@ def _sdpa(call: OpCall) -> ShardingDecision:
     output = with_placements(att.q, out, att.out_shape, order)
     seq_sharded = any(kind == "seq" for kind, _ in plans)
     if not (seq_sharded and bool(bound.get("is_causal", False))):
-        return ShardingDecision(_ordered(bound, targets, call.name), output)
+        return ShardingDecision(ordered(bound, targets, call.name), output)
     row0 = targets["query"].local_region(call.rank).box[att.q.ndim - 2][0]
     static = {
         "row_offset": row0,
         "scale": bound.get("scale"),
         "enable_gqa": att.gqa,
     }
-    return _named_decision(bound, targets, output, _causal_rows_local, static, call.name)
+    return named_decision(bound, targets, output, _causal_rows_local, static, call.name)
 
 
 def _causal_rows_local(
@@ -609,7 +528,7 @@ _CROSS_ENTROPY_PARAMS = (
 _NLL_LOSS_PARAMS = _CROSS_ENTROPY_PARAMS[:-1]
 
 
-def _reduction(bound: _Bound) -> str:
+def _reduction(bound: Bound) -> str:
     size_average, reduce = bound.get("size_average"), bound.get("reduce")
     if size_average is not None or reduce is not None:
         from torch.nn import _reduction
@@ -666,11 +585,19 @@ def _loss_placements(
 
 
 def _loss_rule(call: OpCall, params: Sequence[str], loss: Callable[..., Any]) -> ShardingDecision:
-    bound = _bind(call, params)
+    bound = bind(call, params)
     logits = bound.layout("input")
     if logits is None:
         raise ShardingRuleError(f"{call.name}: the input (logits) must be a DTensor")
     target = bound.layout("target")
+    for layout in (logits, target):
+        if layout is not None and layout.ragged_axis is not None:
+            # A flat-buffer shard has no batch dim to keep; gathering it here would hide
+            # that the loss reads a parameter-like shard.
+            raise ShardingRuleError(
+                f"{call.describe()}: a RaggedShard input has no batch or class dim to keep "
+                "sharded; redistribute it to Shard or Replicate first"
+            )
     target_shape = target.global_shape if target is not None else ()
     class_dim = 1 if logits.ndim >= 2 else 0
     probabilities = call.name == "cross_entropy" and len(target_shape) == logits.ndim
@@ -702,10 +629,10 @@ def _loss_rule(call: OpCall, params: Sequence[str], loss: Callable[..., Any]) ->
         if reduction == "mean" and batch_axes
         else None,
     }
-    return _named_decision(bound, targets, output, _loss_local, static, call.name)
+    return named_decision(bound, targets, output, _loss_local, static, call.name)
 
 
-def _loss_options(bound: _Bound, op: str) -> dict[str, Any]:
+def _loss_options(bound: Bound, op: str) -> dict[str, Any]:
     options: dict[str, Any] = {"ignore_index": int(bound.get("ignore_index", -100))}
     if op == "cross_entropy":
         options["label_smoothing"] = float(bound.get("label_smoothing", 0.0))
@@ -797,7 +724,7 @@ def vocab_parallel_cross_entropy_rule(
     the vocab axis); its backward must follow the adjoint convention (all-reduce the upstream
     gradient over ``axis``).
     """
-    bound = _bind(call, _CROSS_ENTROPY_PARAMS)
+    bound = bind(call, _CROSS_ENTROPY_PARAMS)
     logits, target = bound.layout("input"), bound.layout("target")
     plain = dataclasses.replace(call, func=F.cross_entropy, name="cross_entropy")
     if logits is None or target is None or bound.get("weight") is not None:
@@ -840,7 +767,7 @@ def vocab_parallel_cross_entropy_rule(
         if reduction == "mean" and batch_axes
         else None,
     }
-    return _named_decision(bound, targets, output, _vocab_parallel_local, static, call.name)
+    return named_decision(bound, targets, output, _vocab_parallel_local, static, call.name)
 
 
 def _vocab_parallel_local(
@@ -908,7 +835,7 @@ def _dropout_rule(call: OpCall) -> ShardingDecision:
     (:func:`hp_dtensor.parallel.random.distributed_dropout`: the global noise is drawn on
     every rank, then sliced)."""
     params = _F_DROPOUT_PARAMS if call.func in _F_DROPOUT else _TORCH_DROPOUT_PARAMS
-    bound = _bind(call, params)
+    bound = bind(call, params)
     layout = bound.layout("input")
     if layout is None:
         raise ShardingRuleError(f"{call.name}: the input must be a DTensor")

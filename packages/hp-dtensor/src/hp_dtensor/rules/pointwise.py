@@ -69,6 +69,10 @@ def _nonzero_scalars(call: OpCall) -> bool:
             continue
         if isinstance(v, int | float) and v != 0:
             return True
+        if isinstance(v, torch.Tensor):
+            # A 0-d plain tensor is a scalar on every rank; its value is not read here
+            # (that would synchronize with the device), so it counts as nonzero.
+            return True
     return False
 
 
@@ -286,7 +290,6 @@ _NONLINEAR_OPS = [
     "minimum",
     "fmax",
     "fmin",
-    "where",
     "masked_fill",
     "eq",
     "ne",
@@ -294,6 +297,11 @@ _NONLINEAR_OPS = [
     "le",
     "gt",
     "ge",
+    "greater",
+    "greater_equal",
+    "less",
+    "less_equal",
+    "not_equal",
     "logical_not",
     "logical_and",
     "logical_or",
@@ -328,6 +336,8 @@ register_sharding_rule(torch_functions("mul", "multiply"))(_rule(PRODUCT))
 register_sharding_rule(torch_functions("div", "divide", "true_divide", "truediv"))(_rule(NUMERATOR))
 register_sharding_rule(torch_functions(*_NONLINEAR_OPS))(_rule(NONLINEAR))
 register_sharding_rule(torch_functions("lerp"))(_rule(Linearity("sum", (0, 1))))
+# torch.where also has a one-argument form (nonzero): see rules.selection.
+register_sharding_rule(torch.Tensor.where)(_rule(NONLINEAR))
 
 
 @register_sharding_rule(torch.Tensor.type_as)

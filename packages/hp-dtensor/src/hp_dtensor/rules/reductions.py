@@ -1,11 +1,15 @@
-"""Sharding rules for reductions: sum, mean, amax, amin, max/min, and their dim forms.
+"""Sharding rules for reductions: sum, mean, amax, amin, max/min, all/any, and their dim
+forms.
 
 Reducing a sharded dim gives a Partial result: ``sum`` and ``mean`` give ``Partial(sum)``
 (``mean`` divides the local sum by the *global* count, so uneven shards are exact), ``amax``
 and ``amin`` give ``Partial(max)`` / ``Partial(min)``. Dims that are not reduced keep their
 shards. A Partial input stays Partial through ``sum``/``mean`` (they are linear) and is
 reduced first for ``amax``/``amin``. ``max(dim)``/``min(dim)``, which also return indices,
-gather the reduced dim first (indices are positions in the whole dim).
+gather the reduced dim first (indices are positions in the whole dim). ``all`` and ``any`` are
+the min and the max of truth values: a sharded reduced dim gives ``Partial(min)`` /
+``Partial(max)`` (an empty shard holds the identity, ``True`` / ``False``), and a Partial
+input is reduced first.
 """
 
 from __future__ import annotations
@@ -186,3 +190,15 @@ def _max(call: OpCall) -> ShardingDecision:
 @register_sharding_rule(torch.min, torch.Tensor.min)
 def _min(call: OpCall) -> ShardingDecision:
     return _max_min(call, ReduceOp.MIN)
+
+
+@register_sharding_rule(torch.all, torch.Tensor.all)
+def _all(call: OpCall) -> ShardingDecision:
+    """``all(dim=None, keepdim=False)``: every element true is the min of the truth values."""
+    return reduction_decision(call, ReduceOp.MIN)
+
+
+@register_sharding_rule(torch.any, torch.Tensor.any)
+def _any(call: OpCall) -> ShardingDecision:
+    """``any(dim=None, keepdim=False)``: some element true is the max of the truth values."""
+    return reduction_decision(call, ReduceOp.MAX)

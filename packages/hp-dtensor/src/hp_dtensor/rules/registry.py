@@ -16,10 +16,11 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten
 
-from hp_layout import Layout
+from hp_layout import Layout, Mesh
 
 __all__ = [
     "OpCall",
+    "ReplicatedResult",
     "Rule",
     "ShardingDecision",
     "ShardingRuleError",
@@ -80,8 +81,9 @@ class ShardingDecision:
     Attributes:
         inputs: the layout each DTensor argument must have, in flattened ``(args, kwargs)``
             order; the executor redistributes any argument whose layout differs.
-        outputs: the output layouts, shaped like the op's output (a Layout for a tensor,
-            None for a non-tensor, tuples/lists for sequences).
+        outputs: the output layouts, shaped like the op's output (a Layout for a tensor, a
+            :class:`ReplicatedResult` for a replicated tensor whose shape depends on the
+            values, None for a non-tensor, tuples/lists for sequences).
         local_args: positional arguments for the local call, with a Layout wherever a
             (redistributed) local tensor goes; None keeps the call's arguments.
         local_kwargs: keyword arguments for the local call, likewise.
@@ -95,14 +97,28 @@ class ShardingDecision:
     local_func: Callable[..., Any] | None = None
 
 
+@dataclass(frozen=True)
+class ReplicatedResult:
+    """An output whose shape depends on the values (``nonzero``, ``one_hot`` without
+    ``num_classes``): the rule gives it instead of a Layout when every input is replicated,
+    so each rank computes the same whole result. The output is ``Replicate`` on every axis of
+    ``mesh``, with the shape the local computation returns.
+    """
+
+    mesh: Mesh
+
+
 Rule = Callable[[OpCall], ShardingDecision]
 
 _RULES: dict[Any, Rule] = {}
 
 
 def canonical_name(func: Callable[..., Any]) -> tuple[str, bool]:
-    """``(name, inplace)`` of a torch function: ``__iadd__`` -> ``("add", True)``."""
+    """``(name, inplace)`` of a torch function: ``__iadd__`` -> ``("add", True)``,
+    ``__setitem__`` -> ``("setitem", True)``."""
     name = getattr(func, "__name__", repr(func))
+    if name == "__setitem__":
+        return "setitem", True
     if name.startswith("__i") and name.endswith("__") and name[3:-2] in _DUNDER_INPLACE:
         return name[3:-2], True
     if name.startswith("__r") and name.endswith("__") and name[3:-2] in _DUNDER_INPLACE:
