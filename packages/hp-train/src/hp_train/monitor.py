@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +25,7 @@ from hp_fsdp import total_grad_norm
 __all__ = [
     "Divergence",
     "LayerNorms",
+    "clip_grads_to_norm_",
     "divergent_ranks",
     "global_grad_norm",
     "layer_of",
@@ -83,6 +84,21 @@ def snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
 def global_grad_norm(model: nn.Module) -> float:
     """The gradient norm over all ranks, each element once (collective)."""
     return float(total_grad_norm(model))
+
+
+def clip_grads_to_norm_(parameters: Iterable[torch.Tensor], norm: float, max_norm: float) -> float:
+    """Scale the gradients of ``parameters`` in place so that their global norm, ``norm``
+    before, is at most ``max_norm``: by ``max_norm / (norm + 1e-6)`` where that is below 1,
+    the factor ``torch.nn.utils.clip_grad_norm_`` applies. Returns the factor applied (1.0:
+    left as they are)."""
+    factor = max_norm / (norm + 1e-6)
+    if factor >= 1.0:
+        return 1.0
+    with torch.no_grad():
+        for param in parameters:
+            if param.grad is not None:
+                param.grad.mul_(factor)
+    return factor
 
 
 def rank_losses(local_loss: float) -> list[float]:

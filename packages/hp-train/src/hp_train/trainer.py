@@ -54,7 +54,14 @@ from hp_train.data import Batch, DataSpec, TrainData, build_data
 from hp_train.logs import close_logging, setup_logging
 from hp_train.metrics import MetricsWriter, peak_memory_bytes, read_metrics, write_json
 from hp_train.model import Transformer, lm_loss
-from hp_train.monitor import divergent_ranks, global_grad_norm, local_norms, rank_losses, snapshot
+from hp_train.monitor import (
+    clip_grads_to_norm_,
+    divergent_ranks,
+    global_grad_norm,
+    local_norms,
+    rank_losses,
+    snapshot,
+)
 from hp_train.nonfinite import NonFiniteError, count_nonfinite, first_nonfinite, nonfinite_state
 from hp_train.optim import build_optimizer, build_schedule
 from hp_train.parallelize import build_layout, check_model_fits, parallelize, resolve_tp_plan
@@ -574,11 +581,7 @@ class Trainer:
         """Scale every gradient so that the global norm is at most ``max_norm`` (as
         ``torch.nn.utils.clip_grad_norm_``); the norm before clipping."""
         norm = self._grad_norm()
-        factor = max_norm / (norm + 1e-6)
-        if factor < 1.0:
-            for param in self.model.parameters():
-                if param.grad is not None:
-                    param.grad.mul_(factor)
+        clip_grads_to_norm_(self.model.parameters(), norm, max_norm)
         return norm
 
     def _aux_loss(self) -> float | None:

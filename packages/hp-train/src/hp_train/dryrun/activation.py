@@ -13,12 +13,16 @@ Per token of this rank (a context-parallel rank holds ``1 / cp`` of each sequenc
 * **selective** (``SELECTIVE``: matmul and attention outputs saved): the input, q/k/v
   (``q + 2 kv``), the attention output (plus its fp32 log-sum-exp), ``o_proj``'s output
   (``dim``), a dense SwiGLU's ``w1``/``w3`` outputs (``2 ffn``) and ``w2``'s (``dim``), an MoE's
-  router scores (``E``, fp32) and per routed slot ``2 fe + dim``, shared experts like a dense
+  router scores (``E``) and per routed slot ``2 fe + dim``, shared experts like a dense
   SwiGLU; the pointwise and normalization ops are recomputed (their FLOPs are not counted);
 * **budget:<MiB>** (``BudgetPolicy``: the outputs worth most recompute per byte first, up to
   the budget per block call, i.e. per microbatch): ``min(full, input + budget)`` kept; the
   matmul outputs it cannot keep are recomputed, ``1 - budget / selective`` of the block's
-  forward FLOPs when the budget is below the selective set, none above it.
+  forward FLOPs when the budget is below the selective set, none above it. An estimate: the
+  policy fills the budget greedily op by op (a small budget keeps up to a few percent less),
+  and a budget above what the block's costed ops output saves every one of those outputs,
+  pointwise ones included, which is more than ``full`` (a 1 MiB budget on a 64-wide block
+  of 32 tokens keeps 1.7 times ``full``); the model caps it at ``full``.
 
 Context parallelism adds what its attention keeps (:mod:`hp_dtensor.parallel
 .context_attention`): ring attention keeps every visiting key/value block (fp32, ``cp - 1`` of
@@ -30,9 +34,10 @@ them only for the block being recomputed.
 
 Swap (``TrainConfig.swap``, hp-offload's ``Swapper`` under ``none`` or ``selective``): what a
 block keeps goes to host memory, except its tensors below the swapper's ``min_bytes``
-(``hp_train.activations.SWAP_MIN_BYTES``): of those only the per-token fp32 vectors (the norms'
-reciprocal RMS, the attention's log-sum-exp, the router's scores) can be that small, each a
-``tokens x width x 4`` tensor; the rest are at least ``tokens x dim`` wide. Under
+(``hp_train.activations.SWAP_MIN_BYTES``): of those only the per-token vectors (the norms'
+reciprocal RMS in the compute dtype, the attention's fp32 log-sum-exp, the router's fp32
+scores) can be that small, each a ``tokens x width`` tensor; the rest are at least
+``tokens x dim`` wide. Under
 ``selective`` the block's input stays on the device too (the checkpoint saves it, not the
 swapper).
 """
@@ -121,24 +126,38 @@ def block_activations(
     heads = model.n_heads / tp
     scores = heads * (1 if flash_attention else seq_len)
     # q, the keys and values repeated to every query head, and the output (shared with
-    # o_proj's input): four query widths whatever n_kv_heads is.
-    attn = 4 * q / tp + (3 * (q + kv) / tp if model.qk_norm else 0.0)
+    # o_proj's input): four query widths whatever n_kv_heads is. Per-head q/k norms add their
+    # input and normalized input; their output takes the projection's place as the rotary's
+    # input.
+    attn = 4 * q / tp + (2 * (q + kv) / tp if model.qk_norm else 0.0)
+    # Reciprocal RMS per token, in the compute dtype (RMSNorm computes in its input's): the
+    # two block norms' and, with q/k norms, one per query and key head.
+    rms = [1.0, 1.0] + ([heads, model.n_kv_heads / tp] if model.qk_norm else [])
     sel = (q + 2 * kv) / tp + q / tp + d
     sel_fp32 = heads
     moe = model.moe
-    fp32 = scores + 2  # the two RMSNorms' reciprocal RMS
-    # The per-token fp32 tensors by width: each is one tensor the swapper judges by its size.
-    full_vectors = [1.0, 1.0, scores]
-    selective_vectors = [heads]
+    fp32 = scores
+    # The small per-token tensors, in bytes per token: each is one tensor the swapper judges
+    # by its size.
+    full_vectors = [w * compute_bytes for w in rms] + [scores * 4]
+    selective_vectors = [heads * 4]
+    indices = 0.0
+    per_call = 0
     if moe is not None and moe.is_moe_layer(index):
         fe = moe.expert_ffn_dim / (tp if ep_tp and tp > 1 else 1)
         shared = moe.n_shared_experts * moe.expert_ffn_dim
-        ffn = moe.top_k * (2 * d + 4 * fe) + 4 * shared
-        sel += moe.top_k * (2 * fe + d) + (2 * shared + d if shared else 0)
-        fp32 += moe.n_experts
-        sel_fp32 += moe.n_experts
-        full_vectors.append(moe.n_experts)
-        selective_vectors.append(moe.n_experts)
+        k, experts = moe.top_k, moe.n_experts
+        # Router scores, and per routed slot its gate weight, gathered input, expert
+        # activations and output.
+        ffn = experts + k * (2 * d + 4 * fe + 1) + 4 * shared
+        sel += experts + k * (2 * fe + d) + (2 * shared + d if shared else 0)
+        # The routing's int64 indices, one per slot each: the top-k choice, the order of the
+        # slots by expert and its inverse.
+        indices = 3 * k * 8
+        # The balance loss keeps each expert's share of the routed slots (once per call).
+        per_call = experts * compute_bytes if moe.aux_loss_weight > 0 else 0
+        full_vectors += [experts * compute_bytes, k * compute_bytes, k * 8, k * 8, k * 8]
+        selective_vectors.append(experts * compute_bytes)
     else:
         ffn = 4 * model.ffn_dim / tp
         sel += 2 * model.ffn_dim / tp + d
@@ -147,14 +166,17 @@ def block_activations(
         context = (cp - 1) * 2 * q / tp * 4 + heads * seq_len / 2 * 2 * 4
     elif cp > 1:
         context = 4 * q / tp * compute_bytes
-    full = tokens * ((6 * d + attn + ffn) * compute_bytes + fp32 * 4 + context)
+    full = (
+        tokens * ((6 * d + attn + ffn + sum(rms)) * compute_bytes + fp32 * 4 + indices + context)
+        + per_call
+    )
     selective = tokens * ((sel + d) * compute_bytes + sel_fp32 * 4 + context)
 
     full_unswapped = selective_unswapped = 0
     if swap_min_bytes is not None:
-        small = [int(tokens * w * 4) for w in full_vectors]
-        full_unswapped = sum(b for b in small if b < swap_min_bytes)
-        small = [int(tokens * w * 4) for w in selective_vectors]
+        small = [int(tokens * w) for w in full_vectors]
+        full_unswapped = sum(b for b in [*small, per_call] if b < swap_min_bytes)
+        small = [int(tokens * w) for w in selective_vectors]
         selective_unswapped = sum(b for b in small if b < swap_min_bytes)
         selective_unswapped += int(tokens * d * compute_bytes)
     return BlockActivations(

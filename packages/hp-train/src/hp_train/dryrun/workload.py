@@ -17,24 +17,29 @@ Activation model (elements saved for backward per token; the tensors autograd ke
 model's modules, with flash attention keeping no ``seq x seq`` scores):
 
 * each RMSNorm: its input, the normalized input and its output: ``3 * dim`` (two per block),
-  and one fp32 reciprocal RMS;
+  and one reciprocal RMS (in the compute dtype, as RMSNorm computes in its input's);
 * attention: q, k and v (expanded to all heads) and the attention output (its storage is the
   o_proj input too): ``4 * q_dim / tp``, plus ``n_heads / tp`` log-sum-exp values (with
   ``flash_attention=False``, the ``n_heads / tp * seq`` attention probabilities instead);
-  per-head q/k norms (``qk_norm``) like RMSNorms: ``3 * (q_dim + kv_dim) / tp``;
+  per-head q/k norms (``qk_norm``): their input and normalized input ``2 * (q_dim + kv_dim) /
+  tp`` (their output is the rotary's input in place of the projection's) and one reciprocal RMS
+  per head, ``(n_heads + n_kv_heads) / tp``;
 * dense SwiGLU: w1's output, its SiLU, w3's output and their product: ``4 * ffn / tp``;
 * MoE (whole on every tensor-parallel rank, as the trainer keeps it): router scores ``E``
-  (fp32) and, per routed slot (``top_k`` per token), the gathered input ``dim``,
-  ``4 * expert_ffn`` and the expert output ``dim``; shared experts like a dense SwiGLU of width
-  ``n_shared * expert_ffn``, not divided by ``tp`` either;
-* head: final norm ``3 * dim`` (and its fp32 reciprocal RMS) and the log-softmax of the
-  logits, ``vocab`` in fp32 (the loss's gathered logits are whole on every tensor-parallel
-  rank); the first step of backward then holds two more fp32 vocabulary rows per token (the
-  gradients of the log-softmax and of the logits, :func:`loss_gradient_bytes`).
+  and, per routed slot (``top_k`` per token), its gate weight, the gathered input ``dim``,
+  ``4 * expert_ffn`` and the expert output ``dim``, and three int64 routing indices (24
+  bytes); shared experts like a dense SwiGLU of width ``n_shared * expert_ffn``, not divided
+  by ``tp`` either; the balance loss keeps ``E`` values once per call;
+* head: final norm ``3 * dim`` (and its reciprocal RMS), the log-softmax of the logits,
+  ``vocab`` in fp32 (the loss's gathered logits are whole on every tensor-parallel rank), and
+  the loss's int64 targets; the first step of backward then holds two more fp32 vocabulary
+  rows per token (the gradients of the log-softmax and of the logits,
+  :func:`loss_gradient_bytes`).
 
-Checked against the tensors autograd saves for hp-train's blocks and head (exact for a dense
-block, within 0.5% for an MoE block whose routing sizes vary), and the resulting peak against
-a measured step (``tests/test_dryrun_vs_measured.py``).
+Checked against the tensors autograd saves for hp-train's blocks and head on one process
+(exact, fp32 and bf16, dense, q/k-norm and MoE blocks, every policy but budgets:
+``tests/test_dryrun_saved_tensors.py``), and the resulting peak against a measured step
+(``tests/test_dryrun_vs_measured.py``).
 
 With ``recompute`` each block keeps only its input (``dim`` per token); one block's full
 activations exist again while it is recomputed in backward.
@@ -317,9 +322,11 @@ def block_activation_bytes(
 
 def head_activation_bytes(model: ModelConfig, tokens: int, precision: Precision) -> int:
     """Bytes the final norm and the output head save for ``tokens`` tokens: the norm's input,
-    its scaled input and output (the head's input), its fp32 reciprocal RMS, and the fp32
-    log-softmax of the logits the cross entropy keeps."""
-    return int(tokens * (3 * model.dim * precision.compute + 4 + model.vocab_size * 4))
+    its scaled input and output (the head's input), its reciprocal RMS (compute dtype), and
+    what the cross entropy keeps: the fp32 log-softmax of the logits, the int64 targets and
+    its fp32 total weight."""
+    per_token = (3 * model.dim + 1) * precision.compute + model.vocab_size * 4 + 8
+    return int(tokens * per_token) + 4
 
 
 def loss_gradient_bytes(model: ModelConfig, tokens: int) -> int:

@@ -1,0 +1,392 @@
+"""The dry run's cost model against formulas written here, not read from the dry run's helpers.
+
+* collectives: the alpha-beta ring time and the bytes a rank sends per collective kind, on the
+  tier found by listing every group of the documented rank layout (row-major over ``pp,
+  dp_replicate, expert_shard, ep, cp, tp``, tp innermost) on a three-tier topology whose host
+  size (6) makes some groups of a degree straddle hosts where the first does not;
+* compute: the FLOPs model of :mod:`hp_train.dryrun.workload` (dense and MoE blocks, the head,
+  backward twice the forward, full recomputation once more, an expert-parallel rank's
+  imbalance);
+* tensor parallelism: Megatron's activation collectives of one microbatch per block, the
+  embedding and the head, in bf16, repeated by recomputation;
+* memory: the two moments of backward, each buffer FSDP holds (bf16 all-gathers, the fp32
+  reduce-scatter copy, the FP8 wire), the kept activations per token, by hand;
+* the pipeline's closed forms (uniform stages: ``(m + p - 1)(f + b)``, GPipe's sends twice
+  per stage boundary, 1F1B keeping ``min(p - s, m)`` microbatches in flight);
+* FP8 all-gather records and host-offload transfers.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+
+from hp_layout import Collective, Tier, Topology
+from hp_train.config import ModelConfig, MoEConfig, ParallelConfig
+from hp_train.dryrun import (
+    BF16_MIXED,
+    Device,
+    DryRunError,
+    RankGrid,
+    StepShape,
+    dry_run,
+    pipeline_timing,
+)
+from hp_train.dryrun.comm import ring_sent_bytes
+from hp_train.dryrun.memory import fp8_record_bytes
+from hp_train.dryrun.schedule import in_flight
+from hp_train.dryrun.workload import precision_of
+
+# Fast to slow; the host (6 ranks) is not a power of two, so a tp group of 4 can straddle two.
+THREE_TIERS = Topology(
+    (
+        Tier("board", 2, 400e9, 1e-6),
+        Tier("host", 6, 100e9, 5e-6),
+        Tier("pod", 24, 12.5e9, 20e-6),
+    ),
+    name="three-tier",
+)
+LAYOUT = ("pp", "dp_replicate", "expert_shard", "ep", "cp", "tp")
+# Each communication group as the mesh axes it spans (the module doc of hp_train.dryrun.comm).
+GROUP_AXES = {
+    "pp": ("pp",),
+    "dp_replicate": ("dp_replicate",),
+    "dp_shard": ("expert_shard", "ep", "cp"),
+    "dp": ("dp_replicate", "expert_shard", "ep", "cp"),
+    "expert_dp": ("dp_replicate", "expert_shard"),
+    "expert_shard": ("expert_shard",),
+    "ep": ("ep",),
+    "cp": ("cp",),
+    "tp": ("tp",),
+}
+GRIDS = [
+    ParallelConfig(dp_shard=6, tp=4),
+    ParallelConfig(dp_replicate=2, dp_shard=3, tp=2, pp=2),
+    ParallelConfig(dp_shard=6, tp=2, cp=2, ep=3),
+    ParallelConfig(dp_replicate=3, dp_shard=4, ep=2, tp=2),
+    ParallelConfig(dp_shard=4, cp=3, tp=2),
+    ParallelConfig(dp_replicate=4, dp_shard=3, pp=2),
+]
+DEVICE = Device("test", peak_flops=1e14, efficiency=0.5, host_bandwidth=1e10)
+
+
+def _sizes(parallel: ParallelConfig) -> dict[str, int]:
+    p = parallel
+    return {
+        "pp": p.pp,
+        "dp_replicate": p.dp_replicate,
+        "expert_shard": p.dp_shard // p.ep,
+        "ep": p.ep,
+        "cp": p.cp,
+        "tp": p.tp,
+    }
+
+
+def _groups(parallel: ParallelConfig, axes: tuple[str, ...]) -> list[list[int]]:
+    """Every group spanning ``axes``: ranks that agree on every other axis."""
+    sizes = _sizes(parallel)
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for coords in itertools.product(*(range(sizes[a]) for a in LAYOUT)):
+        rank = 0
+        for axis, c in zip(LAYOUT, coords, strict=True):
+            rank = rank * sizes[axis] + c
+        key = tuple(c for axis, c in zip(LAYOUT, coords, strict=True) if axis not in axes)
+        groups.setdefault(key, []).append(rank)
+    return list(groups.values())
+
+
+def _slowest_tier(topology: Topology, groups: list[list[int]]) -> Tier:
+    """The fastest tier one of whose blocks holds each group whole."""
+    for tier in topology.tiers:
+        if all(len({r // tier.size for r in g}) == 1 for g in groups):
+            return tier
+    raise AssertionError("the last tier spans the world")
+
+
+def _alpha_beta(kind: Collective, p: int, nbytes: float, tier: Tier) -> float:
+    """Ring time: ``p - 1`` steps of one latency and ``1 / p`` of the buffer each; an all-reduce
+    is a reduce-scatter then an all-gather; a send is one message."""
+    if kind is Collective.SEND_RECV:
+        return tier.latency + nbytes / tier.bandwidth
+    step = (p - 1) * tier.latency + (p - 1) / p * nbytes / tier.bandwidth
+    return 2 * step if kind is Collective.ALL_REDUCE else step
+
+
+def _sent(kind: Collective, p: int, nbytes: float) -> float:
+    if kind is Collective.SEND_RECV:
+        return nbytes
+    return (2 if kind is Collective.ALL_REDUCE else 1) * (p - 1) / p * nbytes
+
+
+def _grid_id(p: ParallelConfig) -> str:
+    return f"r{p.dp_replicate}s{p.dp_shard}tp{p.tp}pp{p.pp}cp{p.cp}ep{p.ep}"
+
+
+@pytest.mark.parametrize("parallel", GRIDS, ids=_grid_id)
+def test_collectives_are_alpha_beta_rings_on_the_slowest_tier_of_any_group(
+    parallel: ParallelConfig,
+) -> None:
+    grid = RankGrid.build(parallel, THREE_TIERS)
+    nbytes = 3_000_017
+    kinds = [k for k in Collective if k is not Collective.BROADCAST]  # the dry run's kinds
+    for name, axes in GROUP_AXES.items():
+        groups = _groups(parallel, axes)
+        size = len(groups[0])
+        tier = _slowest_tier(THREE_TIERS, groups)
+        assert grid.size(name) == size, name
+        assert grid.tier(name) == tier, name
+        for kind in kinds:
+            record = grid.record("tp", kind, "forward", name, nbytes, calls=3)
+            if size == 1 and kind is not Collective.SEND_RECV:
+                assert record is None
+                continue
+            assert record is not None
+            p = 2 if kind is Collective.SEND_RECV else size
+            assert (record.group_size, record.tier, record.calls) == (p, tier.name, 3)
+            assert record.time == pytest.approx(_alpha_beta(kind, p, nbytes, tier), rel=1e-12)
+            assert record.sent_bytes == int(_sent(kind, p, nbytes))
+            assert record.total_time == pytest.approx(3 * record.time, rel=1e-12)
+    sizes = _sizes(parallel)
+    for rank in (0, 7, 13, 23):
+        coordinate = grid.coordinate(rank)
+        rebuilt = 0
+        for axis in LAYOUT:
+            rebuilt = rebuilt * sizes[axis] + coordinate[axis]
+        assert rebuilt == rank
+        shard = coordinate["expert_shard"] * sizes["ep"] + coordinate["ep"]
+        assert coordinate["dp_shard"] == shard
+        assert coordinate["fsdp"] == shard * sizes["cp"] + coordinate["cp"]
+
+
+def test_precision_names_map_to_element_sizes() -> None:
+    """fp32 master weights and optimizer state always; bf16 compute and all-gathers under
+    ``bf16``; the gradient wire in ``grad_reduce_dtype``."""
+    for mixed, reduce_dtype, compute, reduce in [
+        ("fp32", "fp32", 4, 4),
+        ("fp32", "bf16", 4, 2),
+        ("bf16", "fp32", 2, 4),
+        ("bf16", "bf16", 2, 2),
+    ]:
+        precision = precision_of(mixed, reduce_dtype)
+        sizes = (precision.param, precision.compute, precision.reduce, precision.optimizer)
+        assert sizes == (4, compute, reduce, 4), (mixed, reduce_dtype)
+    with pytest.raises(DryRunError, match="mixed_precision must be 'fp32' or 'bf16', got 'fp16'"):
+        precision_of("fp16")
+
+
+def test_ring_sent_bytes() -> None:
+    for p in (1, 2, 3, 8):
+        assert ring_sent_bytes(Collective.ALL_REDUCE, p, 1200.0) == pytest.approx(
+            2400.0 * (p - 1) / p
+        )
+        assert ring_sent_bytes(Collective.ALL_GATHER, p, 1200.0) == pytest.approx(
+            1200.0 * (p - 1) / p
+        )
+        assert ring_sent_bytes(Collective.SEND_RECV, p, 1200.0) == 1200.0
+
+
+# --- compute ----------------------------------------------------------------------------------
+
+DENSE = ModelConfig(
+    vocab_size=512, dim=64, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=96, max_seq_len=64
+)
+MOE = ModelConfig(
+    vocab_size=256,
+    dim=64,
+    n_layers=2,
+    n_heads=4,
+    n_kv_heads=2,
+    ffn_dim=96,
+    max_seq_len=64,
+    moe=MoEConfig(n_experts=4, top_k=2, expert_ffn_dim=48, every=2, n_shared_experts=1),
+)
+
+
+def _block_flops(model: ModelConfig, index: int, tp: int, seq: int, imbalance: float) -> float:
+    """Forward FLOPs per token of one block on one of ``tp`` ranks: 2 per multiply-add."""
+    d, q = model.dim, model.n_heads * model.head_dim
+    kv = model.n_kv_heads * model.head_dim
+    projections = 2 * d * (q + kv + kv + q) / tp
+    scores = 2 * 2 * seq * q / 2 / tp  # q.k and p.v over every pair, halved by the causal mask
+    moe = model.moe
+    if moe is not None and (index + 1) % moe.every == 0:
+        router = 2 * d * moe.n_experts
+        expert = 3 * 2 * d * moe.expert_ffn_dim  # w1, w3, w2
+        ffn = router + (moe.top_k * imbalance + moe.n_shared_experts) * expert
+    else:
+        ffn = 3 * 2 * d * model.ffn_dim / tp
+    return projections + scores + ffn
+
+
+@pytest.mark.parametrize(
+    ("model", "parallel", "ac", "imbalance"),
+    [
+        (DENSE, ParallelConfig(dp_shard=2, tp=2), "none", 1.0),
+        (DENSE, ParallelConfig(dp_shard=2, tp=2), "full", 1.0),
+        (DENSE, ParallelConfig(dp_shard=2, tp=2), "selective", 1.0),
+        (MOE, ParallelConfig(dp_shard=4, ep=2), "none", 1.5),
+        (MOE, ParallelConfig(dp_shard=2, tp=2), "full", 1.0),
+    ],
+    ids=["dense-none", "dense-full", "dense-selective", "moe-ep2-skewed", "moe-tp2-full"],
+)
+def test_compute_time_is_the_flops_model(
+    model: ModelConfig, parallel: ParallelConfig, ac: str, imbalance: float
+) -> None:
+    shape = StepShape(8, 32, microbatches=2, ac=ac, optimizer="adamw", expert_imbalance=imbalance)
+    run = dry_run(model, parallel, Topology.single_host(4), shape, device=DEVICE)
+    tokens = 8 // parallel.dp // 2 * 32
+    blocks = sum(
+        _block_flops(model, i, parallel.tp, 32, imbalance if parallel.ep > 1 else 1.0)
+        for i in range(model.n_layers)
+    )
+    head = 2 * model.dim * model.vocab_size / parallel.tp
+    redo = blocks if ac == "full" else 0.0  # selective keeps every matmul output
+    flops = tokens * (3 * (blocks + head) + redo)
+    assert run.time.compute == pytest.approx(2 * flops / (1e14 * 0.5), rel=1e-12)
+
+
+def test_tensor_parallel_bytes_are_megatrons_activation_collectives() -> None:
+    """Per microbatch: each block all-reduces its attention and feed-forward outputs forward
+    and their input gradients backward; the vocabulary-parallel ends add one all-reduce of the
+    activation forward and one backward (the trainer's plan; a real step issues the same,
+    ``test_dryrun_vs_measured.py``) and the head's all-gather of the logits; full
+    recomputation repeats the blocks' forward ones. Each FSDP
+    group all-reduces the gradients of its norms' weights (replicated over tp) before its
+    reduce-scatter."""
+    parallel = ParallelConfig(dp_shard=2, tp=2)
+    for ac, repeats in (("none", 0), ("full", 1)):
+        shape = StepShape(8, 32, microbatches=2, ac=ac)  # bf16 compute
+        run = dry_run(DENSE, parallel, Topology.single_host(4), shape, device=DEVICE)
+        tokens = 8 // 2 // 2 * 32
+        act = tokens * DENSE.dim * 2
+        reduces = DENSE.n_layers * (2 + 2 + 2 * repeats) + 2
+        logits = tokens * DENSE.vocab_size * 2
+        norms = (DENSE.n_layers * 2 + 1) * DENSE.dim * 2  # two per block, the final one
+        tails = DENSE.n_layers + 1
+        expected = 2 * (reduces * act + logits + norms)
+        tp = run.kind("tp")
+        assert tp.nbytes == expected
+        assert tp.calls == 2 * (reduces + 1 + tails)
+        # A ring all-reduce over 2 ranks sends its buffer once, an all-gather half of it.
+        assert tp.sent_bytes == 2 * (reduces * act + logits // 2 + norms)
+
+
+# --- memory -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("ac", ["none", "full"])
+def test_memory_is_the_larger_moment_of_backward(ac: str) -> None:
+    """bf16 compute with fp32 master weights, AdamW, FSDP over 2 ranks, prefetch and FP8
+    all-gathers: every term of the module doc of :mod:`hp_train.dryrun.memory` by hand, from
+    the groups' flat layouts (checked against ``hp_layout`` by ``test_dryrun.py``)."""
+    shape = StepShape(8, 32, ac=ac, optimizer="adamw", fp8_all_gather=True)
+    run = dry_run(DENSE, ParallelConfig(dp_shard=2), Topology.single_host(2), shape, device=DEVICE)
+    memory = run.memory
+    groups = run.stages[0].groups
+    assert shape.precision == BF16_MIXED
+    chunks = sum(g.flat.chunk_numel for g in groups)
+    root = next(g for g in groups if g.is_root).flat.padded_numel
+    block = max(g.flat.padded_numel for g in groups if not g.is_root)
+    pieces = sum(sum(g.local_numels(0)) for g in groups)
+    n_params = sum(len(g.params) for g in groups)
+    optimizer = 2 * 4 * pieces + 4 * n_params  # two fp32 moments, a 4-byte step each
+    wire = 4 * math.ceil(block / 4) + 4 * math.ceil(block / 128)
+    gathered = root * 2 + 2 * block * 2 + 2 * wire  # root, this block and the next, FP8 wire
+    reduced = root * 2 + 2 * block * 2 + block * 4  # their gradients and the fp32 copy
+    d, q, f = DENSE.dim, DENSE.n_heads * DENSE.head_dim, DENSE.ffn_dim
+    tokens = 8 // 2 * 32
+    # Per token: the norms' inputs, normalized inputs and outputs; q, the keys and values
+    # expanded to every query head and the attention output; the SwiGLU's four hidden
+    # activations; two reciprocal RMS (bf16); the fp32 log-sum-exp per head.
+    full = tokens * ((6 * d + 4 * q + 4 * f + 2) * 2 + DENSE.n_heads * 4)
+    block_input = tokens * d * 2
+    kept = full if ac == "none" else block_input
+    transient = 0 if ac == "none" else full - block_input
+    head = tokens * ((3 * d + 1) * 2 + DENSE.vocab_size * 4 + 8) + 4
+    activations = DENSE.n_layers * kept + head
+    held = chunks * 4 + optimizer
+    backward_start = held + activations + gathered + 2 * tokens * DENSE.vocab_size * 4
+    first_reduce_scatter = (
+        held + chunks * 4 + activations - head - kept + transient + gathered + reduced
+    )
+    assert memory.parameters == memory.gradients == chunks * 4
+    assert memory.optimizer == optimizer
+    assert memory.activations == activations + transient
+    assert memory.buffer_total == gathered + reduced
+    assert memory.phases == {
+        "backward start": backward_start,
+        "first reduce-scatter": first_reduce_scatter,
+    }
+    assert memory.total == max(backward_start, first_reduce_scatter)
+
+
+def test_fp8_records_pad_to_words_and_carry_a_scale_per_128() -> None:
+    for numel in range(0, 700):
+        assert fp8_record_bytes(numel) == 4 * math.ceil(numel / 4) + 4 * math.ceil(numel / 128)
+    shape = StepShape(8, 32, microbatches=2, optimizer="adamw", fp8_all_gather=True)
+    run = dry_run(DENSE, ParallelConfig(dp_shard=2), Topology.single_host(2), shape)
+    records = 0
+    for g in run.stages[0].groups:
+        chunk = g.flat.chunk_numel
+        record = 4 * math.ceil(chunk / 4) + 4 * math.ceil(chunk / 128)
+        records += (1 if g.is_root else 2) * 2 * record  # blocks gather again in backward
+    assert run.kind("fsdp_all_gather").nbytes == 2 * records
+
+
+def test_offload_moves_chunks_over_the_host_link() -> None:
+    """``params``: each group's fp32 chunk in before each of its all-gathers (the root's once,
+    a block's twice) and its reduced gradient out, per microbatch; ``optimizer``: the state in
+    and out once per step."""
+    parallel = ParallelConfig(dp_shard=2)
+    params = dry_run(
+        DENSE,
+        parallel,
+        Topology.single_host(2),
+        StepShape(8, 32, microbatches=2, optimizer="adamw", offload="params"),
+        device=DEVICE,
+    )
+    moved = sum(
+        g.flat.chunk_numel * ((1 if g.is_root else 2) * 4 + 4) for g in params.stages[0].groups
+    )
+    assert params.time.offload == pytest.approx(2 * moved / 1e10, rel=1e-12)
+    optimizer = dry_run(
+        DENSE,
+        parallel,
+        Topology.single_host(2),
+        StepShape(8, 32, optimizer="adamw", offload="optimizer"),
+        device=DEVICE,
+    )
+    assert optimizer.memory.optimizer == 0 < optimizer.memory.host
+    assert optimizer.time.offload == pytest.approx(2 * optimizer.memory.host / 1e10, rel=1e-12)
+
+
+# --- pipeline ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("pp", "m"), [(3, 5), (4, 2), (2, 8)])
+def test_pipeline_closed_forms(pp: int, m: int) -> None:
+    f, b = 1.0, 2.5
+    for schedule in ("1f1b", "gpipe"):
+        timing = pipeline_timing(schedule, pp, m, f, b, 0.0)
+        assert timing.makespan == pytest.approx((m + pp - 1) * (f + b))
+        assert timing.bubble == pytest.approx((pp - 1) * (f + b))
+        assert timing.bubble_fraction == pytest.approx((pp - 1) / (m + pp - 1))
+        alive = [min(pp - s, m) if schedule == "1f1b" else m for s in range(pp)]
+        assert list(timing.in_flight) == alive
+        assert [in_flight(schedule, pp, m, s) for s in range(pp)] == alive
+    # GPipe: the forward wave and the backward wave each cross every stage boundary once.
+    gpipe = pipeline_timing("gpipe", pp, m, f, b, 0.25)
+    assert gpipe.makespan == pytest.approx((m + pp - 1) * (f + b) + 2 * (pp - 1) * 0.25)
+    assert in_flight("1f1b", 1, m, 0) == 1
+
+
+def test_dry_run_bubble_is_the_uniform_stage_formula() -> None:
+    """Every stage timed at the slowest's microbatch: ``(p - 1)`` of its forward and backward."""
+    model = ModelConfig(dim=64, n_layers=6, n_heads=4, n_kv_heads=4, ffn_dim=128, max_seq_len=64)
+    for schedule in ("1f1b", "gpipe"):
+        shape = StepShape(8, 64, microbatches=4, optimizer="adamw", pp_schedule=schedule)
+        run = dry_run(model, ParallelConfig(pp=3), Topology.single_host(3), shape)
+        slowest = max(s.microbatch_time for s in run.stages)
+        assert run.time.bubble == pytest.approx(2 * slowest, rel=1e-9)
