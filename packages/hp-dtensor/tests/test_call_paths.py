@@ -32,13 +32,16 @@ from hp_dtensor.parallel import (
     PlanError,
     PrepareModuleInput,
     RowwiseParallel,
+    context_parallel_cross_entropy,
+    local_positions,
     parallelize_module,
+    shard_sequence,
     transformer_tp_plan,
 )
 from hp_dtensor.parallel.equivalence import full_value
 from hp_layout import Mesh, Replicate
 from hp_testing import run_on_ranks
-from hp_testing.call_paths import PATHS
+from hp_testing.call_paths import PATHS, checkpointed_blocks
 from hp_testing.llama import Llama, LlamaConfig
 
 CONFIG = LlamaConfig(vocab_size=32, dim=16, n_layers=2, n_heads=4, ffn_dim=24, max_seq_len=8)
@@ -399,6 +402,112 @@ def test_expert_parallel_call_paths_give_the_single_device_gradient() -> None:
     for per_rank in run_on_ranks(2, _moe, list(_moe_paths()), timeout=300):
         for path, (err, name) in per_rank.items():
             assert err < BOUND, f"path {path!r}: {name} off by {err:.2e}"
+
+
+# Context parallelism: the sequence sharded over cp, one loss on every rank ------------------
+
+
+def _cp_paths() -> dict[str, Callable[[Any, Any, torch.Tensor, torch.Tensor], list[torch.Tensor]]]:
+    """Each path gets the model, a loss ``(model, ids, targets) -> loss`` (the whole sequence
+    on one device; the rank's zigzag piece under CP), ids and targets."""
+
+    def root(m: Any, loss: Any, ids: torch.Tensor, t: torch.Tensor) -> list[torch.Tensor]:
+        return [loss(m, ids, t)]
+
+    def penalty(m: Any, loss: Any, ids: torch.Tensor, t: torch.Tensor) -> list[torch.Tensor]:
+        weight: torch.Tensor = m.norm.weight
+        return [loss(m, ids, t) + 0.1 * (weight - 0.5).pow(2).sum()]
+
+    def twice(m: Any, loss: Any, ids: torch.Tensor, t: torch.Tensor) -> list[torch.Tensor]:
+        return [loss(m, ids, t) + 0.5 * loss(m, ids.flip(0), t)]
+
+    def accumulate(m: Any, loss: Any, ids: torch.Tensor, t: torch.Tensor) -> list[torch.Tensor]:
+        return [0.5 * loss(m, ids[:1], t[:1]), 0.5 * loss(m, ids[1:], t[1:])]
+
+    def checkpointed(reentrant: bool) -> Any:
+        def path(m: Any, loss: Any, ids: torch.Tensor, t: torch.Tensor) -> list[torch.Tensor]:
+            with checkpointed_blocks(m, use_reentrant=reentrant):
+                return [loss(m, ids, t)]
+
+        return path
+
+    return {
+        "root": root,
+        "penalty": penalty,
+        "twice": twice,
+        "accumulate": accumulate,
+        "checkpoint": checkpointed(False),
+        "checkpoint_reentrant": checkpointed(True),
+    }
+
+
+def _grad(p: torch.Tensor) -> torch.Tensor:
+    assert p.grad is not None
+    return p.grad
+
+
+def _cp(variant: str, paths: list[str]) -> dict[str, tuple[float, str]]:
+    from test_parallel_context import SEQ, VOCAB, _cp_plan, _Model
+
+    torch.set_num_threads(1)
+    mesh = DeviceMesh("cpu", Mesh((dist.get_world_size(),), ("cp",)))
+    torch.manual_seed(0)
+    reference = _Model()
+    model = _Model()
+    model.load_state_dict(reference.state_dict())
+    parallelize_module(model, mesh, _cp_plan(variant), tp_axis="cp")
+    positions = local_positions(SEQ, mesh, "cp")
+
+    def whole_loss(m: Any, ids: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        logits = m(ids, torch.arange(SEQ))
+        return F.cross_entropy(logits.reshape(-1, VOCAB), t.reshape(-1))
+
+    def cp_loss(m: Any, ids: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        logits = m(shard_sequence(ids, 1, mesh, "cp"), positions)
+        return context_parallel_cross_entropy(logits, shard_sequence(t, 1, mesh, "cp"), mesh, "cp")
+
+    g = torch.Generator().manual_seed(4)
+    out: dict[str, tuple[float, str]] = {}
+    for path in paths:
+        ids = torch.randint(0, VOCAB, (2, SEQ), generator=g)
+        targets = torch.randint(0, VOCAB, (2, SEQ), generator=g)
+        for m, loss in ((reference, whole_loss), (model, cp_loss)):
+            m.zero_grad(set_to_none=True)
+            for value in _cp_paths()[path](m, loss, ids, targets):
+                value.backward()
+        out[path] = _worst(model, reference, _grad)
+    return out
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("variant", ["ring", "ulysses"])
+def test_context_parallel_call_paths_give_the_single_device_gradient(variant: str) -> None:
+    for per_rank in run_on_ranks(2, _cp, variant, list(_cp_paths()), timeout=300):
+        for path, (err, name) in per_rank.items():
+            assert err < BOUND, f"{variant}, path {path!r}: {name} off by {err:.2e}"
+
+
+def _cp_chain_by_caller() -> str:
+    from test_parallel_context import SEQ, VOCAB, _cp_plan, _Model
+
+    torch.set_num_threads(1)
+    mesh = DeviceMesh("cpu", Mesh((2,), ("cp",)))
+    model: Any = parallelize_module(_Model(), mesh, _cp_plan("ring"), tp_axis="cp")
+    ids = shard_sequence(torch.randint(0, VOCAB, (2, SEQ)), 1, mesh, "cp")
+    try:
+        model.emb(ids)
+    except PlanError as exc:
+        return str(exc)
+    return "no error"
+
+
+@pytest.mark.multiprocess
+def test_context_parallel_refuses_a_chain_whose_placements_it_cannot_tell() -> None:
+    # The embedding's output is a sequence shard, which nothing in the plan records: calling it
+    # outside the root is refused rather than given a replicated value's gradient.
+    for message in run_on_ranks(2, _cp_chain_by_caller, timeout=120):
+        assert "the output of emb" in message, message
+        assert "PrepareModuleInputOutput" in message, message
 
 
 # What cannot be told apart is refused, naming the module -------------------------------------

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["PATHS", "CallPath", "cross_entropy", "penalized_parameters"]
+__all__ = ["PATHS", "CallPath", "checkpointed_blocks", "cross_entropy", "penalized_parameters"]
 
 # The model is typed ``Any``: paths reach into its submodules by name.
 CallPath = Callable[[Any, torch.Tensor, torch.Tensor], list[torch.Tensor]]
@@ -114,7 +114,7 @@ def _accumulate(model: Any, ids: torch.Tensor, targets: torch.Tensor) -> list[to
 
 
 @contextlib.contextmanager
-def _checkpointed_blocks(model: Any, *, use_reentrant: bool) -> Iterator[None]:
+def checkpointed_blocks(model: Any, *, use_reentrant: bool) -> Iterator[None]:
     """Each block's forward run through ``torch.utils.checkpoint`` (the block's own hooks stay
     outside, its submodules' inside) while the context lasts."""
     blocks = _blocks(model)
@@ -134,7 +134,7 @@ def _checkpointed_blocks(model: Any, *, use_reentrant: bool) -> Iterator[None]:
 
 def _checkpoint_inside(use_reentrant: bool) -> CallPath:
     def path(model: Any, ids: torch.Tensor, targets: torch.Tensor) -> list[torch.Tensor]:
-        with _checkpointed_blocks(model, use_reentrant=use_reentrant):
+        with checkpointed_blocks(model, use_reentrant=use_reentrant):
             return [cross_entropy(model(ids), targets)]
 
     return path

@@ -59,6 +59,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -269,7 +270,7 @@ class Region:
                 owner._parameters[name] = param  # type: ignore[assignment]
             if not frame.entering or output is None:
                 return None
-            return map_tensors(self._to_caller, output, where=where)
+            return map_tensors(partial(self._to_caller, where=where), output, where=where)
 
         return hook
 
@@ -314,8 +315,9 @@ class Region:
                 f"{where}: a tensor that requires grad crosses the edge of the "
                 f"{self.root_type} model with no known placement; under sequence or context "
                 "parallelism it may be a sequence shard or a replicated value, and the two "
-                "take different gradients. Pass the tensor the model handed out unchanged, "
-                "or call a module the plan gives an input layout"
+                "take different gradients. Give the module its layouts in the plan "
+                "(PrepareModuleInputOutput), or pass on the tensor the model handed out "
+                "unchanged"
             )
         return Replicate()
 
@@ -353,10 +355,10 @@ class Region:
             return pytree.tree_unflatten([self._from_caller(v, None, where) for v in leaves], spec)
         return value
 
-    def _to_caller(self, value: torch.Tensor) -> torch.Tensor:
+    def _to_caller(self, value: torch.Tensor, *, where: str) -> torch.Tensor:
         if not value.requires_grad or not torch.is_grad_enabled():
             return value
-        placement = self._known(value, None, f"an output of the {self.root_type} model")
+        placement = self._known(value, None, where)
         if not isinstance(placement, Replicate):
             return value
         gathered = getattr(value, GATHERED_FROM_ATTR, None)
