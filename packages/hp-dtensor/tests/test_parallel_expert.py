@@ -31,7 +31,6 @@ from hp_dtensor.parallel import (
 )
 from hp_dtensor.parallel.equivalence import assert_equivalent, full_value
 from hp_dtensor.parallel.expert import plan_dispatch, regroup_index
-from hp_dtensor.parallel.moe import route
 from hp_layout import Mesh, ReduceOp, Replicate, Shard
 from hp_testing import run_on_ranks
 
@@ -72,25 +71,37 @@ def test_regroup_is_a_permutation_for_random_counts() -> None:
             assert sum(plan.send_sizes) == sum(counts[c])
 
 
+def _hand_route(moe: MoE, token: torch.Tensor, biased: bool) -> tuple[list[int], torch.Tensor]:
+    """One token routed here (not by ``route``): its scores by hand and the top-k of
+    ``score + bias`` by a Python sort."""
+    r = moe.router
+    logits = r.weight @ token
+    if r.score_func == "softmax":
+        e = torch.exp(logits - logits.max())
+        scores = e / e.sum()
+    else:
+        scores = 1.0 / (1.0 + torch.exp(-logits))
+    bias = r.expert_bias if biased else None
+    values = scores.detach().tolist()
+    keys = [s + (0.0 if bias is None else float(bias[i])) for i, s in enumerate(values)]
+    return sorted(range(EXPERTS), key=lambda i: -keys[i])[:TOP_K], scores
+
+
 def _naive_moe(moe: MoE, x: torch.Tensor) -> torch.Tensor:
+    """One token at a time: the unbiased scores of its hand-routed experts as weights."""
     tokens = x.reshape(-1, DIM)
     r = moe.router
-    routing = route(
-        tokens,
-        r.weight,
-        r.top_k,
-        score_func=r.score_func,
-        expert_bias=r.expert_bias,
-        normalize=r.normalize,
-    )
     rows = []
     for t in range(tokens.shape[0]):
+        chosen, scores = _hand_route(moe, tokens[t], biased=True)
+        weights = scores[chosen]
+        if r.normalize:
+            weights = weights / weights.sum()
         acc = torch.zeros(DIM)
-        for j in range(TOP_K):
-            e = int(routing.experts[t, j])
+        for j, e in enumerate(chosen):
             w1, w2, w3 = moe.experts.w1[e], moe.experts.w2[e], moe.experts.w3[e]
             h = torch.nn.functional.silu(w1 @ tokens[t]) * (w3 @ tokens[t])
-            acc = acc + routing.weights[t, j] * (w2 @ h)
+            acc = acc + weights[j] * r.route_scale * (w2 @ h)
         rows.append(acc)
     out = torch.stack(rows)
     if moe.shared is not None:
@@ -102,7 +113,15 @@ def _naive_moe(moe: MoE, x: torch.Tensor) -> torch.Tensor:
 def test_single_device_moe_matches_a_per_token_loop(score_func: str) -> None:
     torch.manual_seed(0)
     moe = _build(score_func)
+    assert moe.router.expert_bias is not None
+    # A bias on every expert that changes many tokens' choices (expert 3 still left out).
+    moe.router.expert_bias.add_(torch.tensor([0.2, -0.1, 0.05, 0.0, 0.1, -0.05, 0.0, 0.15]))
     x = torch.randn(3, 5, DIM)
+    tokens = x.reshape(-1, DIM)
+    moved = sum(
+        set(_hand_route(moe, t, True)[0]) != set(_hand_route(moe, t, False)[0]) for t in tokens
+    )
+    assert moved >= 4, moved  # the bias decides for these tokens
     got = moe(x)
     torch.testing.assert_close(got, _naive_moe(moe, x), rtol=1e-5, atol=1e-6)
     assert moe.last_counts is not None
@@ -146,6 +165,11 @@ def _err(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float]:
     diff = (got.double() - want.double()).abs().max().item() if want.numel() else 0.0
     scale = max(want.abs().max().item() if want.numel() else 0.0, 1e-12)
     return diff, diff / scale
+
+
+def _err_scaled(got: torch.Tensor, want: torch.Tensor, scale: torch.Tensor) -> tuple[float, float]:
+    diff = (got.double() - want.double()).abs().max().item()
+    return diff, diff / max(scale.item(), 1e-12)
 
 
 def _mesh(kind: str) -> tuple[DeviceMesh, Any, int]:
@@ -218,7 +242,9 @@ def _equivalence(kind: str, mode: str, score_func: str) -> dict[str, Any]:
     w1 = model.experts.w1
     return {
         "out": _err(y_local, yr.detach().chunk(ep)[coord]),
-        "loss": _err(total, ref_loss.detach()),
+        # The loss is a mean of signed terms, far smaller than they are: its rounding error
+        # scales with the terms' mean magnitude, so it is measured relative to that.
+        "loss": _err_scaled(total, ref_loss.detach(), (yr.detach() * probe).abs().mean()),
         "aux": _err(aux, ref.last_aux_loss),
         "x_grad": _err(x_grad, xr.grad.chunk(ep)[coord]),  # type: ignore[union-attr]
         "grad": grad_err,
@@ -240,11 +266,14 @@ CASES = [
 ]
 
 
-# fp32, relative to each tensor's largest entry (the losses to their own value). Largest
-# measured over CASES (torch 2.13, x86 CPU, one thread; the same on every run): out 9.6e-8,
-# loss 6.2e-7, aux 9.1e-8, x_grad 1.2e-7, grad 3.1e-7. Asserted with 3-5x headroom for another
-# CPU's summation order; the README quotes both.
-BLOCK_BOUNDS = {"out": 4e-7, "loss": 2e-6, "aux": 4e-7, "x_grad": 5e-7, "grad": 1e-6}
+# fp32, relative to each tensor's largest entry; the loss (a mean of signed terms, about 2e-3
+# here against terms of about 0.1) relative to the mean magnitude of its terms, the scale of
+# its rounding (relative to its own value it read 3.2e-6 to 4.9e-6 on an AVX512 Xeon: the
+# size of a near-cancelling mean, not of an error). Largest measured over CASES (torch 2.13,
+# x86 CPU, one thread; the same on every run): out 9.6e-8 (1.6e-7 on the AVX512 Xeon), loss
+# 9.1e-8, aux 9.1e-8, x_grad 1.2e-7 (2.4e-7), grad 3.1e-7 (3.8e-7). Asserted with 2-5x
+# headroom for another CPU's summation order; the README quotes both.
+BLOCK_BOUNDS = {"out": 4e-7, "loss": 5e-7, "aux": 4e-7, "x_grad": 5e-7, "grad": 1e-6}
 
 
 @pytest.mark.multiprocess
@@ -290,10 +319,13 @@ class _TinyMoEModel(nn.Module):
 
 # Three AdamW steps (lr 1e-2): losses relative to max(|loss|, 1) (the losses are about 3),
 # gradients at every step and parameters after the last relative to each tensor's largest
-# entry. Largest measured (torch 2.13, x86 CPU, the same on every run, both modes): EP=2 loss
-# 0, grad 2.0e-7, param 9.4e-8; EP x TP 2 x 2 loss 8.0e-8, grad 4.9e-7, param 1.6e-7.
-# Asserted with 4-5x headroom for another CPU's summation order.
-TRAINING_BOUNDS = {"loss": 4e-7, "grad": 2e-6, "param": 6e-7}
+# entry. Largest measured (torch 2.13, the same on every run, both modes): EP=2 loss 0, grad
+# 2.0e-7, param 9.4e-8; EP x TP 2 x 2 loss 8.0e-8, grad 4.9e-7, param 1.6e-7 (the README's CPU);
+# on an AVX512 Xeon grad 4.3e-7 and param 4.7e-6 (moe.experts.w3). The parameters are
+# AdamW's: its update m / sqrt(v) is scale-free, so a gradient entry near zero moves its
+# parameter by up to lr on rounding alone (the same run under SGD: param 8.2e-11). Asserted
+# with 4-5x headroom over the largest.
+TRAINING_BOUNDS = {"loss": 4e-7, "grad": 2e-6, "param": 2e-5}
 
 
 def _training(kind: str, mode: str) -> tuple[float, float, float]:
@@ -326,7 +358,7 @@ def _training(kind: str, mode: str) -> tuple[float, float, float]:
         # assert_equivalent checks parameters against grad_tolerance too; the test asserts
         # each figure at its own bound.
         loss_tolerance=TRAINING_BOUNDS["loss"],
-        grad_tolerance=TRAINING_BOUNDS["grad"],
+        grad_tolerance=TRAINING_BOUNDS["param"],
     )
     return report.loss_error, report.grad_error, report.param_error
 

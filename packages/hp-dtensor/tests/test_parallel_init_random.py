@@ -19,7 +19,12 @@ from torch import nn
 
 from hp_dtensor import DeviceMesh, DTensor, annotate_layout, distribute_tensor, layout_of
 from hp_dtensor.interop import LAYOUT_ATTRIBUTE
-from hp_dtensor.parallel.init import MaterializeError, materialize
+from hp_dtensor.parallel.init import (
+    MaterializeError,
+    materialize,
+    materialize_target_of,
+    set_materialize_target,
+)
 from hp_dtensor.parallel.random import (
     DropoutVariant,
     distributed_dropout,
@@ -598,3 +603,13 @@ def test_materialize_custom_init_and_buffers() -> None:
     assert isinstance(alpha, nn.Parameter)
     assert torch.equal(alpha, torch.full((3,), 2.0))
     assert torch.equal(model.get_buffer("1.table"), torch.arange(4.0))
+
+
+def test_materialize_target_is_recorded_and_read_back() -> None:
+    meta = torch.empty(3, device="meta")
+    assert materialize_target_of(meta) is None
+    storage = torch.zeros(3)
+    set_materialize_target(meta, lambda device: storage)
+    target = materialize_target_of(meta)
+    assert target is not None
+    assert target(torch.device("cpu")) is storage

@@ -102,7 +102,10 @@ class _GlobalMean(torch.autograd.Function):
     def forward(
         ctx: Any, local_sum: torch.Tensor, local_count: torch.Tensor, group: AxisGroup
     ) -> torch.Tensor:
-        both = torch.stack((local_sum.detach().float(), local_count.float()))
+        # At least fp32 (a half-precision sum would round the total), never less than the
+        # sum's own dtype (a float64 loss stays float64).
+        dtype = torch.promote_types(local_sum.dtype, torch.float32)
+        both = torch.stack((local_sum.detach().to(dtype), local_count.to(dtype)))
         total = _comm.all_reduce(both, ReduceOp.SUM, group)
         ctx.count = total[1]
         return (total[0] / total[1]).to(local_sum.dtype)
