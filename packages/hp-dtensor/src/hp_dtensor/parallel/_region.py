@@ -194,11 +194,13 @@ class _Frame:
         self.entering, self.swapped = entering, swapped
 
 
-class _CallStack(threading.local):
-    """The calls of the model's modules in progress on this thread."""
+class _Calls(threading.local):
+    """The calls of the model's modules in progress on this thread: how deep, and the one that
+    opened the region (only a call at depth 0 opens one)."""
 
     def __init__(self) -> None:
-        self.frames: list[_Frame] = []
+        self.depth = 0
+        self.opening: _Frame | None = None
 
 
 def _recomputing() -> bool:
@@ -226,7 +228,7 @@ class Region:
         self.group = group
         self.bucket = bucket
         self.sequence_sharded = sequence_sharded
-        self._calls = _CallStack()
+        self._calls = _Calls()
 
     # Installation ----------------------------------------------------------------------------
 
@@ -245,13 +247,18 @@ class Region:
         def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             if torch.compiler.is_compiling():
                 return None
-            outermost = not calls.frames
+            if calls.depth:
+                # Inside a region (every call but the first: keep it cheap).
+                calls.depth += 1
+                if edge.entered_last and not _recomputing():
+                    edge.entered_last = False
+                return None
             if _recomputing():
-                entering = outermost and edge.entered_last
+                entering = edge.entered_last
             else:
-                entering = edge.entered_last = outermost
-            swapped = self._swap(edge) if outermost and edge.params else []
-            calls.frames.append(_Frame(entering, swapped))
+                entering = edge.entered_last = True
+            swapped = self._swap(edge) if edge.params else []
+            calls.depth, calls.opening = 1, _Frame(entering, swapped)
             if not entering:
                 return None
             return self._inputs(edge, args), self._kwargs(edge, kwargs)
@@ -263,9 +270,14 @@ class Region:
         where = f"the output of {edge.name or self.root_type}"
 
         def hook(module: nn.Module, args: Any, output: Any) -> Any:
-            if torch.compiler.is_compiling() or not calls.frames:
+            if torch.compiler.is_compiling():
                 return None
-            frame = calls.frames.pop()
+            depth = calls.depth
+            if depth != 1:
+                calls.depth = max(depth - 1, 0)
+                return None
+            frame, calls.depth, calls.opening = calls.opening, 0, None
+            assert frame is not None
             for owner, name, param in frame.swapped:
                 owner._parameters[name] = param  # type: ignore[assignment]
             if not frame.entering or output is None:
