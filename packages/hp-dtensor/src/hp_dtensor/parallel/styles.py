@@ -111,6 +111,7 @@ class ColwiseParallel(ParallelStyle):
             if module.bias is not None:
                 params["bias"] = Shard(0)
         elif isinstance(module, nn.Embedding):
+            _check_embedding(module, name, "ColwiseParallel", ("max_norm",))
             params = {"weight": Shard(1)}
         else:
             raise _refuse("ColwiseParallel", module, name, "nn.Linear and nn.Embedding")
@@ -121,6 +122,29 @@ class ColwiseParallel(ParallelStyle):
             use_local_output=self.use_local_output,
             style="ColwiseParallel",
         )
+
+
+def _embedding_option_set(module: nn.Embedding, option: str) -> bool:
+    if option == "max_norm":
+        # Renormalizes rows in place from their whole norm.
+        return module.max_norm is not None
+    if option == "scale_grad_by_freq":
+        # Divides by the counts of ids in the batch: a vocabulary shard maps the ids outside it
+        # to its row 0, which would count them.
+        return module.scale_grad_by_freq
+    # Sparse gradients are not reduced.
+    return module.sparse
+
+
+def _check_embedding(module: nn.Embedding, name: str, style: str, options: tuple[str, ...]) -> None:
+    """Refuse the embedding ``options`` a shard cannot honour on its own."""
+    for option in options:
+        if _embedding_option_set(module, option):
+            raise PlanError(
+                f"{style} cannot shard embedding {name!r}: its {option} option needs the whole "
+                f"rows or vocabulary; drop the option, or keep the embedding replicated "
+                "(ShardingPlan())"
+            )
 
 
 @dataclass(frozen=True)
@@ -146,6 +170,9 @@ class RowwiseParallel(ParallelStyle):
                 params["bias"] = Replicate()
             desired_input: Placement = Shard(-1)
         elif isinstance(module, nn.Embedding):
+            _check_embedding(
+                module, name, "RowwiseParallel", ("max_norm", "scale_grad_by_freq", "sparse")
+            )
             params = {"weight": Shard(0)}
             desired_input = Replicate()
         else:
