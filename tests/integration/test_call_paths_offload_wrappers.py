@@ -32,7 +32,7 @@ from hp_offload import (
     swap_wrapper,
 )
 from hp_testing import run_on_ranks
-from hp_testing.call_paths import PATHS
+from hp_testing.call_paths import PATHS, worst_gradient_error
 from hp_testing.llama import Llama, LlamaConfig
 
 CONFIG = LlamaConfig(vocab_size=32, dim=16, n_layers=2, n_heads=4, ffn_dim=24, max_seq_len=8)
@@ -59,6 +59,11 @@ def _paths(kinds: list[str], paths: list[str]) -> dict[str, tuple[float, str]]:
     torch.set_num_threads(1)
     mesh = DeviceMesh("cpu", Mesh((dist.get_world_size(),), ("tp",)))
     out: dict[str, tuple[float, str]] = {}
+
+    def whole(p: torch.Tensor) -> torch.Tensor:
+        assert p.grad is not None
+        return full_value(p.grad, mesh, like=p)
+
     for kind in kinds:
         torch.manual_seed(0)
         reference = Llama(CONFIG)
@@ -71,21 +76,11 @@ def _paths(kinds: list[str], paths: list[str]) -> dict[str, tuple[float, str]]:
             g = torch.Generator().manual_seed(i)
             ids = torch.randint(0, CONFIG.vocab_size, (4, 6), generator=g)
             targets = torch.randint(0, CONFIG.vocab_size, (4, 6), generator=g)
-            worst, name = 0.0, ""
             for m in (reference, model):
                 m.zero_grad(set_to_none=True)
                 for loss in PATHS[path](m, ids, targets):
                     loss.backward()
-            for (n, p), (_, q) in zip(
-                model.named_parameters(), reference.named_parameters(), strict=True
-            ):
-                assert p.grad is not None, n
-                assert q.grad is not None, n
-                got = full_value(p.grad, mesh, like=p).reshape(q.shape)
-                err = ((got - q.grad).abs().max() / q.grad.abs().max()).item()
-                if err > worst:
-                    worst, name = err, n
-            out[f"{kind}/{path}"] = (worst, name)
+            out[f"{kind}/{path}"] = worst_gradient_error(model, reference, whole)
     return out
 
 

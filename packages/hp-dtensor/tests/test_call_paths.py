@@ -41,7 +41,7 @@ from hp_dtensor.parallel import (
 from hp_dtensor.parallel.equivalence import full_value
 from hp_layout import Mesh, Replicate
 from hp_testing import run_on_ranks
-from hp_testing.call_paths import PATHS, checkpointed_blocks
+from hp_testing.call_paths import PATHS, checkpointed_blocks, worst_gradient_error
 from hp_testing.llama import Llama, LlamaConfig
 
 CONFIG = LlamaConfig(vocab_size=32, dim=16, n_layers=2, n_heads=4, ffn_dim=24, max_seq_len=8)
@@ -103,19 +103,14 @@ def _torch_grad(p: torch.Tensor) -> torch.Tensor:
     return grad.full_tensor() if isinstance(grad, TorchDTensor) else grad
 
 
-def _worst(
-    model: nn.Module, reference: nn.Module, whole: Callable[[torch.Tensor], torch.Tensor]
-) -> tuple[float, str]:
-    worst, name = 0.0, ""
-    for (n, p), (_, q) in zip(model.named_parameters(), reference.named_parameters(), strict=True):
-        assert q.grad is not None
-        if p.grad is None:
-            return float("inf"), f"{n} (no gradient)"
-        got = whole(p).reshape(q.shape)
-        err = ((got - q.grad).abs().max() / q.grad.abs().max().clamp_min(1e-30)).item()
-        if err > worst:
-            worst, name = err, n
-    return worst, name
+def _sharded(mesh: DeviceMesh) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A production parameter's whole gradient (gathered over ``mesh``)."""
+
+    def whole(p: torch.Tensor) -> torch.Tensor:
+        assert p.grad is not None
+        return full_value(p.grad, mesh, like=p)
+
+    return whole
 
 
 def _run_paths(
@@ -130,7 +125,7 @@ def _run_paths(
             for loss in PATHS[path](model, ids, targets):
                 loss.backward()
         out[path] = {
-            name: _worst(model, reference, grads[name])
+            name: worst_gradient_error(model, reference, grads[name])
             for name, model in models.items()
             if name != "reference"
         }
@@ -151,10 +146,7 @@ def _dense(plan_name: str, paths: list[str]) -> dict[str, dict[str, tuple[float,
     parallelize_module(hp, mesh, transformer_tp_plan(sequence_parallel=sequence_parallel))
     _torch_tp(torch_model, world, sequence_parallel)
 
-    def hp_grad(p: torch.Tensor) -> torch.Tensor:
-        assert p.grad is not None
-        return full_value(p.grad, mesh, like=p)
-
+    hp_grad = _sharded(mesh)
     return _run_paths(
         paths,
         {"reference": reference, "hp": hp, "torch": torch_model},
@@ -235,10 +227,7 @@ def _mlp(paths: list[str]) -> dict[str, dict[str, tuple[float, str]]]:
     torch_mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     torch_parallelize(torch_model, torch_mesh, {"up": TorchColwise(), "down": TorchRowwise()})
 
-    def hp_grad(p: torch.Tensor) -> torch.Tensor:
-        assert p.grad is not None
-        return full_value(p.grad, mesh, like=p)
-
+    hp_grad = _sharded(mesh)
     models: dict[str, nn.Module] = {"reference": reference, "hp": hp, "torch": torch_model}
     grads = {"hp": hp_grad, "torch": _torch_grad}
     out: dict[str, dict[str, tuple[float, str]]] = {}
@@ -248,7 +237,10 @@ def _mlp(paths: list[str]) -> dict[str, dict[str, tuple[float, str]]]:
             model.zero_grad(set_to_none=True)
             for loss in _mlp_paths()[path](model, x):
                 loss.backward()
-        out[path] = {name: _worst(models[name], reference, grads[name]) for name in ("hp", "torch")}
+        out[path] = {
+            name: worst_gradient_error(models[name], reference, grads[name])
+            for name in ("hp", "torch")
+        }
     return out
 
 
@@ -314,12 +306,7 @@ def _hf(paths: list[str]) -> dict[str, tuple[float, str]]:
         for m, batch in ((reference, ids), (model, mine)):
             m.zero_grad(set_to_none=True)
             _hf_paths()[path](m, batch, batch).backward()
-
-        def whole(p: torch.Tensor) -> torch.Tensor:
-            assert p.grad is not None
-            return full_value(p.grad, mesh, like=p)
-
-        out[path] = _worst(model, reference, whole)
+        out[path] = worst_gradient_error(model, reference, _sharded(mesh))
     return out
 
 
@@ -388,12 +375,7 @@ def _moe(paths: list[str]) -> dict[str, tuple[float, str]]:
         for m in (reference, model):
             m.zero_grad(set_to_none=True)
             _moe_paths()[path](m, ids, targets).backward()
-
-        def whole(p: torch.Tensor) -> torch.Tensor:
-            assert p.grad is not None
-            return full_value(p.grad, mesh, like=p)
-
-        out[path] = _worst(model, reference, whole)
+        out[path] = worst_gradient_error(model, reference, _sharded(mesh))
     return out
 
 
@@ -475,7 +457,7 @@ def _cp(variant: str, paths: list[str]) -> dict[str, tuple[float, str]]:
             m.zero_grad(set_to_none=True)
             for value in _cp_paths()[path](m, loss, ids, targets):
                 value.backward()
-        out[path] = _worst(model, reference, _grad)
+        out[path] = worst_gradient_error(model, reference, _grad)
     return out
 
 

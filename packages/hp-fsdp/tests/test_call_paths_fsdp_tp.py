@@ -12,6 +12,8 @@ not offer either.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -22,12 +24,20 @@ from hp_dtensor.parallel.equivalence import full_value
 from hp_fsdp import fully_shard
 from hp_layout import Mesh
 from hp_testing import run_on_ranks
-from hp_testing.call_paths import PATHS
+from hp_testing.call_paths import PATHS, worst_gradient_error
 from hp_testing.llama import Llama, LlamaConfig
 
 CONFIG = LlamaConfig(vocab_size=32, dim=16, n_layers=2, n_heads=4, ffn_dim=24, max_seq_len=8)
 FSDP_PATHS = ["root", "twice", "accumulate", "checkpoint", "checkpoint_reentrant"]
 BOUND = 1e-5
+
+
+def _whole(mesh: DeviceMesh) -> Callable[[torch.Tensor], torch.Tensor]:
+    def whole(p: torch.Tensor) -> torch.Tensor:
+        assert p.grad is not None
+        return full_value(p.grad, mesh, like=p)
+
+    return whole
 
 
 def _paths(paths: list[str]) -> dict[str, tuple[float, str]]:
@@ -54,17 +64,7 @@ def _paths(paths: list[str]) -> dict[str, tuple[float, str]]:
         mine = ids.chunk(2)[replica], targets.chunk(2)[replica]
         for loss in PATHS[path](model, *mine):
             loss.backward()
-        worst, name = 0.0, ""
-        for (n, p), (_, q) in zip(
-            model.named_parameters(), reference.named_parameters(), strict=True
-        ):
-            assert p.grad is not None, n
-            assert q.grad is not None, n
-            got = full_value(p.grad, mesh, like=p).reshape(q.shape)
-            err = ((got - q.grad).abs().max() / q.grad.abs().max()).item()
-            if err > worst:
-                worst, name = err, n
-        out[path] = (worst, name)
+        out[path] = worst_gradient_error(model, reference, _whole(mesh))
     assert dist.get_world_size() == 4
     return out
 

@@ -13,6 +13,8 @@ the load-balancing loss seeded on tp rank 0 as the trainer does); fp32, every gr
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -22,7 +24,7 @@ from hp_dtensor.parallel import parallelize_module
 from hp_dtensor.parallel.equivalence import full_value
 from hp_layout import Mesh
 from hp_testing import run_on_ranks
-from hp_testing.call_paths import PATHS
+from hp_testing.call_paths import PATHS, worst_gradient_error
 from hp_train.config import ModelConfig, MoEConfig
 from hp_train.expert import seed_aux_loss_once
 from hp_train.model import Transformer
@@ -46,6 +48,14 @@ MODELS = {
 BOUND = 1e-5
 
 
+def _whole(mesh: DeviceMesh) -> Callable[[torch.Tensor], torch.Tensor]:
+    def whole(p: torch.Tensor) -> torch.Tensor:
+        assert p.grad is not None
+        return full_value(p.grad, mesh, like=p)
+
+    return whole
+
+
 def _paths(kind: str, paths: list[str]) -> dict[str, tuple[float, str]]:
     torch.set_num_threads(1)
     config = MODELS[kind]
@@ -65,17 +75,7 @@ def _paths(kind: str, paths: list[str]) -> dict[str, tuple[float, str]]:
             m.zero_grad(set_to_none=True)
             for loss in PATHS[path](m, ids, targets):
                 loss.backward()
-        worst, name = 0.0, ""
-        for (n, p), (_, q) in zip(
-            model.named_parameters(), reference.named_parameters(), strict=True
-        ):
-            assert p.grad is not None, n
-            assert q.grad is not None, n
-            got = full_value(p.grad, mesh, like=p).reshape(q.shape)
-            err = ((got - q.grad).abs().max() / q.grad.abs().max()).item()
-            if err > worst:
-                worst, name = err, n
-        out[path] = (worst, name)
+        out[path] = worst_gradient_error(model, reference, _whole(mesh))
     return out
 
 

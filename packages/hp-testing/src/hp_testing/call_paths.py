@@ -27,7 +27,14 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["PATHS", "CallPath", "checkpointed_blocks", "cross_entropy", "penalized_parameters"]
+__all__ = [
+    "PATHS",
+    "CallPath",
+    "checkpointed_blocks",
+    "cross_entropy",
+    "penalized_parameters",
+    "worst_gradient_error",
+]
 
 # The model is typed ``Any``: paths reach into its submodules by name.
 CallPath = Callable[[Any, torch.Tensor, torch.Tensor], list[torch.Tensor]]
@@ -161,3 +168,23 @@ PATHS: dict[str, CallPath] = {
     "checkpoint_reentrant": _checkpoint_inside(use_reentrant=True),
     "checkpoint_chain": _checkpoint_chain,
 }
+
+
+def worst_gradient_error(
+    model: nn.Module, reference: nn.Module, whole: Callable[[torch.Tensor], torch.Tensor]
+) -> tuple[float, str]:
+    """The largest error of ``model``'s gradients against ``reference``'s (same parameter
+    order), each relative to the reference gradient's largest entry, and the parameter's name;
+    ``whole(param)`` gives a parameter's whole gradient (gathering a sharded one). A parameter
+    of ``model`` without a gradient is an infinite error."""
+    worst, name = 0.0, ""
+    for (n, p), (_, q) in zip(model.named_parameters(), reference.named_parameters(), strict=True):
+        if q.grad is None:
+            raise AssertionError(f"the reference's {n} has no gradient")
+        if p.grad is None:
+            return float("inf"), f"{n} (no gradient)"
+        got = whole(p).reshape(q.shape)
+        err = ((got - q.grad).abs().max() / q.grad.abs().max().clamp_min(1e-30)).item()
+        if err > worst:
+            worst, name = err, n
+    return worst, name
