@@ -15,6 +15,8 @@ and a mixture-of-experts model under expert parallelism.
 
 from __future__ import annotations
 
+import copy
+import pickle
 from collections.abc import Callable
 from typing import Any
 
@@ -520,3 +522,26 @@ def test_an_unknown_placement_under_sequence_parallelism_is_refused() -> None:
     for message in run_on_ranks(2, _unknown_placement_under_sequence_parallelism, timeout=120):
         assert "no known placement" in message, message
         assert "layers.1" in message, message
+
+
+def _copied() -> list[str]:
+    torch.set_num_threads(1)
+    model = _MLP()
+    parallelize_module(model, DeviceMesh("cpu", Mesh((2,), ("tp",))), {"up": ColwiseParallel()})
+    messages = []
+    for copy_ in (copy.deepcopy, pickle.dumps):
+        try:
+            copy_(model)
+        except (TypeError, AttributeError) as exc:
+            messages.append(str(exc))
+    return messages
+
+
+@pytest.mark.multiprocess
+def test_a_production_model_refuses_to_be_copied_or_pickled() -> None:
+    # A copy would share the original's hooks and lose its parameters' layouts: wrong gradients
+    # with no error. Refused, saying what to do instead (pickling fails on the hooks already).
+    for messages in run_on_ranks(2, _copied, timeout=60):
+        assert len(messages) == 2, messages
+        assert "cannot be copied" in messages[0], messages
+        assert "state_dict()" in messages[0], messages

@@ -89,6 +89,8 @@ GATHERED_FROM_ATTR = "_hp_dtensor_gathered_from"
 _TOKENS = itertools.count(1)
 # The id of a module's region post-hook (for keep_edge_outermost).
 _POST_HOOK_ATTR = "_hp_dtensor_region_post_hook"
+# The root's region (copying the model meets it and refuses).
+REGION_ATTR = "_hp_dtensor_region"
 
 
 def placement_of(value: torch.Tensor) -> Placement | None:
@@ -176,14 +178,15 @@ class ModuleEdge:
             planned, read the tensor's recorded placement).
         kwargs: per keyword input, the same.
         params: the parameters in the module's subtree whose gradient the plan reduces, as
-            (owning module, attribute name); a shared parameter once per owner.
+            (owning module's path below the module, attribute name); a shared parameter once
+            per owner.
         entered_last: whether the module's last call outside backward was a region.
     """
 
     name: str
     inputs: tuple[Placement | None, ...] = ()
     kwargs: Mapping[str, Placement | None] = field(default_factory=dict)
-    params: tuple[tuple[nn.Module, str], ...] = ()
+    params: tuple[tuple[str, str], ...] = ()
     entered_last: bool = False
 
 
@@ -230,6 +233,14 @@ class Region:
         self.sequence_sharded = sequence_sharded
         self._calls = _Calls()
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> Region:
+        raise TypeError(
+            f"a {self.root_type} parallelized in production mode cannot be copied: its hooks, "
+            "its parameters' layouts and the collectives planned for it belong to this model. "
+            "Copy the model before parallelize_module and parallelize the copy, or take its "
+            "state_dict()"
+        )
+
     # Installation ----------------------------------------------------------------------------
 
     def install(self, module: nn.Module, edge: ModuleEdge) -> None:
@@ -257,7 +268,7 @@ class Region:
                 entering = edge.entered_last
             else:
                 entering = edge.entered_last = True
-            swapped = self._swap(edge) if edge.params else []
+            swapped = self._swap(module, edge) if edge.params else []
             calls.depth, calls.opening = 1, _Frame(entering, swapped)
             if not entering:
                 return None
@@ -288,12 +299,15 @@ class Region:
 
     # Parameters ------------------------------------------------------------------------------
 
-    def _swap(self, edge: ModuleEdge) -> list[tuple[nn.Module, str, torch.Tensor]]:
+    def _swap(
+        self, module: nn.Module, edge: ModuleEdge
+    ) -> list[tuple[nn.Module, str, torch.Tensor]]:
         if not torch.is_grad_enabled():
             return []
         swapped: list[tuple[nn.Module, str, torch.Tensor]] = []
         stand_ins: dict[int, torch.Tensor] = {}  # a parameter tied into several modules: one
-        for owner, name in edge.params:
+        for path, name in edge.params:
+            owner = module.get_submodule(path) if path else module
             params = owner._parameters
             param = params.get(name)
             if (

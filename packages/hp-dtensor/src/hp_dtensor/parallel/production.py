@@ -49,6 +49,7 @@ from hp_dtensor.parallel._grad_reduction import (
 )
 from hp_dtensor.parallel._region import (
     GATHERED_FROM_ATTR,
+    REGION_ATTR,
     ModuleEdge,
     Region,
     placement_of,
@@ -247,6 +248,7 @@ def apply_production(root: nn.Module, mesh: DeviceMesh, resolved: ParallelPlan) 
         install_grad_reductions(root)
     else:
         _install_region(root, resolved, region)
+        object.__setattr__(root, REGION_ATTR, region)
 
 
 def _region_of(root: nn.Module, mesh: DeviceMesh, resolved: ParallelPlan) -> Region | None:
@@ -276,8 +278,8 @@ def _install_region(root: nn.Module, resolved: ParallelPlan, region: Region) -> 
         if module is not root and plan is None and next(module.parameters(), None) is None:
             continue
         reduced = tuple(
-            (owner, n)
-            for owner in module.modules()
+            (path, n)
+            for path, owner in module.named_modules()
             for n, p in owner.named_parameters(recurse=False)
             if grad_region_of(p) == region.token
         )
