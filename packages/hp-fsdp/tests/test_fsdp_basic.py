@@ -133,8 +133,12 @@ def _mixed_precision() -> dict[str, Any]:
     x = torch.randn(4 * world, 5, generator=torch.Generator().manual_seed(0))
     ref_loss = ref(x).pow(2).mean()
     ref_loss.backward()
-    out = model(x.chunk(world)[rank])
-    out.float().pow(2).mean().backward()
+    with CountingMode() as counting:
+        out = model(x.chunk(world)[rank])
+        out.float().pow(2).mean().backward()
+    wire: dict[str, set[torch.dtype | None]] = {}
+    for call in counting.collectives:
+        wire.setdefault(str(call.purpose), set()).add(call.dtype)
     grads = [p.grad for p in model.parameters()]
     errors = [
         (
@@ -148,6 +152,7 @@ def _mixed_precision() -> dict[str, Any]:
         "param_dtypes": {p.dtype for p in model.parameters()},
         "grad_dtypes": {g.dtype for g in grads if g is not None},
         "grad_error": max(errors),
+        "wire_dtypes": wire,
     }
 
 
@@ -157,6 +162,12 @@ def test_bf16_mixed_precision_keeps_fp32_main_parameters() -> None:
     assert out["output_dtype"] == torch.bfloat16
     assert out["param_dtypes"] == {torch.float32}
     assert out["grad_dtypes"] == {torch.float32}
+    # On the wire: parameters gathered in the param dtype, gradients reduced in the reduce
+    # dtype (a bf16 reduction would add one rounding, within the error bound below).
+    assert out["wire_dtypes"] == {
+        "param_all_gather": {torch.bfloat16},
+        "grad_reduce_scatter": {torch.float32},
+    }, out["wire_dtypes"]
     # bf16 compute (8 significant bits: one rounding is up to 2**-8 = 3.9e-3 relative) against
     # the fp32 single-device run, relative to each parameter's largest gradient. Measured
     # (torch 2.13 CPU): 3.2e-3; bound 2**-7 (two bf16 roundings, 2.4x the measurement).
