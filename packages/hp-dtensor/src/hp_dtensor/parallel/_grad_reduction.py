@@ -12,7 +12,7 @@ model the reduction usually costs no collective of its own.
 
 Contributions reach the bucket one of two ways:
 
-* production mode has the model read a stand-in of each parameter inside the model
+* production mode has the model read each parameter through a marker inside the model
   (:mod:`hp_dtensor.parallel._region`): only those uses' gradients are partial and stashed,
   while a use by the caller (a penalty on the parameter) reaches ``.grad`` whole, as autograd
   computes it on every rank;
@@ -54,7 +54,7 @@ __all__ = [
 _SPEC = "_hp_dtensor_grad_reduction"
 _OWNER = "_hp_dtensor_grad_hook_owner"
 _BUCKET_ATTR = "_hp_dtensor_grad_bucket"
-# A production-mode region's token: the region stands in for this parameter (no leaf hook).
+# A production-mode region's token: the region marks this parameter's uses (no leaf hook).
 _REGION = "_hp_dtensor_grad_region"
 # Set by a sharder that reduces the parameter's gradient itself.
 _HANDED_OVER = "_hp_dtensor_grad_reduction_handed_over"
@@ -195,7 +195,7 @@ def grad_reduction_of(param: torch.Tensor) -> GradReduction | None:
 def hand_over_grad_reduction(param: torch.Tensor) -> None:
     """Record that a sharder now reduces ``param``'s gradient itself, the reduction
     :func:`grad_reduction_of` gives included: the tensor-parallel executor leaves the gradient
-    of ``param`` alone from then on (no stand-in, no hook of its own)."""
+    of ``param`` alone from then on (no marker, no hook of its own)."""
     setattr(param, _HANDED_OVER, True)
 
 
@@ -206,20 +206,20 @@ def grad_reduction_handed_over(param: torch.Tensor) -> bool:
 
 
 def set_grad_region(param: torch.Tensor, token: int) -> None:
-    """Record that production-mode region ``token`` stands in for ``param`` in the model (its
+    """Record that production-mode region ``token`` marks ``param``'s uses in the model (its
     gradient gets no leaf hook)."""
     setattr(param, _REGION, token)
 
 
 def grad_region_of(param: torch.Tensor) -> int | None:
-    """The token of the region standing in for ``param``, None if none does."""
+    """The token of the region marking ``param``'s uses, None if none does."""
     token = getattr(param, _REGION, None)
     return token if isinstance(token, int) else None
 
 
 def install_grad_reductions(module: nn.Module) -> None:
     """Hook the recorded reductions on every parameter of ``module`` that lacks its hook and
-    that no production-mode region stands in for (``module``'s bucket collects their
+    whose uses no production-mode region marks (``module``'s bucket collects their
     contributions)."""
     bucket = bucket_of(module)
     for param in module.parameters():

@@ -21,12 +21,15 @@ by ``model.lm_head(h)``). Calls made inside a region are part of it. At the regi
 * a replicated tensor the caller passes in that requires grad hands back the sum of its
   partial gradients (one all-reduce over the axis in backward), whole on every rank;
 * sharded tensors have the same gradient in both conventions: nothing happens to them;
-* a parameter with a recorded gradient reduction is read inside the region through a stand-in
-  (a leaf sharing its storage, swapped into every module registering it while the region
-  lasts, so a forward reading a submodule's parameter directly reads the stand-in too): the
-  stand-in's gradient, the sum of the region's partial contributions, goes to the bucket,
-  which reduces it; a use outside any region (a penalty on the parameter in the loss) reaches
-  ``.grad`` directly, whole, as the exact convention gives it.
+* a parameter with a recorded gradient reduction is read inside the region through a marker
+  (a view of it, swapped into every module registering it while the region lasts, so a
+  forward reading a submodule's parameter directly reads a marker too, and again, freshly,
+  for each call of its own module): a marker's backward stashes that use's partial gradient
+  in the bucket, which reduces it; a use outside any region (a penalty on the parameter in the
+  loss) reaches ``.grad`` directly, whole, as the exact convention gives it. The parameter
+  stays in the graph: ``backward(inputs=params)`` (a zero-bubble pipeline's weight pass)
+  reaches it. ``torch.autograd.grad`` over parameters is not supported: the reduced gradient
+  goes to ``.grad``.
 
 So every way of forming the loss gets the single-device gradient: the root's output, a chain of
 submodules, several forwards of one module, intermediate outputs the model returns, parameters
@@ -41,10 +44,10 @@ used directly. Two cases are refused or left out, never scaled silently:
   :func:`hp_dtensor.parallel.partial_gradients_of` on it to read it in the caller's convention.
 
 Recompute: activation checkpointing reruns a forward inside backward. A rerun follows what
-the original call did (its edge conversions if that call was a region, the parameter stand-ins
+the original call did (its edge conversions if that call was a region, the parameter markers
 in any case), so reentrant checkpointing, whose rerun is the graph that backward walks, gets
 the same gradients; non-reentrant checkpointing only reads the rerun's saved tensors, which
-the stand-ins and conversions do not change. Under ``torch.compile`` the hooks step aside
+the markers and conversions do not change. Under ``torch.compile`` the hooks step aside
 (compiled modules are inner calls of an uncompiled root).
 
 A model whose ranks each compute a loss of their own over the axis (expert parallelism: each
@@ -57,7 +60,7 @@ from __future__ import annotations
 import itertools
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -90,6 +93,8 @@ _TOKENS = itertools.count(1)
 # The id of a module's region post-hook (for keep_edge_outermost).
 _POST_HOOK_ATTR = "_hp_dtensor_region_post_hook"
 # The root's region (copying the model meets it and refuses).
+# On a marker: the parameter it reads.
+_MARKED_ATTR = "_hp_dtensor_marked_param"
 REGION_ATTR = "_hp_dtensor_region"
 
 
@@ -151,21 +156,23 @@ class _GatheredOutput(torch.autograd.Function):
         return out, None, None
 
 
-def _stand_in(param: torch.Tensor, bucket: _Bucket, kind: _Kind) -> torch.Tensor:
-    """A leaf sharing ``param``'s storage, read by the model inside a region in its place:
-    once backward has accumulated the gradient of every use, the stand-in's hook moves it to
-    the bucket (which reduces it and adds it to ``param.grad``). Being a leaf, its gradient is
-    taken as soon as it is complete (autograd runs leaves' accumulation first), so it can ride
-    on the next sum all-reduce of the backward."""
-    stand_in = param.detach().requires_grad_(True)
+class _MarkedUse(torch.autograd.Function):
+    """A parameter read inside a region: identity forward (a view of the parameter, which stays
+    in the graph, so ``backward(inputs=params)`` and zero-bubble weight passes reach it);
+    backward stashes the use's partial gradient in the bucket, which reduces it and adds it to
+    ``.grad``, and passes nothing on."""
 
-    def stash(leaf: torch.Tensor) -> None:
-        grad, leaf.grad = leaf.grad, None
-        assert grad is not None
-        bucket.add(kind, param, grad)
+    @staticmethod
+    def forward(ctx: Any, param: torch.Tensor, bucket: _Bucket, kind: _Kind) -> torch.Tensor:
+        ctx.param, ctx.bucket, ctx.kind = param, bucket, kind
+        # An alias by detach, which selective checkpointing does not count: a block rerun
+        # inside backward marks parameters its first forward saw marked outside it.
+        return param.detach()
 
-    stand_in.register_post_accumulate_grad_hook(stash)
-    return stand_in
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None, None]:
+        ctx.bucket.add(ctx.kind, ctx.param, grad)
+        return None, None, None
 
 
 @dataclass
@@ -180,6 +187,7 @@ class ModuleEdge:
         params: the parameters in the module's subtree whose gradient the plan reduces, as
             (owning module's path below the module, attribute name); a shared parameter once
             per owner.
+        own: the names of the module's own such parameters.
         entered_last: whether the module's last call outside backward was a region.
     """
 
@@ -187,6 +195,7 @@ class ModuleEdge:
     inputs: tuple[Placement | None, ...] = ()
     kwargs: Mapping[str, Placement | None] = field(default_factory=dict)
     params: tuple[tuple[str, str], ...] = ()
+    own: tuple[str, ...] = ()
     entered_last: bool = False
 
 
@@ -204,6 +213,8 @@ class _Calls(threading.local):
     def __init__(self) -> None:
         self.depth = 0
         self.opening: _Frame | None = None
+        # Per call of a module owning reduced parameters: what its markers replaced.
+        self.owned: list[list[tuple[nn.Module, str, torch.Tensor]]] = []
 
 
 def _recomputing() -> bool:
@@ -212,7 +223,7 @@ def _recomputing() -> bool:
 
 
 class Region:
-    """The edge conversions and parameter stand-ins of one production-mode model (see the module
+    """The edge conversions and parameter markers of one production-mode model (see the module
     docstring). Built by :func:`hp_dtensor.parallel.production.apply_production`.
 
     Args:
@@ -232,6 +243,7 @@ class Region:
         self.bucket = bucket
         self.sequence_sharded = sequence_sharded
         self._calls = _Calls()
+        self._kinds: dict[int, _Kind] = {}  # by the identity of a parameter's reduction
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Region:
         raise TypeError(
@@ -263,13 +275,18 @@ class Region:
                 calls.depth += 1
                 if edge.entered_last and not _recomputing():
                     edge.entered_last = False
+                if edge.own:
+                    calls.owned.append(self._mark(module, ((module, n) for n in edge.own)))
                 return None
             if _recomputing():
                 entering = edge.entered_last
             else:
                 entering = edge.entered_last = True
-            swapped = self._swap(module, edge) if edge.params else []
+            subtree = ((module.get_submodule(path), name) for path, name in edge.params)
+            swapped = self._mark(module, subtree) if edge.params else []
             calls.depth, calls.opening = 1, _Frame(entering, swapped)
+            if edge.own:
+                calls.owned.append(self._mark(module, ((module, n) for n in edge.own)))
             if not entering:
                 return None
             return self._inputs(edge, args), self._kwargs(edge, kwargs)
@@ -283,14 +300,15 @@ class Region:
         def hook(module: nn.Module, args: Any, output: Any) -> Any:
             if torch.compiler.is_compiling():
                 return None
+            if edge.own and calls.owned:
+                _restore(calls.owned.pop())
             depth = calls.depth
             if depth != 1:
                 calls.depth = max(depth - 1, 0)
                 return None
             frame, calls.depth, calls.opening = calls.opening, 0, None
             assert frame is not None
-            for owner, name, param in frame.swapped:
-                owner._parameters[name] = param  # type: ignore[assignment]
+            _restore(frame.swapped)
             if not frame.entering or output is None:
                 return None
             return map_tensors(partial(self._to_caller, where=where), output, where=where)
@@ -299,17 +317,22 @@ class Region:
 
     # Parameters ------------------------------------------------------------------------------
 
-    def _swap(
-        self, module: nn.Module, edge: ModuleEdge
+    def _mark(
+        self, module: nn.Module, slots: Iterable[tuple[nn.Module, str]]
     ) -> list[tuple[nn.Module, str, torch.Tensor]]:
+        """Put a fresh marker of each reduced parameter in ``slots`` (owner, name) in its
+        place; what was there, to put back. A region's opening marks the whole subtree (a
+        forward may read a submodule's parameter directly); each call of an owning module
+        marks its own again, so that the marker is made, and its backward runs, next to the
+        module's own ops (early enough in backward to ride on the next sum all-reduce)."""
         if not torch.is_grad_enabled():
             return []
         swapped: list[tuple[nn.Module, str, torch.Tensor]] = []
-        stand_ins: dict[int, torch.Tensor] = {}  # a parameter tied into several modules: one
-        for path, name in edge.params:
-            owner = module.get_submodule(path) if path else module
+        marked: dict[int, torch.Tensor] = {}  # a parameter tied into several modules: one
+        for owner, name in slots:
             params = owner._parameters
-            param = params.get(name)
+            current = params.get(name)
+            param = getattr(current, _MARKED_ATTR, current)
             if (
                 param is None
                 or not param.requires_grad
@@ -317,18 +340,26 @@ class Region:
                 or grad_reduction_handed_over(param)
             ):
                 continue
-            stand_in = stand_ins.get(id(param))
-            if stand_in is None:
-                spec = grad_reduction_of(param)
-                assert spec is not None
-                stand_in = stand_ins[id(param)] = _stand_in(
-                    param, self.bucket, self.bucket.kind(spec)
+            marker = marked.get(id(param))
+            if marker is None:
+                marker = marked[id(param)] = _apply(_MarkedUse)(
+                    param, self.bucket, self._kind(param)
                 )
-            # A plain tensor in ``_parameters`` while the region lasts: what nn.Module's
-            # attribute access hands the forwards (FSDP swaps its views in the same way).
-            params[name] = stand_in  # type: ignore[assignment]
-            swapped.append((owner, name, param))
+                setattr(marker, _MARKED_ATTR, param)
+            # A plain tensor in ``_parameters`` for the call: what nn.Module's attribute access
+            # hands the forwards (FSDP swaps its views in the same way).
+            params[name] = marker  # type: ignore[assignment]
+            assert current is not None
+            swapped.append((owner, name, current))
         return swapped
+
+    def _kind(self, param: torch.Tensor) -> _Kind:
+        spec = grad_reduction_of(param)
+        assert spec is not None
+        kind = self._kinds.get(id(spec))
+        if kind is None:
+            kind = self._kinds[id(spec)] = self.bucket.kind(spec)
+        return kind
 
     # Tensors crossing the edge ---------------------------------------------------------------
 
@@ -396,6 +427,11 @@ class Region:
             out = _apply(_ExactToPartial)(value, self.group)
         set_placement(out, placement)
         return out
+
+
+def _restore(swapped: list[tuple[nn.Module, str, torch.Tensor]]) -> None:
+    for owner, name, value in reversed(swapped):
+        owner._parameters[name] = value  # type: ignore[assignment]
 
 
 def keep_edge_outermost(module: nn.Module) -> None:

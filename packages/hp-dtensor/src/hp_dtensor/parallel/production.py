@@ -21,7 +21,7 @@ Gradient conventions: inside the model the local gradients are the true per-rank
 replicated value's gradient is a partial contribution. The caller computes the loss on every
 rank and calls ``loss.backward()`` with the gradient 1 everywhere: its tensors carry the whole
 gradient. The model's edge (:mod:`hp_dtensor.parallel._region`) converts between the two
-wherever the caller calls one of the model's modules, and stands in for replicated parameters
+wherever the caller calls one of the model's modules, and marks replicated parameters' uses
 inside the model so that only their partial gradients are reduced: summed over the parallel
 axis, averaged over data-parallel axes (each data-parallel rank's loss is the mean over its own
 batch, as in DDP).
@@ -283,7 +283,8 @@ def _install_region(root: nn.Module, resolved: ParallelPlan, region: Region) -> 
             for n, p in owner.named_parameters(recurse=False)
             if grad_region_of(p) == region.token
         )
-        edge = ModuleEdge(prefix, params=reduced)
+        own = tuple(name for path, name in reduced if not path)
+        edge = ModuleEdge(prefix, params=reduced, own=own)
         if plan is not None:
             edge.inputs = tuple(None if b is None else b.layout for b in plan.inputs)
             edge.kwargs = {k: b.layout for k, b in plan.kwarg_inputs.items()}
