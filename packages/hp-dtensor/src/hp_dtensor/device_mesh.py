@@ -9,6 +9,14 @@ the mesh's coordinate order (``sort_ranks=False``), so collectives return pieces
 order. Every group gets the job's timeout (:func:`hp_dtensor.watchdog.group_timeout`: the one
 given to :func:`init_device_mesh`, else the default group's), not torch's 30-minute default for
 new groups.
+
+A mesh made from a torch ``DeviceMesh`` (:meth:`DeviceMesh.from_torch`) is *bound* to it instead:
+its groups are the torch mesh's own (never created here), so a mesh over a subgroup
+(``torch.distributed.device_mesh.DeviceMesh.from_group``) works without the rest of the job.
+
+Everything remembered about process groups is kept per default group: under torch's threaded
+test process group the ranks are threads of one process, each with its own default group, and a
+table shared by the threads would hand one rank another's groups.
 """
 
 from __future__ import annotations
@@ -27,14 +35,40 @@ from hp_layout import Mesh
 
 __all__ = ["DeviceMesh", "init_device_mesh"]
 
-# Every group created in this job (None where this rank is not a member), by rank list. All
-# ranks create the same groups in the same order, so these tables agree across ranks.
-_CREATED: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
-_WORLD: list[Any] = [None]
-# torch DeviceMeshes built by DeviceMesh.to_torch, per (device type, mesh), for this world.
-_TORCH_MESHES: dict[Any, Any] = {}
-# The DeviceMesh to use for a (device type, mesh): see DeviceMesh.lookup.
+# The DeviceMesh to use for a (device type, mesh) when no bound one is known: see
+# DeviceMesh.lookup. Meshes not bound to torch ones look their groups up per world, so sharing
+# them between threads is safe.
 _KNOWN: dict[tuple[str, Mesh], DeviceMesh] = {}
+# How many default groups' tables are kept (a threaded test runs one per rank thread).
+_MAX_WORLDS = 64
+
+
+class _World:
+    """What one default group (one job, or one rank thread under torch's threaded process group)
+    has: the groups created in it by rank list (None where this rank is not a member; all ranks
+    create the same groups in the same order, so these tables agree across ranks), the torch
+    meshes built by :meth:`DeviceMesh.to_torch`, and the meshes bound to torch ones."""
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group = group
+        self.created: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
+        self.torch_meshes: dict[DeviceMesh, Any] = {}
+        self.bound: dict[tuple[str, Mesh], DeviceMesh] = {}
+
+
+# By id of the default group; each entry holds its group, so an id is never reused while kept.
+_WORLDS: dict[int, _World] = {}
+
+
+def _world() -> _World:
+    group = _default_group()
+    found = _WORLDS.get(id(group))
+    if found is None or found.group is not group:
+        while len(_WORLDS) >= _MAX_WORLDS:
+            del _WORLDS[next(iter(_WORLDS))]
+        found = _World(group)
+        _WORLDS[id(group)] = found
+    return found
 
 
 def _default_group() -> dist.ProcessGroup:
@@ -45,11 +79,6 @@ def _default_group() -> dist.ProcessGroup:
         )
     group = dist.group.WORLD
     assert group is not None
-    if _WORLD[0] is not group:
-        # A new default group (re-initialized world): the cached groups are dead.
-        _CREATED.clear()
-        _TORCH_MESHES.clear()
-        _WORLD[0] = group
     return group
 
 
@@ -59,7 +88,7 @@ def ensure_groups(groups: Sequence[Sequence[int]], name: str | None = None) -> N
 
     Every rank of the job must call this with the same ``groups`` in the same order.
     """
-    world = _default_group()
+    world = _world()
     world_ranks = tuple(range(dist.get_world_size()))
     me = dist.get_rank()
     timeout = watchdog.group_timeout()
@@ -67,10 +96,10 @@ def ensure_groups(groups: Sequence[Sequence[int]], name: str | None = None) -> N
         key = tuple(ranks)
         if name is not None:
             watchdog.name_group(key, name)
-        if key in _CREATED:
+        if key in world.created:
             continue
         if key == world_ranks:
-            _CREATED[key] = world
+            world.created[key] = world.group
             continue
         created = dist.new_group(
             list(key),
@@ -78,13 +107,14 @@ def ensure_groups(groups: Sequence[Sequence[int]], name: str | None = None) -> N
             timeout=timeout,
             group_desc=f"hp_{name}" if name is not None else None,
         )
-        _CREATED[key] = created if me in key and isinstance(created, dist.ProcessGroup) else None
+        world.created[key] = (
+            created if me in key and isinstance(created, dist.ProcessGroup) else None
+        )
 
 
 def process_group(ranks: Sequence[int]) -> dist.ProcessGroup:
     """The existing process group over ``ranks`` (its rank ``i`` is ``ranks[i]``)."""
-    _default_group()
-    group = _CREATED.get(tuple(ranks))
+    group = _world().created.get(tuple(ranks))
     if group is None:
         raise RuntimeError(
             f"no process group over ranks {list(ranks)} on rank {dist.get_rank()}: create it "
@@ -101,7 +131,8 @@ class DeviceMesh:
         mesh: the rank grid and axis names.
 
     The mesh may be built on every rank of the job or only on the ranks it contains; methods
-    that need this rank's position raise if the rank is not in the mesh.
+    that need this rank's position raise if the rank is not in the mesh. A mesh made by
+    :meth:`from_torch` uses the torch mesh's process groups instead of creating its own.
     """
 
     def __init__(self, device_type: str, mesh: Mesh, *, root: Mesh | None = None) -> None:
@@ -112,15 +143,21 @@ class DeviceMesh:
         # Groups are created for the root mesh's axes, so that every rank creates the same
         # groups whichever sub-mesh it holds.
         self._root = mesh if root is None else root
+        self._torch_mesh: Any = None
         known = _KNOWN.get((self.device_type, mesh))
         if known is None or known._root.size < self._root.size:
             _KNOWN[(self.device_type, mesh)] = self
 
     @classmethod
     def lookup(cls, device_type: str, mesh: Mesh) -> DeviceMesh:
-        """The DeviceMesh already built for ``mesh`` (the one cut from the largest root), or a
-        new one. Code that only has a layout's mesh uses this, so process groups are created
-        from the same root as the mesh the tensors live on."""
+        """The DeviceMesh already built for ``mesh``: one bound to a torch mesh in this job
+        (whose groups the tensors' collectives must use), else the one cut from the largest
+        root, else a new one. Code that only has a layout's mesh uses this, so process groups
+        are those of the mesh the tensors live on."""
+        if dist.is_initialized():
+            bound = _world().bound.get((device_type, mesh))
+            if bound is not None:
+                return bound
         known = _KNOWN.get((device_type, mesh))
         return known if known is not None else cls(device_type, mesh)
 
@@ -166,7 +203,7 @@ class DeviceMesh:
     # This rank -------------------------------------------------------------------------------
 
     def get_rank(self) -> int:
-        """This process's global rank."""
+        """This process's (under torch's threaded process group, this thread's) global rank."""
         world = _default_group()
         cached = self.__dict__.get("_rank")
         if cached is not None and cached[0] is world:
@@ -196,13 +233,17 @@ class DeviceMesh:
         return self.mesh.group_of(self.get_rank(), axis)
 
     def get_group(self, axis: str | int = 0) -> dist.ProcessGroup:
-        """This rank's process group along ``axis`` (created on first use, then reused).
+        """This rank's process group along ``axis``: the torch mesh's for a bound mesh, else
+        created on first use, then reused.
 
-        The first use of an axis creates the groups of every rank along it, collectively: all
-        ranks of the job must reach it.
+        The first use of an axis of an unbound mesh creates the groups of every rank along it,
+        collectively: all ranks of the job must reach it.
         """
+        if self._torch_mesh is not None:
+            group: dist.ProcessGroup = self._torch_mesh.get_group(self.mesh.axis_index(axis))
+            return group
         ranks = self.group_ranks(axis)
-        if tuple(ranks) not in _CREATED:
+        if tuple(ranks) not in _world().created:
             name = self.mesh.axis_names[self.mesh.axis_index(axis)]
             ensure_groups(self._root.groups(name), name)
         return process_group(ranks)
@@ -214,23 +255,50 @@ class DeviceMesh:
         cache = self.__dict__.setdefault("_axis_groups", {})
         key = (id(world), axis)
         found = cache.get(key)
-        if found is None:
-            found = build(self.get_group(axis), self.size(axis), self.get_local_rank(axis))
+        if found is None or found[0] is not world:
+            built = build(self.get_group(axis), self.size(axis), self.get_local_rank(axis))
+            found = (world, built)
             cache[key] = found
-        return found
+        return found[1]
 
     def get_mesh_group(self) -> dist.ProcessGroup:
-        """The process group over all ranks of this mesh (created collectively on first use)."""
+        """The process group over all ranks of this mesh (created collectively on first use).
+
+        Raises:
+            NotImplementedError: a bound mesh of several axes over part of the job (torch's
+                mesh has no group over all its ranks; flatten it and bind the 1-d mesh).
+        """
         self._coordinate()
         ranks = self.mesh.ranks
-        if tuple(ranks) not in _CREATED:
+        if self._torch_mesh is not None:
+            if self.ndim == 1:
+                return self.get_group(0)
+            if sorted(ranks) == list(range(dist.get_world_size())):
+                return _default_group()
+            raise NotImplementedError(
+                f"no process group over all ranks of {self!r}, a {self.ndim}-d mesh bound to a "
+                "torch mesh over part of the job; flatten the torch mesh and bind the 1-d mesh"
+            )
+        if tuple(ranks) not in _world().created:
             ensure_groups(self._root.groups(self.mesh.axis_names), "x".join(self.mesh.axis_names))
         return process_group(ranks)
 
     def __getitem__(self, axes: str | Sequence[str]) -> DeviceMesh:
-        """The sub-mesh over ``axes`` that contains this rank."""
+        """The sub-mesh over ``axes`` that contains this rank (bound to the torch mesh's
+        sub-mesh for a bound mesh)."""
         names = [axes] if isinstance(axes, str) else list(axes)
         self._coordinate()
+        if self._torch_mesh is not None:
+            if tuple(names) == self.mesh.axis_names:
+                return self
+            torch_names = self._torch_mesh.mesh_dim_names
+            if torch_names is None:
+                raise ValueError(
+                    f"cannot slice axes {names} of {self!r}: its torch mesh has no dimension "
+                    "names; give the torch mesh mesh_dim_names"
+                )
+            positions = [self.mesh.axis_index(n) for n in names]
+            return DeviceMesh.from_torch(self._torch_mesh[tuple(torch_names[i] for i in positions)])
         return DeviceMesh(
             self.device_type, self.mesh.submesh(names, self.get_rank()), root=self._root
         )
@@ -240,22 +308,39 @@ class DeviceMesh:
     @classmethod
     def from_torch(cls, torch_mesh: Any) -> DeviceMesh:
         """The mesh of a ``torch.distributed.device_mesh.DeviceMesh`` (same device type, ranks
-        and axis names; unnamed axes are called ``dim0``, ``dim1``, ...); its
-        :meth:`to_torch` returns ``torch_mesh`` itself."""
+        and axis names; unnamed axes are called ``dim0``, ``dim1``, ...), bound to it: its
+        process groups are the torch mesh's own and :meth:`to_torch` returns ``torch_mesh``
+        itself. Nothing collective happens, so a mesh over a subgroup needs no other rank.
+        Later :meth:`lookup` calls for the same rank grid in this job return the bound mesh."""
+        world = _world()
         grid = torch_mesh.mesh
         names = torch_mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(grid.ndim))
-        mesh = cls(
-            torch_mesh.device_type,
-            Mesh(tuple(grid.shape), tuple(names), [int(r) for r in grid.flatten().tolist()]),
-        )
-        _TORCH_MESHES.setdefault(mesh, torch_mesh)
-        return mesh
+        mesh = Mesh(tuple(grid.shape), tuple(names), [int(r) for r in grid.flatten().tolist()])
+        device_type = prepare_device_type(torch_mesh.device_type)
+        found = world.bound.get((device_type, mesh))
+        if found is not None and found._torch_mesh is torch_mesh:
+            return found
+        bound = cls.__new__(cls)
+        bound.device_type = device_type
+        bound.mesh = mesh
+        bound._root = mesh
+        bound._torch_mesh = torch_mesh
+        world.bound[(device_type, mesh)] = bound
+        return bound
+
+    @property
+    def torch_mesh(self) -> Any:
+        """The torch mesh this mesh is bound to (:meth:`from_torch`), or None."""
+        return self._torch_mesh
 
     def to_torch(self) -> Any:
-        """The equivalent ``torch.distributed.device_mesh.DeviceMesh`` (built once per mesh
-        and world; building one is collective over the job, like torch's own)."""
-        _default_group()
-        cached = _TORCH_MESHES.get(self)
+        """The equivalent ``torch.distributed.device_mesh.DeviceMesh``: the one a bound mesh
+        was made from, else one built once per mesh and world (building one is collective over
+        the job, like torch's own)."""
+        if self._torch_mesh is not None:
+            return self._torch_mesh
+        world = _world()
+        cached = world.torch_meshes.get(self)
         if cached is not None:
             return cached
         from torch.distributed.device_mesh import DeviceMesh as TorchDeviceMesh
@@ -270,10 +355,15 @@ class DeviceMesh:
             root_mesh = DeviceMesh(self.device_type, root).to_torch()
             torch_mesh = root_mesh[names]
         else:
-            grid = torch.tensor(self.mesh.ranks, dtype=torch.int).reshape(self.mesh.shape)
-            torch_mesh = TorchDeviceMesh(self.device_type, grid, mesh_dim_names=names)
+            # The grid is host data; under ``with torch.device("meta")`` (meta-device model
+            # init) a grid made on the default device could not be read back.
+            grid = torch.tensor(self.mesh.ranks, dtype=torch.int, device="cpu")
+            with torch.device("cpu"):
+                torch_mesh = TorchDeviceMesh(
+                    self.device_type, grid.reshape(self.mesh.shape), mesh_dim_names=names
+                )
             _apply_timeout(torch_mesh)
-        _TORCH_MESHES[self] = torch_mesh
+        world.torch_meshes[self] = torch_mesh
         return torch_mesh
 
     def _is_slice_of_root(self) -> bool:
