@@ -147,6 +147,9 @@ def test_expert_stack_is_per_matrix_torch_muon() -> None:
         opt.step()
         ref.step()
     assert torch.equal(stack.detach(), torch.stack([s.detach() for s in singles]))
+    # The extension: torch's Muon refuses the stack itself.
+    with pytest.raises(ValueError, match="2D"):
+        torch.optim.Muon([nn.Parameter(full.clone())])
 
 
 def test_row_blocks_are_separate_matrices() -> None:
