@@ -21,9 +21,9 @@ buffer; the reduce-scatter may move bf16/FP8 records and sum them in fp32 (``_lo
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any, cast
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple, cast
 
 import torch
 import torch.distributed as dist
@@ -43,7 +43,7 @@ from hp_fsdp.group_plan import GroupPlan, plan_group, spec_of, torch_dtype
 from hp_fsdp.policy import CPUOffloadPolicy, LowPrecisionCommPolicy, MixedPrecisionPolicy
 from hp_layout import FlatBufferLayout, Layout, ReduceOp
 
-__all__ = ["FSDPParam", "FSDPParamGroup", "ShardedState", "plan_params"]
+__all__ = ["Alias", "FSDPParam", "FSDPParamGroup", "ShardedState", "plan_params"]
 
 
 class ShardedState(enum.Enum):
@@ -55,6 +55,22 @@ class ShardedState(enum.Enum):
     """An all-gather into the unsharded buffer was issued and not waited for."""
     UNSHARDED = "unsharded"
     """The unsharded buffer holds every parameter; the module holds its views."""
+
+
+class Alias(NamedTuple):
+    """A further registration of a parameter the group shards (a tied or shared weight).
+
+    Attributes:
+        module: the module registering it.
+        name: its attribute name on ``module``.
+        fqn: its name there from the fully_shard'ed member module.
+        member: which of the modules passed to fully_shard holds ``module``.
+    """
+
+    module: nn.Module
+    name: str
+    fqn: str
+    member: int
 
 
 @dataclass
@@ -72,6 +88,8 @@ class FSDPParam:
         unsharded: the view of the unsharded buffer, registered during compute.
         leaf: the autograd leaf aliasing the unsharded buffer (the local tensor of a DTensor).
         member: which of the modules passed to fully_shard owns it (0 for a single module).
+        aliases: the other places the same parameter object is registered (tied weights,
+            shared modules): they get the same sharded and unsharded objects as ``module``.
     """
 
     module: nn.Module
@@ -84,6 +102,19 @@ class FSDPParam:
     unsharded: nn.Parameter | None = None
     leaf: torch.Tensor | None = None
     member: int = 0
+    aliases: list[Alias] = field(default_factory=list)
+
+    def place(self, tensor: nn.Parameter | None) -> None:
+        """Register ``tensor`` as this parameter on its module and on every alias."""
+        self.module._parameters[self.name] = tensor
+        for alias in self.aliases:
+            alias.module._parameters[alias.name] = tensor
+
+    def registered(self) -> list[nn.Parameter | None]:
+        """What its module and then each alias hold now."""
+        return [self.module._parameters.get(self.name)] + [
+            a.module._parameters.get(a.name) for a in self.aliases
+        ]
 
 
 _TORCH_OPS = {ReduceOp.SUM: dist.ReduceOp.SUM, ReduceOp.MAX: dist.ReduceOp.MAX}
@@ -151,6 +182,14 @@ def _on_meta(locals_: Sequence[torch.Tensor], fqns: Sequence[str], owner: str) -
     return bool(meta)
 
 
+def _on_wire(buffer: torch.Tensor) -> torch.Tensor:
+    """``buffer`` as a collective moves it: one-byte floats (FP8 parameters, frozen beside
+    trainable ones) as their bytes, which every backend can gather (gloo has no FP8 type)."""
+    if buffer.is_floating_point() and buffer.element_size() == 1:
+        return buffer.view(torch.uint8)
+    return buffer
+
+
 def repoint(param: torch.Tensor, data: torch.Tensor) -> None:
     """Make the parameter object ``param`` hold ``data`` (a view of a flat buffer) as its
     (local) tensor, keeping the object and its attributes, so optimizers and user references
@@ -191,9 +230,12 @@ class FSDPParamGroup:
         comm_policy: LowPrecisionCommPolicy | None = None,
         offload: CPUOffloadPolicy | None = None,
         members: Sequence[int] | None = None,
+        aliases: Mapping[int, Sequence[Alias]] | None = None,
     ) -> None:
         """Allocate the buffers of ``plan`` and copy ``params``' data into this rank's chunk
-        (``members[i]``: which fully_shard'ed module owns ``params[i]``).
+        (``members[i]``: which fully_shard'ed module owns ``params[i]``; ``aliases[id(p)]``:
+        the further registrations of parameter ``p``, which share its sharded and unsharded
+        objects).
 
         Postconditions: the modules hold the sharded parameters (views of ``sharded_flat``,
         laid out as ``plan.layouts``); the unsharded buffer has no storage yet. Meta
@@ -239,6 +281,8 @@ class FSDPParamGroup:
             self._sharded_param(index, entry, member_of[id(entry[3])])
             for index, entry in enumerate(ordered)
         ]
+        for p, (_, _, _, original) in zip(self.params, ordered, strict=True):
+            p.aliases = list((aliases or {}).get(id(original), ()))
         if meta:
             for index, p in enumerate(self.params):
                 set_materialize_target(p.sharded, self._materialize_target(index))
@@ -394,9 +438,11 @@ class FSDPParamGroup:
         if self.state is not ShardedState.SHARDED:
             return
         for index, p in enumerate(self.params):
-            current = p.module._parameters.get(p.name)
-            if current is None or current is p.sharded:
+            # A replacement on any registration (materialize replaces each module's).
+            replaced = [t for t in p.registered() if t is not None and t is not p.sharded]
+            if not replaced:
                 continue
+            current = replaced[0]
             local = _local(current)
             expected = self.local_shape(index)
             if tuple(local.shape) != expected or local.dtype != self.storage_dtype:
@@ -418,6 +464,7 @@ class FSDPParamGroup:
                 view.copy_(local)
                 repoint(current, view)
             p.sharded = current
+            p.place(current)  # the tie holds: every registration is the one object again
 
     def _sharded_param(self, index: int, entry: _Param, member: int = 0) -> FSDPParam:
         """Parameter ``index``'s sharded piece: a view of ``sharded_flat`` with its layout."""
@@ -498,14 +545,14 @@ class FSDPParamGroup:
     def register_sharded(self) -> None:
         """Put the sharded parameters on the modules."""
         for p in self.params:
-            p.module._parameters[p.name] = p.sharded
+            p.place(p.sharded)
 
     def _register_unsharded(self) -> None:
         for p in self.params:
             if p.unsharded is None:
                 self._make_unsharded(p)
             assert p.unsharded is not None
-            p.module._parameters[p.name] = p.unsharded
+            p.place(p.unsharded)
 
     def _make_unsharded(self, p: FSDPParam) -> None:
         slot = self.flat.slots[self.params.index(p)]
@@ -562,7 +609,10 @@ class FSDPParamGroup:
                         "all_gather (FSDP parameters)",
                         group,
                         dist.all_gather_single(
-                            self.unsharded_flat, source, group=group, async_op=True
+                            _on_wire(self.unsharded_flat),
+                            _on_wire(source),
+                            group=group,
+                            async_op=True,
                         ),
                     )
                 self._keep_alive = source
@@ -586,7 +636,9 @@ class FSDPParamGroup:
                 work = watch_async(
                     "all_gather (FSDP parameters)",
                     group,
-                    dist.all_gather_single(gathered, source, group=group, async_op=True),
+                    dist.all_gather_single(
+                        _on_wire(gathered), _on_wire(source), group=group, async_op=True
+                    ),
                 )
 
         def finish() -> None:
@@ -659,8 +711,16 @@ class FSDPParamGroup:
 
     # Gradients ------------------------------------------------------------------------------
 
+    @property
+    def trainable(self) -> bool:
+        """Whether any parameter of the group requires a gradient."""
+        return any(p.sharded.requires_grad for p in self.params)
+
     def prepare_gradients(self) -> None:
-        """Point every unsharded parameter's gradient at the flat gradient buffer."""
+        """Point every unsharded parameter's gradient at the flat gradient buffer (none for a
+        group of frozen parameters: there is nothing to reduce)."""
+        if not self.trainable:
+            return
         if self.unsharded_grad is None:
             self.unsharded_grad = torch.zeros(
                 self.flat.padded_numel, dtype=self.param_dtype, device=self.device

@@ -1,16 +1,26 @@
-"""Which ranks shard and which replicate: the FSDP mesh, checked against a topology."""
+"""Which ranks shard and which replicate: the FSDP mesh, checked against a topology.
+
+A torch ``DeviceMesh`` passed to ``fully_shard`` (or the one FSDP2 would build by default) is
+used as it is: ``hp_dtensor.DeviceMesh.from_torch`` binds an hp-dtensor mesh to it, whose
+process groups are the torch mesh's own and whose ``to_torch()`` is the torch mesh itself, the
+``device_mesh`` of the per-parameter layout's DTensors (equal to the user's mesh, axis names
+kept). No group is created for it, so a mesh over a subgroup (``DeviceMesh.from_group``) and
+torch's threaded test process group, whose ranks are threads of one process, work as under
+FSDP2.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from hp_dtensor import DeviceMesh
 from hp_layout import Mesh, Topology
 
-__all__ = ["FSDPMesh", "as_hp_mesh", "resolve_mesh"]
+__all__ = ["FSDPMesh", "as_hp_mesh", "default_torch_mesh", "resolve_mesh"]
 
 
 @dataclass(frozen=True)
@@ -37,22 +47,57 @@ class FSDPMesh:
         """Copies of the sharded parameters (1 without HSDP)."""
         return 1 if self.replicate_axis is None else self.mesh.size(self.replicate_axis)
 
+    def torch_mesh(self) -> Any:
+        """The torch ``DeviceMesh`` of this mesh (the user's own when one was passed)."""
+        bound = self.mesh.torch_mesh
+        if bound is not None:
+            return bound
+        # hp-dtensor builds the rank grid with the default device; under a
+        # ``with torch.device("meta")`` block it would land on meta.
+        with torch.device("cpu"):
+            return self.mesh.to_torch()
+
+
+def _is_torch_mesh(mesh: object) -> bool:
+    from torch.distributed.device_mesh import DeviceMesh as TorchDeviceMesh
+
+    return isinstance(mesh, TorchDeviceMesh)
+
 
 def as_hp_mesh(mesh: Any) -> DeviceMesh | None:
-    """``mesh`` as this project's DeviceMesh (a torch ``DeviceMesh`` is converted; None stays).
+    """``mesh`` as this project's DeviceMesh: a torch ``DeviceMesh`` is bound as it is
+    (``DeviceMesh.from_torch``); None stays None.
 
     Raises:
         TypeError: anything else.
+        ValueError: a mesh of neither 1 nor 2 dimensions (torch FSDP2's exception).
+        AssertionError: a 2-d torch mesh without dimension names (as torch FSDP2 asserts: the
+            names say which dimension replicates and which shards).
     """
     if mesh is None or isinstance(mesh, DeviceMesh):
         return mesh
-    from torch.distributed.device_mesh import DeviceMesh as TorchDeviceMesh
-
-    if isinstance(mesh, TorchDeviceMesh):
+    if _is_torch_mesh(mesh):
+        if mesh.ndim not in (1, 2):
+            raise ValueError(f"fully_shard expects a 1D or 2D DeviceMesh but got {mesh}")
+        if mesh.ndim == 2 and mesh.mesh_dim_names is None:
+            raise AssertionError(
+                "Please init the 2D mesh for HSDP with mesh_dim_names specified: fully_shard "
+                f"got {mesh} without names; name its dimensions (replicate, shard), e.g. "
+                "init_device_mesh(device, shape, mesh_dim_names=('replicate', 'shard'))"
+            )
         return DeviceMesh.from_torch(mesh)
     raise TypeError(
         f"fully_shard's mesh must be an hp_dtensor or torch DeviceMesh, got {type(mesh).__name__}"
     )
+
+
+def default_torch_mesh(device_type: str) -> Any:
+    """The mesh torch FSDP2 uses without one: all ranks of the default group, one unnamed
+    dimension, made by torch's ``init_device_mesh`` (per call, as FSDP2 does)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    with torch.device("cpu"):
+        return init_device_mesh(device_type, (dist.get_world_size(),))
 
 
 def resolve_mesh(
@@ -60,16 +105,18 @@ def resolve_mesh(
 ) -> FSDPMesh:
     """The FSDP mesh from the arguments of fully_shard.
 
-    Without a mesh: all ranks, one shard axis; with a topology, ``(replicate, shard)`` where
-    the shard axis spans the fastest tier's blocks. With both, the shard axis must not be on a
-    slower tier than the replicate axis.
+    Without a mesh: all ranks, one shard axis (torch FSDP2's default mesh, unnamed: its hp
+    axis is ``dim0``); with a topology, ``(replicate, shard)`` where the shard axis spans the
+    fastest tier's blocks. With both, the shard axis must not be on a slower tier than the
+    replicate axis.
     """
     if mesh is None:
         if not dist.is_initialized():
             raise RuntimeError("fully_shard needs torch.distributed initialized (or a mesh)")
         world = dist.get_world_size()
         if topology is None:
-            return FSDPMesh(DeviceMesh(device_type, Mesh((world,), ("shard",))), "shard", None)
+            default = DeviceMesh.from_torch(default_torch_mesh(device_type))
+            return FSDPMesh(default, default.mesh_dim_names[0], None)
         if topology.world_size != world:
             raise ValueError(
                 f"topology {topology.name!r} spans {topology.world_size} ranks, the job has {world}"
@@ -85,9 +132,7 @@ def resolve_mesh(
         replicate, shard = mesh.mesh_dim_names
         resolved = FSDPMesh(mesh, shard, replicate)
     else:
-        raise ValueError(
-            f"fully_shard takes a 1-d mesh (shard) or a 2-d mesh (replicate, shard), got {mesh!r}"
-        )
+        raise ValueError(f"fully_shard expects a 1D or 2D DeviceMesh but got {mesh!r}")
     if topology is not None and resolved.replicate_axis is not None:
         shard_tier = topology.axis_tier(mesh.mesh, resolved.shard_axis)
         replicate_tier = topology.axis_tier(mesh.mesh, resolved.replicate_axis)

@@ -74,10 +74,14 @@ class FSDPState:
         reshard_after_forward: bool,
         output_dtype: torch.dtype | None,
         input_dtype: torch.dtype | None,
+        auto_reshard_after_forward: bool = False,
     ) -> None:
         self.modules = list(modules)
         self.groups = list(groups)
         self.reshard_after_forward = reshard_after_forward
+        # fully_shard got reshard_after_forward=None: True, but False if this turns out to be
+        # the root (FSDP2's rule); an explicit value, or set_reshard_after_forward, is kept.
+        self.auto_reshard_after_forward = auto_reshard_after_forward
         self.reshard_after_backward = True
         self.requires_gradient_sync = True
         self.requires_all_reduce = True
@@ -153,8 +157,10 @@ class FSDPState:
                         )
                     seen[key] = group.owner
         self.is_root = True
-        # The root's parameters are needed right at the start of backward: keep them.
-        self.reshard_after_forward = False
+        if self.auto_reshard_after_forward:
+            # The root's parameters are needed right at the start of backward: keep them,
+            # unless the user asked otherwise (as FSDP2).
+            self.reshard_after_forward = False
         context = _RootContext(states, self)
         for state in states:
             state.root = context
@@ -162,6 +168,9 @@ class FSDPState:
         backward = [g for s in reversed(states) for g in s.groups]
         if backward:
             first = backward[-1]
+            # The arena holds reduced gradients: their dtype is a trainable group's (a group
+            # of frozen parameters in another dtype, FP8 weights say, reduces nothing).
+            trainable = [g for g in backward if g.trainable] or backward
             fsdp = first.fsdp
             replicate = (
                 fsdp.mesh.get_group(fsdp.replicate_axis)
@@ -170,7 +179,7 @@ class FSDPState:
             )
             context.arena = GradArena(
                 [g.plan.chunk_numel for g in backward],
-                first.reduce_dtype,
+                trainable[-1].reduce_dtype,
                 first.device,
                 fsdp.shard_size,
                 replicate,

@@ -10,7 +10,7 @@ from torch import nn
 
 from hp_dtensor import DTensor
 from hp_dtensor.contract import hand_over_grad_reduction, record_flat_slots
-from hp_fsdp._group import FSDPParam, FSDPParamGroup, plan_params
+from hp_fsdp._group import Alias, FSDPParam, FSDPParamGroup, plan_params
 from hp_fsdp._mesh import as_hp_mesh, resolve_mesh
 from hp_fsdp._state import FSDPState
 from hp_fsdp.compat import REFUSED_METHODS, UnshardHandle, refusal
@@ -62,12 +62,12 @@ class FSDPModule:
             for p in group.params:
                 if p.module._parameters.get(p.name) is p.sharded:
                     hidden.append(p)
-                    p.module._parameters[p.name] = None
+                    p.place(None)
         try:
             return cast(Any, super())._apply(fn, recurse)
         finally:
             for p in hidden:
-                p.module._parameters[p.name] = p.sharded
+                p.place(p.sharded)
 
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:
         """All-gather this module's parameters now; with ``async_op``, issue the all-gathers
@@ -111,10 +111,16 @@ class FSDPModule:
     def set_reshard_after_forward(
         self, reshard_after_forward: bool, *, recurse: bool = True
     ) -> None:
-        """Whether parameters are freed after forward (and gathered again in backward); the
-        root keeps its own regardless."""
+        """Whether parameters are freed after forward (and gathered again in backward), the
+        root's included (as FSDP2: an explicit setting replaces the default that keeps the
+        root's)."""
+        if not isinstance(reshard_after_forward, bool):
+            raise ValueError(
+                f"reshard_after_forward should be a bool, got {type(reshard_after_forward)}"
+            )
         for state in self._states(recurse):
-            state.reshard_after_forward = reshard_after_forward and not state.is_root
+            state.reshard_after_forward = reshard_after_forward
+            state.auto_reshard_after_forward = False
 
     def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
         """FSDP2 compatibility: hp-fsdp's collectives always reduce with SUM and divide
@@ -178,16 +184,26 @@ def _fsdp_class(cls: type) -> type:
 _Managed = tuple[nn.Module, str, str, nn.Parameter]
 
 
-def _managed(module: nn.Module, seen: set[int]) -> list[_Managed]:
-    """Parameters of ``module`` not owned by a nested fully_shard call nor in ``seen`` (which
-    grows), in module order."""
+def _managed(
+    module: nn.Module, member: int, seen: set[int], aliases: dict[int, list[Alias]]
+) -> list[_Managed]:
+    """Parameters of ``module`` (member ``member`` of the call) not owned by a nested
+    fully_shard call, in module order, each once: a parameter object already in ``seen``
+    (which grows), registered again by another module or name (tied weights, a shared
+    module), is added to ``aliases[id(param)]`` instead, so the group shards it once and
+    registers the same objects at every place."""
     out: list[_Managed] = []
+    places: set[tuple[int, str]] = set()
 
     def visit(prefix: str, m: nn.Module) -> None:
         if m is not module and hasattr(m, _STATE):
             return
         for name, param in m._parameters.items():
-            if param is None or id(param) in seen:
+            if param is None or (id(m), name) in places:
+                continue  # a module registered twice is visited twice
+            places.add((id(m), name))
+            if id(param) in seen:
+                aliases.setdefault(id(param), []).append(Alias(m, name, f"{prefix}{name}", member))
                 continue
             seen.add(id(param))
             out.append((m, name, f"{prefix}{name}", param))
@@ -259,8 +275,9 @@ def fully_shard(
         mesh: 1-d (shard) or 2-d (replicate, shard) device mesh (an hp_dtensor or a torch
             ``DeviceMesh``); default: all ranks, or the topology's (replicate, shard) mesh.
         reshard_after_forward: free the unsharded parameters after forward (all-gather again
-            in backward); the root keeps them. None (the default) is True. An int (FSDP2:
-            reshard to a smaller mesh) is refused.
+            in backward). None (the default) is True, except for the root, which keeps them
+            (FSDP2's rule); an explicit True reshards the root too. An int (FSDP2: reshard to
+            a smaller mesh) is refused.
         shard_placement_fn, ignored_params, dp_mesh_dims: FSDP2 arguments hp-fsdp refuses
             (``NotImplementedError``) unless None.
         mp_policy: mixed precision (this package's or torch's ``MixedPrecisionPolicy``).
@@ -295,16 +312,18 @@ def fully_shard(
     offload = as_offload(offload_policy)
     owner = _owner_label(members)
     seen: set[int] = set()
+    aliases: dict[int, list[Alias]] = {}
     params: list[_Managed] = []
     member_of: list[int] = []
     for index, member in enumerate(members):
-        found = _managed(member, seen)
+        found = _managed(member, index, seen, aliases)
         if len(members) > 1:
             # Unique names in the group's plan: the member's index, then the name in it.
             found = [(m, name, f"{index}.{fqn}", param) for m, name, fqn, param in found]
         params += found
         member_of += [index] * len(found)
     _check_unowned(params, owner)
+    _check_shardable(params, param_layout == "per_param")
     device_type = _device_type(params)
     fsdp = resolve_mesh(as_hp_mesh(mesh), topology, device_type)
     if policy.param_dtype == torch.bfloat16 and fsdp.mesh.device_type == "cpu":
@@ -337,6 +356,7 @@ def fully_shard(
             comm_policy,
             offload,
             [member_of[i] for i in part],
+            aliases,
         )
         for part in _by_storage_dtype(params, policy, owner)
     ]
@@ -349,7 +369,14 @@ def fully_shard(
         # This group's reduce-scatter reduces the plan's axes too (group_plan's tail).
         hand_over_grad_reduction(param)
     input_dtype = policy.param_dtype if policy.cast_forward_inputs else None
-    state = FSDPState(members, groups, reshard, policy.output_dtype, input_dtype)
+    state = FSDPState(
+        members,
+        groups,
+        reshard,
+        policy.output_dtype,
+        input_dtype,
+        auto_reshard_after_forward=reshard_after_forward is None,
+    )
     for member in members:
         setattr(member, _STATE, state)
         member.register_forward_pre_hook(state.pre_forward, prepend=True, with_kwargs=True)
@@ -358,6 +385,16 @@ def fully_shard(
         member.__class__ = _fsdp_class(type(member))
         _record_slots(member)
     return module
+
+
+def _state_of(module: nn.Module) -> FSDPState | None:
+    """FSDP2's ``fully_shard.state(module)``: the fully_shard state of ``module`` (shared by
+    the modules of one list call), or None for a module fully_shard has not sharded."""
+    state: FSDPState | None = getattr(module, _STATE, None)
+    return state
+
+
+fully_shard.state = _state_of  # type: ignore[attr-defined]
 
 
 def _refuse_unsupported(
@@ -394,8 +431,34 @@ def _check_unowned(params: Sequence[_Managed], owner: str) -> None:
         if earlier is not None:
             raise ValueError(
                 f"parameter {fqn!r} of {owner} is already sharded by the fully_shard group of "
-                f"{earlier}; a parameter shared by modules must be sharded by one call that "
-                "covers all of them (fully_shard their common parent)"
+                f"{earlier}; a parameter shared by modules (tied weights) must be sharded by "
+                "one call that covers all of them: fully_shard their common parent, or pass "
+                "them together, fully_shard([module_a, module_b])"
+            )
+
+
+def _check_shardable(params: Sequence[_Managed], per_param: bool) -> None:
+    """FSDP2's restrictions on a parameter, with its exception types.
+
+    Raises:
+        ValueError: a 0-d parameter in the per-parameter layout (no dim 0 to shard; the flat
+            layout packs it into the flat buffer like any other).
+        NotImplementedError: a non-contiguous parameter (``channels_last``, a transposed
+            view): sharding would silently hand back a contiguous one.
+    """
+    for _, _, fqn, param in params:
+        local = param.to_local() if isinstance(param, DTensor) else param
+        if per_param and param.ndim == 0:
+            raise ValueError(
+                "fully_shard doesn't support scalar parameters. "
+                f"Change {fqn} to a 1D tensor with numel equal to 1 (or use "
+                "param_layout='flat', which packs 0-d parameters)."
+            )
+        if not local.is_contiguous():
+            raise NotImplementedError(
+                f"FSDP does not support non-contiguous parameters yet: {fqn} has shape "
+                f"{tuple(local.shape)} and stride {local.stride()}; make it contiguous before "
+                "fully_shard (param.data = param.data.contiguous())"
             )
 
 
@@ -412,15 +475,21 @@ def _by_storage_dtype(
     params: Sequence[_Managed], policy: MixedPrecisionPolicy, owner: str
 ) -> list[list[int]]:
     """Indices of ``params`` per storage dtype, in order of first appearance: one flat buffer
-    each (several only under a ``param_dtype``: all of them compute in it).
+    each. Several storage dtypes need a ``param_dtype`` (all of them compute in it), unless the
+    parameters of all but one are frozen (``requires_grad=False``, e.g. FP8 weights beside
+    trainable fp32 ones): as FSDP2, only the trainable parameters must share a dtype; frozen
+    ones compute in their own.
 
     Raises:
-        ValueError: several storage dtypes without ``param_dtype``.
+        ValueError: trainable parameters of several storage dtypes without ``param_dtype``.
     """
     parts: dict[torch.dtype, list[int]] = {}
     for index, (_, _, _, param) in enumerate(params):
         parts.setdefault(param.dtype, []).append(index)
-    if len(parts) > 1 and policy.param_dtype is None:
+    trainable = {
+        dtype for dtype, ix in parts.items() if any(params[i][3].requires_grad for i in ix)
+    }
+    if len(trainable) > 1 and policy.param_dtype is None:
         example = {str(dtype): params[ix[0]][2] for dtype, ix in parts.items()}
         raise ValueError(
             f"fully_shard({owner!r}): parameters of several dtypes in one group without a "

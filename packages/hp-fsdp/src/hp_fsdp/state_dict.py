@@ -187,6 +187,25 @@ def _module_params(module: nn.Module) -> list[FSDPParam]:
     return params
 
 
+def _module_entries(module: nn.Module) -> list[tuple[FSDPParam, list[str]]]:
+    """Each parameter registered in fully_shard'ed ``module`` (one member of its call) with
+    its names there: the owning one first, then those of its aliases (tied weights); a
+    parameter whose only registrations in ``module`` are aliases is listed by those."""
+    state = getattr(module, _STATE, None)
+    if state is None:
+        return []
+    member = state.member_index(module)
+    out: list[tuple[FSDPParam, list[str]]] = []
+    for group in state.groups:
+        group.adopt_registered()
+        for p in group.params:
+            names = [p.fqn] if p.member == member else []
+            names += [a.fqn for a in p.aliases if a.member == member]
+            if names:
+                out.append((p, names))
+    return out
+
+
 def fsdp_params(model: nn.Module) -> dict[str, FSDPParam]:
     """Every parameter fully_shard manages under ``model``, by FQN from ``model``."""
     out: dict[str, FSDPParam] = {}
@@ -228,15 +247,17 @@ class _StateDictHooks:
     ) -> None:
         """Replace each managed parameter's entry by its checkpoint DTensor."""
         del local_metadata
-        for fp in _module_params(module):
-            key = prefix + fp.fqn
-            if key in state_dict:
-                # Per-parameter layout: the parameter itself (aliasing it, as FSDP2's does).
-                state_dict[key] = (
-                    fp.sharded.detach()
-                    if _per_param(fp)
-                    else _to_checkpoint(_local(fp.sharded), fp)
-                )
+        for fp, names in _module_entries(module):
+            keys = [prefix + name for name in names if prefix + name in state_dict]
+            if not keys:
+                continue
+            # Per-parameter layout: the parameter itself (aliasing it, as FSDP2's does). A
+            # tied parameter's names all get this one tensor.
+            value = (
+                fp.sharded.detach() if _per_param(fp) else _to_checkpoint(_local(fp.sharded), fp)
+            )
+            for key in keys:
+                state_dict[key] = value
 
     def pre_load(
         self,
@@ -257,13 +278,15 @@ class _StateDictHooks:
             if group.state is not ShardedState.SHARDED:
                 # The unsharded copy would be stale: drop it (the next forward gathers again).
                 group.reshard()
-        params = _module_params(module)
-        for fp in params:
-            key = prefix + fp.fqn
-            if key not in state_dict:
+        for fp, names in _module_entries(module):
+            # A tied parameter loads from its first name present; every name of it here is
+            # taken out (the default loader would copy a global tensor into the piece).
+            keys = [prefix + name for name in names if prefix + name in state_dict]
+            if not keys:
                 continue
-            value = state_dict.pop(key)
-            self.loaded.append(key)
+            values = [state_dict.pop(key) for key in keys]
+            self.loaded += keys
+            key, value = keys[0], values[0]
             try:
                 piece = _from_checkpoint(value, fp, key)
             except _SizeMismatchError as error:
