@@ -167,3 +167,65 @@ def test_bad_input_is_rejected_clearly(call: object, message: str) -> None:
     with pytest.raises(ValueError, match=r"must|multiple") as info:
         call()
     assert message in str(info.value)
+
+
+LOOPED = [(p, v, m) for p in range(1, 5) for v in range(1, 4) for m in range(1, 7)]
+
+
+@pytest.mark.parametrize(("p", "v", "m"), LOOPED)
+def test_looped_bfs_order_and_checker(p: int, v: int, m: int) -> None:
+    """Breadth-first: per rank, forwards stage by stage (microbatches ascending), then
+    backwards stage by stage from the last (microbatches descending); written out here."""
+    from hp_mpmd.schedules import looped_bfs
+
+    plan = looped_bfs(p, v, m)
+    check_plan(plan)
+    assert plan.stage_to_rank == tuple(s % p for s in range(p * v))
+    for r in range(p):
+        stages = [r + c * p for c in range(v)]
+        expected = [Action(F, s, mb) for s in stages for mb in range(m)]
+        expected += [Action(B, s, mb) for s in stages[::-1] for mb in range(m - 1, -1, -1)]
+        assert _compute(plan, r) == expected
+
+
+@pytest.mark.parametrize("plan", PLANS[:: max(1, len(PLANS) // 40)], ids=lambda p: p.name)
+def test_forward_only_plan_keeps_forwards_in_data_order(plan: SchedulePlan) -> None:
+    """Every (stage, microbatch) forward once on its rank, ordered by (microbatch, stage),
+    with only activation transfers, each send matched by one receive."""
+    from hp_mpmd.schedules import forward_only
+
+    fwd = forward_only(plan)
+    assert (fwd.num_stages, fwd.num_microbatches) == (plan.num_stages, plan.num_microbatches)
+    assert fwd.stage_to_rank == plan.stage_to_rank
+    sends, recvs = set(), set()
+    for r, actions in enumerate(fwd.actions):
+        kinds = {a.kind for a in actions}
+        assert kinds <= {F, ActionKind.SEND_ACT, ActionKind.RECV_ACT}, kinds
+        expected = sorted((mb, s) for s in plan.stages_of(r) for mb in range(plan.num_microbatches))
+        assert [(a.microbatch, a.stage) for a in _compute(fwd, r)] == expected
+        sends |= {(a.stage, a.microbatch) for a in actions if a.kind is ActionKind.SEND_ACT}
+        recvs |= {(a.stage - 1, a.microbatch) for a in actions if a.kind is ActionKind.RECV_ACT}
+    remote = {
+        (s, mb)
+        for s in range(plan.num_stages - 1)
+        for mb in range(plan.num_microbatches)
+        if plan.stage_to_rank[s] != plan.stage_to_rank[s + 1]
+    }
+    assert sends == recvs == remote
+
+
+def test_forward_only_runtime_refuses_a_training_plan() -> None:
+    import torch
+
+    from hp_mpmd import PipelineSchedule, PipelineStage, StageError, StagePlacement
+
+    stage = PipelineStage(torch.nn.Linear(2, 2), 0, 2)
+    placement = StagePlacement(((0,), (1,)))
+    with pytest.raises(StageError, match=r"forward_only\(plan\)"):
+        PipelineSchedule(
+            gpipe(2, 2),
+            [stage],
+            torch.nn.functional.mse_loss,
+            placement=placement,
+            forward_only=True,
+        )

@@ -2,7 +2,8 @@
 
 Schedules are pure plans (:mod:`hp_mpmd.actions`, :mod:`hp_mpmd.schedules`), checked and
 simulated without processes (:mod:`hp_mpmd.check`, :mod:`hp_mpmd.simulate`) and executed by a
-runtime (:mod:`hp_mpmd.runtime`).
+runtime (:mod:`hp_mpmd.runtime`). :mod:`hp_mpmd.torch_compat` offers
+``torch.distributed.pipelining``'s stage and schedule classes over them.
 """
 
 from hp_mpmd.actions import Action, ActionKind, SchedulePlan

@@ -7,7 +7,11 @@
   last stage targets);
 * the last stage's loss of each microbatch is scaled by ``1 / num_microbatches`` before its
   backward, so the gradients accumulated over microbatches equal those of the mean loss of the
-  whole batch (single-device training); the unscaled per-microbatch losses are returned;
+  whole batch (single-device training); the unscaled per-microbatch losses are returned
+  (``scale_loss=False`` starts each backward from the unscaled loss: the gradients are then
+  the sum, which :mod:`hp_mpmd.torch_compat` divides once at the end, as torch does);
+* ``forward_only=True`` runs a plan of forwards alone (:func:`hp_mpmd.schedules.forward_only`)
+  under ``torch.no_grad()`` for evaluation;
 * consecutive communication actions form one ``dist.batch_isend_irecv`` batch, waited with a
   timeout; every transfer carries a tag naming its stage boundary, direction and microbatch;
 * before the first step, shapes and dtypes are exchanged once along the pipeline (each stage
@@ -28,6 +32,7 @@ weight-consuming nodes would avoid the repeat).
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -91,10 +96,13 @@ class StepResult:
 
     Attributes:
         losses: the unscaled loss of each microbatch, on the ranks running the last stage;
-            empty elsewhere.
+            empty elsewhere (and in a forward-only step without targets).
+        outputs: the last stage's output of each microbatch (detached), on the ranks running
+            the last stage, when the step was asked to keep them; empty otherwise.
     """
 
     losses: list[torch.Tensor] = field(default_factory=list)
+    outputs: list[torch.Tensor] = field(default_factory=list)
 
     @property
     def loss(self) -> torch.Tensor | None:
@@ -159,6 +167,14 @@ class PipelineSchedule:
             e.g. hp-fsdp's ``set_requires_all_reduce(last)`` keeps HSDP's slow-tier
             all-reduce to once per step while every microbatch reduce-scatters (torch
             pipelining's ``backward_maybe_with_nosync`` plays this role for FSDP2).
+        scale_loss: divide each microbatch's loss by ``num_microbatches`` before its backward
+            (default), so the accumulated gradients are those of the batch mean. With False the
+            backward starts from the unscaled loss and the gradients are the sum over
+            microbatches (torch pipelining's order: it sums, then divides the gradients once;
+            :mod:`hp_mpmd.torch_compat` does that division).
+        forward_only: run a plan of forwards and activation transfers only (see
+            :func:`hp_mpmd.schedules.forward_only`), under ``torch.no_grad()``, keeping no
+            autograd state; the last stage computes losses only where targets are given.
 
     Raises:
         StageError: the plan, the placement and the stages do not fit together (each message
@@ -174,6 +190,8 @@ class PipelineSchedule:
         placement: StagePlacement | None = None,
         timeout: timedelta = DEFAULT_TIMEOUT,
         before_weight_gradients: Callable[[PipelineStage, bool], None] | None = None,
+        scale_loss: bool = True,
+        forward_only: bool = False,
     ) -> None:
         if not stages:
             raise StageError("PipelineSchedule needs this rank's stages, got none")
@@ -189,6 +207,21 @@ class PipelineSchedule:
                 f"plan {plan.name!r} places {len(plan.stage_to_rank)} stages but has "
                 f"num_stages={plan.num_stages}"
             )
+        if forward_only:
+            extra = [
+                a
+                for acts in plan.actions
+                for a in acts
+                if a.kind not in (ActionKind.FORWARD, ActionKind.SEND_ACT, ActionKind.RECV_ACT)
+            ]
+            if extra:
+                raise StageError(
+                    f"forward_only=True runs forwards and activation transfers only, but plan "
+                    f"{plan.name!r} has {extra[0]}; build the plan with "
+                    "hp_mpmd.schedules.forward_only(plan)"
+                )
+        self.scale_loss = scale_loss
+        self.forward_only = forward_only
         self.me = dist.get_rank()
         plan_rank = placement.plan_rank_of(self.me)
         if plan_rank is None:
@@ -216,6 +249,7 @@ class PipelineSchedule:
         self.in_meta: dict[int, TensorMeta] = {}
         self.out_meta: dict[int, TensorMeta] = {}
         self._exchanged = False
+        self._keep_outputs = False
         self._program = self._group(plan.actions[plan_rank])
         self.before_weight_gradients = before_weight_gradients
         self._last_weight_action = {
@@ -368,6 +402,11 @@ class PipelineSchedule:
             )
         if not isinstance(out, torch.Tensor):
             return f"stage {s} returned {type(out).__name__}; a stage must return one tensor"
+        if stage.output_shape is not None and stage.output_shape != tuple(out.shape):
+            return (
+                f"stage {s} declares outputs of shape {list(stage.output_shape)} but returns "
+                f"{TensorMeta.of(out)} for its input {meta}"
+            )
         self.out_meta[s] = TensorMeta.of(out)
         return None
 
@@ -381,10 +420,15 @@ class PipelineSchedule:
         self._input_grads: dict[tuple[int, int], torch.Tensor] = {}
         self._weight_pending: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor | None]] = {}
         self._losses: dict[int, torch.Tensor] = {}
+        self._outputs: dict[int, torch.Tensor] = {}
         self._pending_sends = []
 
     def step(
-        self, inputs: torch.Tensor | None = None, targets: torch.Tensor | None = None
+        self,
+        inputs: torch.Tensor | None = None,
+        targets: torch.Tensor | None = None,
+        *,
+        keep_outputs: bool = False,
     ) -> StepResult:
         """Run one training step (forward and backward of every microbatch) on this rank.
 
@@ -392,10 +436,12 @@ class PipelineSchedule:
 
         Args:
             inputs: the whole batch, on ranks running stage 0 (ignored elsewhere).
-            targets: the whole batch's targets, on ranks running the last stage.
+            targets: the whole batch's targets, on ranks running the last stage (optional in
+                a forward-only schedule: no losses then).
+            keep_outputs: also return the last stage's per-microbatch outputs (detached).
 
         Returns:
-            The per-microbatch losses on the ranks of the last stage.
+            The per-microbatch losses (and outputs) on the ranks of the last stage.
         """
         n = self.plan.num_microbatches
         self._mb_inputs: list[torch.Tensor] = []
@@ -405,9 +451,11 @@ class PipelineSchedule:
                 raise PipelineError(f"rank {self.me} runs stage 0 and needs the inputs")
             self._mb_inputs = _split(inputs, n, "the input")
         if self.plan.num_stages - 1 in self.stages:
-            if targets is None:
+            if targets is not None:
+                self._mb_targets = _split(targets, n, "the target")
+            elif not self.forward_only:
                 raise PipelineError(f"rank {self.me} runs the last stage and needs targets")
-            self._mb_targets = _split(targets, n, "the target")
+        self._keep_outputs = keep_outputs
         if not self._exchanged:
             self._exchange_shapes(self._mb_inputs[0] if self._mb_inputs else None)
         self._reset()
@@ -435,8 +483,9 @@ class PipelineSchedule:
                 + "; ".join(leftover)
             )
         losses = [self._losses[m] for m in sorted(self._losses)]
+        outputs = [self._outputs[m] for m in sorted(self._outputs)]
         self._reset()
-        return StepResult(losses)
+        return StepResult(losses, outputs)
 
     def _compute(self, a: Action) -> None:
         key = (a.stage, a.microbatch)
@@ -485,16 +534,22 @@ class PipelineSchedule:
             if stage.is_first
             else self._pop(self._inputs, (s, m), a, "its input arrived")
         )
-        out = stage.module(x)
+        with torch.no_grad() if self.forward_only else contextlib.nullcontext():
+            out = stage.module(x)
         if stage.is_last:
-            loss = self.loss_fn(out, self._mb_targets[m])
-            self._losses[m] = loss.detach()
-            out = loss / self.plan.num_microbatches
+            if self._keep_outputs:
+                self._outputs[m] = out.detach()
+            if self._mb_targets:
+                loss = self.loss_fn(out, self._mb_targets[m])
+                self._losses[m] = loss.detach()
+                out = loss / self.plan.num_microbatches if self.scale_loss else loss
         elif self._local(s + 1):
-            self._inputs[(s + 1, m)] = out.detach().requires_grad_(out.is_floating_point())
+            grad = out.is_floating_point() and not self.forward_only
+            self._inputs[(s + 1, m)] = out.detach().requires_grad_(grad)
         else:
             self._to_send[(s, m)] = out.detach()
-        self._saved[(s, m)] = (x, out)
+        if not self.forward_only:
+            self._saved[(s, m)] = (x, out)
 
     def _output_grad(self, a: Action) -> torch.Tensor | None:
         if self.stages[a.stage].is_last:
@@ -562,7 +617,8 @@ class PipelineSchedule:
 
     def _store_input(self, s: int, m: int, buf: torch.Tensor) -> Callable[[], None]:
         def done() -> None:
-            self._inputs[(s, m)] = buf.requires_grad_(buf.is_floating_point())
+            grad = buf.is_floating_point() and not self.forward_only
+            self._inputs[(s, m)] = buf.requires_grad_(grad)
 
         return done
 

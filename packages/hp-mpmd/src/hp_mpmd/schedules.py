@@ -25,7 +25,15 @@ from collections.abc import Sequence
 from hp_mpmd.actions import Action, ActionKind, SchedulePlan
 from hp_mpmd.check import Replay, match_of, posted_until, replay
 
-__all__ = ["gpipe", "interleaved_1f1b", "one_f_one_b", "with_transfers", "zero_bubble_h1"]
+__all__ = [
+    "forward_only",
+    "gpipe",
+    "interleaved_1f1b",
+    "looped_bfs",
+    "one_f_one_b",
+    "with_transfers",
+    "zero_bubble_h1",
+]
 
 F = ActionKind.FORWARD
 B = ActionKind.BACKWARD
@@ -315,3 +323,49 @@ def zero_bubble_h1(num_stages: int, num_microbatches: int) -> SchedulePlan:
         order += [Action(W, r, mb) for mb in range(nw, m)]
         compute.append(order)
     return with_transfers("zb_h1", m, range(p), compute)
+
+
+def looped_bfs(num_ranks: int, stages_per_rank: int, num_microbatches: int) -> SchedulePlan:
+    """Breadth-first looping (Lamy-Poirier 2022, torch's ``ScheduleLoopedBFS``).
+
+    Stage ``s`` runs on rank ``s % p``. Postconditions: rank ``r`` runs, for each of its
+    stages in ascending order, ``FORWARD`` of microbatches ``0..m-1``; then, for each of its
+    stages in descending order, ``BACKWARD`` of microbatches ``m-1..0`` (the reverse order of
+    the forwards, so the last microbatch's backward starts first). Peak activations: ``m``
+    microbatches per local stage. Any counts work.
+
+    Raises:
+        ValueError: a count that is not a positive integer.
+    """
+    p = _positive("num_ranks", num_ranks)
+    v = _positive("stages_per_rank", stages_per_rank)
+    m = _positive("num_microbatches", num_microbatches)
+    compute: list[list[Action]] = []
+    for r in range(p):
+        local = [c * p + r for c in range(v)]
+        order = [Action(F, s, mb) for s in local for mb in range(m)]
+        order += [Action(B, s, mb) for s in reversed(local) for mb in reversed(range(m))]
+        compute.append(order)
+    return with_transfers("looped_bfs", m, [s % p for s in range(p * v)], compute)
+
+
+def forward_only(plan: SchedulePlan) -> SchedulePlan:
+    """The forward half of ``plan``: the same stages, ranks and microbatches, each rank running
+    its stages' forwards ordered by (microbatch, stage) with their activation transfers, and no
+    backward (evaluation; torch pipelining's ``eval()``). That order follows the data: a
+    forward only waits for the same microbatch's previous stage, which every rank runs
+    earlier in this order, so no rank waits on a later action of another.
+
+    The result is not a training plan (:func:`hp_mpmd.check.check_plan` wants backwards): run
+    it with ``PipelineSchedule(..., forward_only=True)``.
+    """
+    compute = [
+        sorted(
+            (Action(F, s, mb) for s in plan.stages_of(r) for mb in range(plan.num_microbatches)),
+            key=lambda a: (a.microbatch, a.stage),
+        )
+        for r in range(plan.num_ranks)
+    ]
+    return with_transfers(
+        f"{plan.name}_forward_only", plan.num_microbatches, plan.stage_to_rank, compute
+    )

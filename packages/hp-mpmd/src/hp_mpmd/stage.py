@@ -132,6 +132,8 @@ class PipelineStage:
             of the module's first parameter, else the CPU).
         input_shape: optional per-microbatch input shape this stage expects; checked at the
             shape exchange against what the previous stage sends.
+        output_shape: optional per-microbatch output shape; checked at the shape exchange
+            against what the module returns.
 
     The stage takes one tensor and returns one tensor (the last stage returns what the loss
     function takes).
@@ -146,6 +148,7 @@ class PipelineStage:
         group: dist.ProcessGroup | None = None,
         device: torch.device | str | None = None,
         input_shape: Sequence[int] | None = None,
+        output_shape: Sequence[int] | None = None,
     ) -> None:
         if num_stages < 1:
             raise StageError(f"num_stages must be at least 1, got {num_stages}")
@@ -160,6 +163,7 @@ class PipelineStage:
             device = first.device if first is not None else torch.device("cpu")
         self.device = torch.device(device)
         self.input_shape = None if input_shape is None else tuple(input_shape)
+        self.output_shape = None if output_shape is None else tuple(output_shape)
 
     @property
     def is_first(self) -> bool:
