@@ -3,15 +3,24 @@
 Every function takes and returns plain tensors and orders pieces by coordinate along the
 axis. Uneven pieces are padded to the largest for the wire and trimmed after; sizes are
 passed in (the caller's layout knows them), so no size exchange happens.
+
+While torch's ``CommDebugMode`` (``torch.distributed.tensor.debug``) watches, the all-reduce,
+all-gather, reduce-scatter and all-to-all here run as torch's functional collectives
+(``_c10d_functional``, the ops torch's own DTensor and tensor parallelism issue), so that the
+mode counts them under the keys torch's tests read (``c10d_functional.all_reduce``, ...), one
+per collective; otherwise they run as c10d's in-place ops. Same wire, same results; telling the
+two apart costs one C call per collective (the length of the dispatch-mode stack).
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from hp_dtensor.device_mesh import DeviceMesh
 from hp_dtensor.watchdog import watch
@@ -24,6 +33,7 @@ __all__ = [
     "all_to_all_dims",
     "all_to_all_rows",
     "broadcast",
+    "counted_by_comm_debug_mode",
     "reduce_scatter_dim",
 ]
 
@@ -61,6 +71,42 @@ def _wire_op(op: ReduceOp) -> dist.ReduceOp.RedOpType:
     return _TORCH_OPS[ReduceOp.SUM if op is ReduceOp.AVG else op]
 
 
+_FUNCTIONAL_OPS = {ReduceOp.SUM: "sum", ReduceOp.MAX: "max", ReduceOp.MIN: "min"}
+_COMM_MODE_MODULE = "torch.distributed.tensor.debug._comm_mode"
+
+
+def counted_by_comm_debug_mode() -> bool:
+    """Whether torch's CommDebugMode is active: collectives then run as functional ones (an
+    in-place collective elsewhere should take its out-of-place path while this holds)."""
+    if not torch._C._len_torch_dispatch_stack():
+        return False
+    module = sys.modules.get(_COMM_MODE_MODULE)
+    return module is not None and any(
+        isinstance(mode, module.CommDebugMode) for mode in _get_current_dispatch_mode_stack()
+    )
+
+
+def _wait(x: torch.Tensor) -> torch.Tensor:
+    out: torch.Tensor = torch.ops._c10d_functional.wait_tensor(x)
+    return out
+
+
+def _group_name(group: AxisGroup) -> str:
+    return str(group.process_group.group_name)
+
+
+def _functional_all_reduce(x: torch.Tensor, op: ReduceOp, group: AxisGroup) -> torch.Tensor:
+    name = _FUNCTIONAL_OPS[ReduceOp.SUM if op is ReduceOp.AVG else op]
+    return _wait(torch.ops._c10d_functional.all_reduce(x.contiguous(), name, _group_name(group)))
+
+
+def _functional_all_gather(send: torch.Tensor, group: AxisGroup) -> torch.Tensor:
+    """Pieces stacked along dim 0 (``[size * n, ...]``), as ``all_gather_single`` fills."""
+    return _wait(
+        torch.ops._c10d_functional.all_gather_into_tensor(send, group.size, _group_name(group))
+    )
+
+
 def _pad_dim(x: torch.Tensor, dim: int, length: int) -> torch.Tensor:
     if x.shape[dim] == length:
         return x
@@ -89,17 +135,23 @@ def all_gather_dim(
         # stack axis in place: one copy, none when ``dim`` is 0 (a transposed send buffer
         # would cost a second).
         send = x.contiguous()
-        blocks = send.new_empty((group.size, *send.shape))
-        flat = blocks.view(group.size * send.shape[0], *send.shape[1:])
-        with watch("all_gather", group.process_group):
-            dist.all_gather_single(flat, send, group=group.process_group)
+        if counted_by_comm_debug_mode():
+            blocks = _functional_all_gather(send, group).view(group.size, *send.shape)
+        else:
+            blocks = send.new_empty((group.size, *send.shape))
+            flat = blocks.view(group.size * send.shape[0], *send.shape[1:])
+            with watch("all_gather", group.process_group):
+                dist.all_gather_single(flat, send, group=group.process_group)
         shape = list(x.shape)
         shape[dim] = group.size * longest
         return blocks.movedim(0, dim).reshape(shape)
     send = _pad_dim(x, dim, longest).movedim(dim, 0).contiguous()
-    out = send.new_empty((group.size * longest, *send.shape[1:]))
-    with watch("all_gather", group.process_group):
-        dist.all_gather_single(out, send, group=group.process_group)
+    if counted_by_comm_debug_mode():
+        out = _functional_all_gather(send, group)
+    else:
+        out = send.new_empty((group.size * longest, *send.shape[1:]))
+        with watch("all_gather", group.process_group):
+            dist.all_gather_single(out, send, group=group.process_group)
     pieces = [out.narrow(0, i * longest, n) for i, n in enumerate(sizes)]
     return torch.cat(pieces, dim=0).movedim(0, dim).contiguous()
 
@@ -120,9 +172,17 @@ def reduce_scatter_dim(
     longest = max(sizes)
     pieces = [_pad_dim(p, dim, longest).movedim(dim, 0) for p in x.split(list(sizes), dim)]
     send = torch.cat(pieces, dim=0).contiguous()
-    out = send.new_empty((longest, *send.shape[1:]))
-    with watch("reduce_scatter", group.process_group):
-        dist.reduce_scatter_single(out, send, op=_wire_op(op), group=group.process_group)
+    if counted_by_comm_debug_mode():
+        name = _FUNCTIONAL_OPS[ReduceOp.SUM if op is ReduceOp.AVG else op]
+        out = _wait(
+            torch.ops._c10d_functional.reduce_scatter_tensor(
+                send, name, group.size, _group_name(group)
+            )
+        )
+    else:
+        out = send.new_empty((longest, *send.shape[1:]))
+        with watch("reduce_scatter", group.process_group):
+            dist.reduce_scatter_single(out, send, op=_wire_op(op), group=group.process_group)
     if op is ReduceOp.AVG:
         out = out / group.size
     return out.narrow(0, 0, sizes[group.index]).movedim(0, dim)
@@ -148,15 +208,21 @@ def all_reduce(
     if riders and op is ReduceOp.SUM:
         extra = [r for source in RIDER_SOURCES for r in source(group, x.dtype)]
     if not extra:
-        out = x.clone()
-        with watch("all_reduce", group.process_group):
-            dist.all_reduce(out, op=_wire_op(op), group=group.process_group)
+        if counted_by_comm_debug_mode():
+            out = _functional_all_reduce(x, op, group)
+        else:
+            out = x.clone()
+            with watch("all_reduce", group.process_group):
+                dist.all_reduce(out, op=_wire_op(op), group=group.process_group)
         if op is ReduceOp.AVG:
             out = out / group.size
         return out
     flat = torch.cat([x.reshape(-1), *(t.reshape(-1) for t, _ in extra)])
-    with watch("all_reduce", group.process_group):
-        dist.all_reduce(flat, op=_wire_op(op), group=group.process_group)
+    if counted_by_comm_debug_mode():
+        flat = _functional_all_reduce(flat, op, group)
+    else:
+        with watch("all_reduce", group.process_group):
+            dist.all_reduce(flat, op=_wire_op(op), group=group.process_group)
     offset = x.numel()
     for tensor, deliver in extra:
         deliver(flat[offset : offset + tensor.numel()].view_as(tensor))
@@ -197,15 +263,9 @@ def all_to_all_dims(
         shape[concat_dim] = n
         recv_shapes.append(shape)
     recv_numels = [int(torch.Size(s).numel()) for s in recv_shapes]
-    recv = x.new_empty(sum(recv_numels))
-    with watch("all_to_all", group.process_group):
-        dist.all_to_all_single(
-            recv,
-            send,
-            output_split_sizes=recv_numels,
-            input_split_sizes=[p.numel() for p in send_pieces],
-            group=group.process_group,
-        )
+    recv = _all_to_all(
+        send, recv_numels, [p.numel() for p in send_pieces], group, "all_to_all", x.new_empty
+    )
     pieces = [
         chunk.reshape(shape)
         for chunk, shape in zip(recv.split(recv_numels), recv_shapes, strict=True)
@@ -233,19 +293,46 @@ def all_to_all_rows(
             f"{x.shape[0]} rows of x"
         )
     row = int(torch.Size(x.shape[1:]).numel())
-    out = x.new_empty((sum(recv_sizes), *x.shape[1:]))
     if group.size == 1:
+        out = x.new_empty((sum(recv_sizes), *x.shape[1:]))
         out.copy_(x)
         return out
-    with watch("all_to_all_rows", group.process_group):
+    flat = _all_to_all(
+        x.contiguous().reshape(-1),
+        [n * row for n in recv_sizes],
+        [n * row for n in send_sizes],
+        group,
+        "all_to_all_rows",
+        x.new_empty,
+    )
+    return flat.view(sum(recv_sizes), *x.shape[1:])
+
+
+def _all_to_all(
+    send: torch.Tensor,
+    recv_numels: list[int],
+    send_numels: list[int],
+    group: AxisGroup,
+    what: str,
+    new_empty: Callable[..., torch.Tensor],
+) -> torch.Tensor:
+    """All-to-all of 1-d ``send`` split by ``send_numels``; the received pieces, joined."""
+    if counted_by_comm_debug_mode():
+        return _wait(
+            torch.ops._c10d_functional.all_to_all_single(
+                send, recv_numels, send_numels, _group_name(group)
+            )
+        )
+    recv = new_empty(sum(recv_numels))
+    with watch(what, group.process_group):
         dist.all_to_all_single(
-            out.view(-1),
-            x.contiguous().reshape(-1),
-            output_split_sizes=[n * row for n in recv_sizes],
-            input_split_sizes=[n * row for n in send_sizes],
+            recv,
+            send,
+            output_split_sizes=recv_numels,
+            input_split_sizes=send_numels,
             group=group.process_group,
         )
-    return out
+    return recv
 
 
 def broadcast(x: torch.Tensor, src_index: int, group: AxisGroup) -> torch.Tensor:

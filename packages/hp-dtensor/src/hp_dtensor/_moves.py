@@ -112,9 +112,14 @@ def _outputs_held_by_a_dispatch_mode() -> bool:
 
 def _sum_in_place(mesh: DeviceMesh, axis: str) -> Run:
     def run(x: torch.Tensor) -> torch.Tensor:
-        if not x.is_contiguous() or _outputs_held_by_a_dispatch_mode():
-            # The wire needs a dense buffer, or ``x`` may be held elsewhere: the out-of-place
-            # sum (same result).
+        if (
+            not x.is_contiguous()
+            or _outputs_held_by_a_dispatch_mode()
+            or _comm.counted_by_comm_debug_mode()
+        ):
+            # The wire needs a dense buffer, or ``x`` may be held elsewhere, or torch's
+            # CommDebugMode counts only functional collectives: the out-of-place sum (same
+            # result).
             return collectives.all_reduce(x, mesh, axis, ReduceOp.SUM)
         return _apply(_SumInPlace)(x, mesh, axis)
 

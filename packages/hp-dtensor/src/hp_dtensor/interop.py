@@ -89,10 +89,13 @@ __all__ = [
     "layout_from_torch",
     "layout_of",
     "mesh_from_torch",
+    "placement_from_torch",
+    "style_placement",
     "to_torch_dtensor",
     "to_torch_state_dict",
     "torch_device_mesh",
     "torch_dtensor_like",
+    "torch_placement",
     "torch_placements",
 ]
 
@@ -417,6 +420,62 @@ def _our_placement(placement: TorchPlacement, axis: str, ndim: int) -> Placement
         f"torch placement {placement!r} (type {kind.__name__}) on mesh axis {axis!r} has no "
         "hp_layout counterpart; redistribute the torch DTensor to Shard, Replicate or "
         "Partial first"
+    )
+
+
+def placement_from_torch(placement: object) -> Placement:
+    """Our placement for one torch placement (``Replicate``, ``Shard(d)`` with ``d`` kept as
+    given, negative too, or ``Partial``), as a style on one mesh axis takes it.
+
+    Raises:
+        InteropError: ``placement`` is a torch placement with no counterpart (``_StridedShard``,
+            ``_MaskPartial``, ...), or no placement of either library.
+    """
+    from torch.distributed.tensor import Partial as TorchPartial
+    from torch.distributed.tensor import Replicate as TorchReplicate
+    from torch.distributed.tensor import Shard as TorchShard
+
+    kind = type(placement)
+    if kind is TorchReplicate:
+        return Replicate()
+    if kind is TorchShard:
+        return Shard(cast("TorchShard", placement).dim)
+    if kind is TorchPartial:
+        return Partial(_our_reduce_op(cast("TorchPartial", placement)))
+    raise InteropError(
+        f"{placement!r} (type {kind.__module__}.{kind.__qualname__}) is not a placement this "
+        "style can take; give hp_layout's or torch.distributed.tensor's Replicate(), Shard(dim) "
+        "or Partial()"
+    )
+
+
+def style_placement(value: object) -> Placement:
+    """``value`` as our placement: ours unchanged, a torch one converted
+    (:func:`placement_from_torch`); anything else is refused."""
+    if isinstance(value, Replicate | Shard | Partial | RaggedShard):
+        return value
+    return placement_from_torch(value)
+
+
+def torch_placement(placement: Placement) -> TorchPlacement:
+    """torch's placement for one of ours on one mesh axis (``Shard(d)`` keeps ``d`` as given).
+
+    Raises:
+        InteropError: a ``RaggedShard`` (torch cannot split a flattened range).
+    """
+    from torch.distributed.tensor import Partial as TorchPartial
+    from torch.distributed.tensor import Replicate as TorchReplicate
+    from torch.distributed.tensor import Shard as TorchShard
+
+    if isinstance(placement, Replicate):
+        return TorchReplicate()
+    if isinstance(placement, Partial):
+        return TorchPartial(_torch_reduce_op(placement.op))
+    if isinstance(placement, Shard):
+        return TorchShard(placement.dim)
+    raise InteropError(
+        f"{placement!r} has no torch counterpart (torch cannot split a flattened range); "
+        "redistribute to Shard or Replicate first"
     )
 
 

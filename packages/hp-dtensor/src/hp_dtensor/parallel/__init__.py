@@ -36,6 +36,7 @@ from hp_dtensor.parallel.plan import (
     Boundary,
     ExpertParallelPlan,
     PlanError,
+    PlanLayoutLengthError,
     ShardingPlan,
     resolve_plan,
 )
@@ -95,6 +96,7 @@ __all__ = [
     "ParallelStyle",
     "ParamPlan",
     "PlanError",
+    "PlanLayoutLengthError",
     "PlanMismatchError",
     "PrepareModuleInput",
     "PrepareModuleInputOutput",

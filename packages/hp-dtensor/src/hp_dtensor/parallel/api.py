@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping, Sequence
-from typing import Literal
+from typing import Any, Literal
 
 from torch import nn
 
@@ -20,10 +21,38 @@ __all__ = ["Mode", "parallelize_module"]
 Mode = Literal["production", "validation"]
 
 
+def _our_mesh(device_mesh: object) -> DeviceMesh:
+    """Ours as it is; a torch ``DeviceMesh`` bound (:meth:`DeviceMesh.from_torch`: its own
+    process groups); anything else refused by name."""
+    if isinstance(device_mesh, DeviceMesh):
+        return device_mesh
+    from torch.distributed.device_mesh import DeviceMesh as TorchDeviceMesh
+
+    if isinstance(device_mesh, TorchDeviceMesh):
+        return DeviceMesh.from_torch(device_mesh)
+    raise TypeError(
+        f"parallelize_module: device_mesh is a {type(device_mesh).__name__}; give an "
+        "hp_dtensor.DeviceMesh or a torch.distributed.device_mesh.DeviceMesh"
+    )
+
+
+def _as_plan(plan: object) -> Mapping[str, ParallelStyle | ShardingPlan]:
+    """A plan mapping; a bare style (or ShardingPlan) applies to the module itself, as torch's
+    ``parallelize_module(module, mesh, ColwiseParallel())``."""
+    if isinstance(plan, ParallelStyle | ShardingPlan):
+        return {"": plan}
+    if isinstance(plan, Mapping):
+        return plan
+    raise TypeError(
+        f"parallelize_module: plan is a {type(plan).__name__}; give a style (applied to the "
+        "module itself) or a mapping of module-name patterns to styles"
+    )
+
+
 def parallelize_module(
     module: nn.Module,
-    device_mesh: DeviceMesh,
-    plan: Mapping[str, ParallelStyle | ShardingPlan],
+    device_mesh: DeviceMesh | Any,
+    plan: Mapping[str, ParallelStyle | ShardingPlan] | ParallelStyle | ShardingPlan | None,
     *,
     mode: Mode = "production",
     tp_axis: str | None = None,
@@ -33,8 +62,13 @@ def parallelize_module(
 
     Args:
         module: the model (on CPU, an accelerator, or ``meta`` for deferred initialization).
-        device_mesh: the mesh; with several axes, ``tp_axis`` names the tensor-parallel one.
-        plan: module-name patterns (``*`` matches one dotted component) to styles.
+        device_mesh: the mesh (ours, or a ``torch.distributed.device_mesh.DeviceMesh``, whose
+            process groups are then used); with several axes, ``tp_axis`` names the
+            tensor-parallel one (a torch mesh without names calls its axes ``dim0``, ...).
+        plan: module-name patterns (each dotted component an ``fnmatch`` pattern, as torch's)
+            to styles, or one style for ``module`` itself (torch's forms). Styles take
+            ``hp_layout``'s or torch's placements. None warns and returns ``module`` as torch
+            does.
         mode: ``"production"`` resolves everything now and runs plain tensors with planned
             collectives at module boundaries; ``"validation"`` runs DTensors and checks every
             op and boundary against the plan.
@@ -50,6 +84,16 @@ def parallelize_module(
             module is named twice, or (production mode) a Linear is left out of the plan while
             its look-alike sibling is column-parallel (see ``check_sibling_projections``).
     """
+    if plan is None:
+        # torch's parallelize_module without a plan: a warning, and the module as it is.
+        warnings.warn(
+            "parallelize_module: no parallelize_plan given, so the module is left as it is",
+            UserWarning,
+            stacklevel=2,
+        )
+        return module
+    plan = _as_plan(plan)
+    device_mesh = _our_mesh(device_mesh)
     resolved = resolve(module, device_mesh, plan, mode=mode, tp_axis=tp_axis, dp_axes=dp_axes)
     if mode == "production":
         # Validation mode finds these at run time, naming the op; production mode would not.

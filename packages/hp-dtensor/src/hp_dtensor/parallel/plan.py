@@ -1,6 +1,7 @@
 """Sharding plans: the general per-module form, and resolving a plan against a module tree.
 
-A plan maps module-name patterns (``*`` matches one dotted component, as in
+A plan maps module-name patterns (each dotted component an ``fnmatch`` pattern for one
+component of the name, as torch matches them: ``*`` is one whole component in
 ``layers.*.attn.q_proj``) to parallel styles. Every style lowers to a :class:`ShardingPlan`:
 the placements of the module's own parameters, and the layouts of its inputs and outputs on
 the parallel mesh axis (how they arrive or are produced, and how they must be). Resolution is
@@ -10,9 +11,9 @@ matched nothing, the module a style cannot shard, or the module matched twice.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from fnmatch import fnmatchcase
 from typing import TYPE_CHECKING
 
 from hp_layout import Placement, Shard
@@ -26,6 +27,7 @@ __all__ = [
     "Boundary",
     "ExpertParallelPlan",
     "PlanError",
+    "PlanLayoutLengthError",
     "ShardingPlan",
     "check_sibling_projections",
     "match_modules",
@@ -35,6 +37,34 @@ __all__ = [
 
 class PlanError(ValueError):
     """A plan does not fit the module it is applied to."""
+
+
+class PlanLayoutLengthError(PlanError, AssertionError):
+    """A style was given layouts and desired layouts of different lengths. torch's styles raise
+    ``AssertionError`` for this when they are built; this is that type and a PlanError too."""
+
+
+def _ours(value: object) -> Placement | None:
+    """A boundary's placement as ours: torch's placements are converted (imported only when
+    one is given: this module stays light)."""
+    if value is None or isinstance(value, Placement):
+        return value
+    from hp_dtensor.interop import style_placement
+
+    return style_placement(value)
+
+
+def _ours_all(value: object) -> Placement | tuple[Placement, ...]:
+    """A parameter's placement (or one per mesh axis) as ours."""
+    if isinstance(value, tuple):
+        return tuple(_must(_ours(v)) for v in value)
+    return _must(_ours(value))
+
+
+def _must(value: Placement | None) -> Placement:
+    if value is None:
+        raise PlanError("a parameter's placement cannot be None; give Replicate() to keep it whole")
+    return value
 
 
 @dataclass(frozen=True)
@@ -50,6 +80,10 @@ class Boundary:
 
     layout: Placement | None = None
     desired: Placement | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "layout", _ours(self.layout))
+        object.__setattr__(self, "desired", _ours(self.desired))
 
     @property
     def target(self) -> Placement | None:
@@ -76,6 +110,9 @@ class ShardingPlan:
         behaviour: the style object the plan was lowered from (set by :func:`resolve_plan`);
             it supplies the module's own forward where ``replaces_forward`` says so, in
             production and in validation mode. None for a plan given directly.
+        exact_inputs: the module must be called with exactly ``len(inputs)`` positional
+            inputs, else a ``ValueError`` at the call (torch's check; set by
+            ``PrepareModuleInput`` given one placement rather than a tuple).
     """
 
     params: Mapping[str, Placement | tuple[Placement, ...]] = field(default_factory=dict)
@@ -86,6 +123,14 @@ class ShardingPlan:
     replaces_forward: bool = False
     style: str = "ShardingPlan"
     behaviour: ParallelStyle | None = field(default=None, compare=False, repr=False)
+    exact_inputs: bool = False
+
+    def __post_init__(self) -> None:
+        if any(not isinstance(p, Placement | tuple) for p in self.params.values()) or any(
+            isinstance(p, tuple) and not all(isinstance(q, Placement) for q in p)
+            for p in self.params.values()
+        ):
+            object.__setattr__(self, "params", {k: _ours_all(v) for k, v in self.params.items()})
 
     def input_boundary(self, index: int) -> Boundary | None:
         """The boundary of positional input ``index`` (None: leave it alone)."""
@@ -119,18 +164,19 @@ class ShardingPlan:
         return self
 
 
-def _pattern(entry: str) -> re.Pattern[str]:
-    parts = [
-        "[^.]+" if component == "*" else re.escape(component).replace(r"\*", "[^.]*")
-        for component in entry.split(".")
-    ]
-    return re.compile(r"\.".join(parts) + r"\Z")
+def _matches(name: str, parts: Sequence[str]) -> bool:
+    components = name.split(".") if name else []
+    return len(components) == len(parts) and all(
+        fnmatchcase(c, p) for c, p in zip(components, parts, strict=True)
+    )
 
 
 def match_modules(module: nn.Module, entry: str) -> list[str]:
-    """Names of the submodules of ``module`` matched by ``entry`` ("" is the module itself)."""
-    pattern = _pattern(entry)
-    return [name for name, _ in module.named_modules() if pattern.match(name)]
+    """Names of the submodules of ``module`` matched by ``entry`` ("" is the module itself):
+    each dotted component is an ``fnmatch`` pattern (``*``, ``?``, ``[...]``) for one component
+    of the name, as torch's ``parallelize_module`` matches its plan keys."""
+    parts = entry.split(".") if entry else []
+    return [name for name, _ in module.named_modules() if _matches(name, parts)]
 
 
 def resolve_plan(

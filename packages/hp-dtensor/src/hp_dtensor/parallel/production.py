@@ -17,6 +17,11 @@ hook-free path), and where the style's forward returns a tensor nothing else hol
 parallel), a sum over the axis runs in place on it, as Megatron's hand-written ``g`` does. Such
 a module's own forward hooks see its output after the conversion.
 
+A torch DTensor a caller of torch's tensor parallelism hands a planned module is taken as
+torch's styles take it (its own placement redistributed to what the module needs, then its
+local shard), by a pre-hook that runs before every other, so the model's edge sees a plain
+local tensor with its placement.
+
 Gradient conventions: inside the model the local gradients are the true per-rank adjoints, so a
 replicated value's gradient is a partial contribution. The caller computes the loss on every
 rank and calls ``loss.backward()`` with the gradient 1 everywhere: its tensors carry the whole
@@ -38,7 +43,12 @@ from torch import nn
 
 from hp_dtensor import _comm
 from hp_dtensor.device_mesh import DeviceMesh
-from hp_dtensor.interop import annotate_layout
+from hp_dtensor.interop import (
+    annotate_layout,
+    is_torch_dtensor,
+    placement_from_torch,
+    torch_placement,
+)
 from hp_dtensor.parallel._boundary import BoundaryConverter, Move
 from hp_dtensor.parallel._grad_reduction import (
     bucket_of,
@@ -142,7 +152,7 @@ class _Edge:
 class _Edges:
     """A module's planned boundaries: positional and keyword inputs, outputs."""
 
-    __slots__ = ("inputs", "inputs_move", "kwargs", "outputs")
+    __slots__ = ("exact_inputs", "inputs", "inputs_move", "kwargs", "outputs")
 
     def __init__(
         self, plan: ShardingPlan, converter: BoundaryConverter, owned_output: bool
@@ -151,9 +161,13 @@ class _Edges:
             None if b is None else _Edge(b, converter, owned=False) for b in plan.inputs
         )
         self.kwargs = {k: _Edge(b, converter, owned=False) for k, b in plan.kwarg_inputs.items()}
-        # Inputs are only touched when one of them may convert (a pre-hook otherwise costs a
-        # call per forward for nothing).
-        self.inputs_move = any(_moves(b) for b in (*plan.inputs, *plan.kwarg_inputs.values()))
+        self.exact_inputs = plan.exact_inputs
+        # Inputs are only converted when one of them may move or their number is checked;
+        # otherwise only a torch DTensor the caller hands in is taken apart (see
+        # _torch_inputs_hook).
+        self.inputs_move = plan.exact_inputs or any(
+            _moves(b) for b in (*plan.inputs, *plan.kwarg_inputs.values())
+        )
         outputs = plan.outputs
         self.outputs: _Edge | tuple[_Edge | None, ...] | None
         if outputs is None:
@@ -166,18 +180,32 @@ class _Edges:
                 None if b is None else _Edge(b, converter, owned=False) for b in outputs
             )
 
+    def check_count(self, args: tuple[Any, ...]) -> None:
+        """Refuse a call with another number of positional inputs than the plan gives
+        layouts for, where the plan says so (torch's ``PrepareModuleInput``: ``ValueError``)."""
+        if self.exact_inputs and len(args) != len(self.inputs):
+            raise ValueError(
+                f"module inputs and input_layouts should have same length: the module got "
+                f"{len(args)} positional inputs but its plan gives {len(self.inputs)} input "
+                "layouts (one per positional input, None to leave one alone)"
+            )
+
     def convert_args(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        self.check_count(args)
         out = list(args)
         for i, edge in enumerate(self.inputs[: len(args)]):
             if edge is not None and _is_tensor(args[i]):
-                out[i] = edge(args[i])
+                out[i] = _arrive(edge, args[i])
         return tuple(out)
 
     def convert_kwargs(self, kwargs: dict[str, Any]) -> dict[str, Any]:
         if not self.kwargs:
             return kwargs
         edges = self.kwargs
-        return {k: edges[k](v) if k in edges and _is_tensor(v) else v for k, v in kwargs.items()}
+        return {
+            k: _arrive(edges[k], v) if k in edges and _is_tensor(v) else v
+            for k, v in kwargs.items()
+        }
 
     def convert_output(self, value: Any) -> Any:
         edges = self.outputs
@@ -186,9 +214,12 @@ class _Edges:
         if isinstance(edges, _Edge):
             return edges(value) if _is_tensor(value) else value
         if not isinstance(value, tuple | list) or len(value) != len(edges):
-            raise TypeError(
-                f"the plan gives {len(edges)} output boundaries but the module returned "
-                f"{type(value).__name__}"
+            # torch's PrepareModuleOutput refuses this with a ValueError too.
+            got = f"{len(value)} outputs" if isinstance(value, tuple | list) else "one output"
+            raise ValueError(
+                f"module outputs and output_layouts should have same length: the plan gives "
+                f"{len(edges)} output boundaries but the module returned {got} "
+                f"({type(value).__name__})"
             )
         return rebuild_sequence(
             value,
@@ -201,6 +232,71 @@ class _Edges:
 
 def _is_tensor(value: Any) -> bool:
     return isinstance(value, torch.Tensor)
+
+
+def _arrive(edge: _Edge, value: torch.Tensor) -> torch.Tensor:
+    """``value`` through an input boundary (a torch DTensor was taken apart before, by
+    :func:`_torch_inputs_hook`)."""
+    return edge(value)
+
+
+def _local_of_torch_dtensor(
+    value: Any, target: Placement | None, partial_grads: bool
+) -> torch.Tensor:
+    """This rank's shard of a torch DTensor on the parallel axis, laid out as ``target``
+    (None: as it is), with its placement recorded. ``partial_grads``: a replicated shard's
+    gradient stays this rank's partial contribution (no model edge sums it), so torch is told
+    so; with the edge (:mod:`hp_dtensor.parallel._region`) it arrives whole."""
+    from torch.distributed.tensor import Partial as TorchPartial
+
+    if value.device_mesh.ndim != 1:
+        raise PlanError(
+            f"a torch DTensor on a {value.device_mesh.ndim}-d mesh was handed to a module of a "
+            "production-mode plan; hand it its local shard (to_local()) or a DTensor on the "
+            "1-d tensor-parallel mesh"
+        )
+    if target is not None:
+        wanted = (torch_placement(target),)
+        if tuple(value.placements) != wanted:
+            value = value.redistribute(placements=wanted)
+    placement = placement_from_torch(value.placements[0])
+    grads = (TorchPartial(),) if partial_grads and isinstance(placement, Replicate) else None
+    local = cast(torch.Tensor, value.to_local(grad_placements=grads))
+    set_placement(local, placement)
+    return local
+
+
+def _torch_inputs_hook(edges: _Edges, partial_grads: bool) -> Callable[..., Any]:
+    """Take apart the torch DTensors a caller of torch's tensor parallelism hands a module with
+    input boundaries, as torch's styles take them: the DTensor's own placement is what
+    arrives, redistributed to what the module needs, then its local shard. Runs before every
+    other pre-hook (the model's edge then sees the local shard and its placement); plain
+    tensors pass untouched (one type test each)."""
+    positional = edges.inputs
+    keyword = edges.kwargs
+
+    def take(edge: _Edge | None, value: Any) -> Any:
+        if edge is None or type(value) is torch.Tensor or not is_torch_dtensor(value):
+            return value
+        return _local_of_torch_dtensor(value, edge.dst, partial_grads)
+
+    def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if not (
+            _has_torch_dtensor(args) or (kwargs and _has_torch_dtensor(tuple(kwargs.values())))
+        ):
+            return None
+        edges.check_count(args)
+        taken = tuple(
+            take(positional[i] if i < len(positional) else None, a) for i, a in enumerate(args)
+        )
+        return taken, {k: take(keyword.get(k), v) for k, v in kwargs.items()}
+
+    return hook
+
+
+def _has_torch_dtensor(values: tuple[Any, ...]) -> bool:
+    # Activations are exact torch.Tensors: one type test each.
+    return any(type(value) is not torch.Tensor and is_torch_dtensor(value) for value in values)
 
 
 def apply_production(root: nn.Module, mesh: DeviceMesh, resolved: ParallelPlan) -> None:
@@ -227,12 +323,17 @@ def apply_production(root: nn.Module, mesh: DeviceMesh, resolved: ParallelPlan) 
             done[id(param)] = local
             setattr(module, name, local)
 
+    torch_inputs: list[tuple[nn.Module, _Edges]] = []
     for planned_module in resolved.modules:
         name, plan = planned_module.name, planned_module.sharding
         module = root.get_submodule(name)
         check = _FirstInputCheck(name, plan) if isinstance(module, nn.Linear) else None
         if plan.replaces_forward:
-            _install_production_forward(module, plan, axis_mesh, coordinate, converter, check)
+            edges = _install_production_forward(
+                module, plan, axis_mesh, coordinate, converter, check
+            )
+            if edges.inputs or edges.kwargs:
+                torch_inputs.append((module, edges))
             continue
         edges = _Edges(plan, converter, owned_output=False)
         if edges.inputs_move:
@@ -240,6 +341,8 @@ def apply_production(root: nn.Module, mesh: DeviceMesh, resolved: ParallelPlan) 
                 module.register_forward_pre_hook(_pre_hook_with_kwargs(edges), with_kwargs=True)
             else:
                 module.register_forward_pre_hook(_pre_hook(edges))
+        if edges.inputs or edges.kwargs:
+            torch_inputs.append((module, edges))
         if check is not None:
             check.install(module)
         if edges.outputs is not None:
@@ -249,6 +352,12 @@ def apply_production(root: nn.Module, mesh: DeviceMesh, resolved: ParallelPlan) 
     else:
         _install_region(root, resolved, region)
         object.__setattr__(root, REGION_ATTR, region)
+    # Installed last and first in line: torch DTensors are taken apart before the model's edge
+    # and the boundaries see the arguments.
+    for module, edges in torch_inputs:
+        module.register_forward_pre_hook(
+            _torch_inputs_hook(edges, partial_grads=region is None), prepend=True, with_kwargs=True
+        )
 
 
 def _region_of(root: nn.Module, mesh: DeviceMesh, resolved: ParallelPlan) -> Region | None:
@@ -352,10 +461,11 @@ def _install_production_forward(
     coordinate: int,
     converter: BoundaryConverter,
     check: _FirstInputCheck | None,
-) -> None:
+) -> _Edges:
     """The style's forward, with the module's boundaries run inside it instead of in hooks:
     the module's own call then takes torch's hook-free path, and where the style's forward
-    returns a fresh tensor the output conversion may reduce it in place."""
+    returns a fresh tensor the output conversion may reduce it in place. Returns the
+    module's boundaries."""
     style = plan.behaviour
     forward = (
         None if style is None else style.production_forward(module, plan, axis_mesh, coordinate)
@@ -377,3 +487,4 @@ def _install_production_forward(
         return edges.convert_output(inner(self, *args, **kwargs))
 
     object.__setattr__(module, "forward", types.MethodType(planned_forward, module))
+    return edges

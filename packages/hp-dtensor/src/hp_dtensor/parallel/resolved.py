@@ -613,10 +613,29 @@ def _dtype_name(dtype: Any) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def _grid(mesh: object) -> Mesh:
+    """The rank grid of an ``hp_layout.Mesh``, of our DeviceMesh or of a torch DeviceMesh."""
+    if isinstance(mesh, Mesh):
+        return mesh
+    grid = getattr(mesh, "mesh", None)
+    if isinstance(grid, Mesh):
+        return grid
+    from torch.distributed.device_mesh import DeviceMesh as TorchDeviceMesh
+
+    if isinstance(mesh, TorchDeviceMesh):
+        from hp_dtensor.interop import mesh_from_torch
+
+        return mesh_from_torch(mesh)
+    raise TypeError(
+        f"resolve: mesh is a {type(mesh).__name__}; give an hp_layout.Mesh, an "
+        "hp_dtensor.DeviceMesh or a torch.distributed.device_mesh.DeviceMesh"
+    )
+
+
 def resolve(
     module: nn.Module,
-    mesh: Mesh | DeviceMesh,
-    plan: Mapping[str, ParallelStyle | ShardingPlan],
+    mesh: Mesh | DeviceMesh | Any,
+    plan: Mapping[str, ParallelStyle | ShardingPlan] | ParallelStyle | ShardingPlan,
     *,
     mode: Mode = "production",
     tp_axis: str | None = None,
@@ -627,9 +646,10 @@ def resolve(
 
     Args:
         module: the model.
-        mesh: an ``hp_layout.Mesh`` or a :class:`~hp_dtensor.DeviceMesh` (only its rank grid
-            is read).
-        plan: module-name patterns (``*`` matches one dotted component) to styles.
+        mesh: an ``hp_layout.Mesh``, a :class:`~hp_dtensor.DeviceMesh` or a torch
+            ``DeviceMesh`` (only its rank grid is read).
+        plan: module-name patterns (``*`` matches one dotted component) to styles, or one
+            style for ``module`` itself.
         mode: ``"production"`` or ``"validation"``.
         tp_axis: the mesh axis the styles shard over (default: the only axis).
         dp_axes: axes over which inputs are split by batch (default: every other axis).
@@ -639,7 +659,9 @@ def resolve(
             a style that cannot shard its module, a module named twice, placements that do not
             fit the mesh, a shared parameter placed two ways).
     """
-    grid = mesh if isinstance(mesh, Mesh) else mesh.mesh
+    grid = _grid(mesh)
+    if not isinstance(plan, Mapping):
+        plan = {"": plan}
     if mode not in ("production", "validation"):
         raise ValueError(f"mode must be 'production' or 'validation', got {mode!r}")
     names = grid.axis_names

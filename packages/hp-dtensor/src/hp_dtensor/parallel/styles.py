@@ -25,14 +25,28 @@ from typing import TYPE_CHECKING, Any, cast
 
 from torch import nn
 
+from hp_dtensor.interop import style_placement
 from hp_dtensor.parallel import local_forwards
 from hp_dtensor.parallel.context_plan import ContextParallelPlan
 from hp_dtensor.parallel.moe import MoE
-from hp_dtensor.parallel.plan import Boundary, ExpertParallelPlan, PlanError, ShardingPlan
+from hp_dtensor.parallel.plan import (
+    Boundary,
+    ExpertParallelPlan,
+    PlanError,
+    PlanLayoutLengthError,
+    ShardingPlan,
+)
 from hp_layout import Layout, Partial, Placement, Replicate, Shard
 
 if TYPE_CHECKING:
+    from torch.distributed.tensor import Placement as TorchPlacement
+
     from hp_dtensor.device_mesh import DeviceMesh
+
+    AnyPlacement = Placement | TorchPlacement
+    """A placement of either library: styles take torch's too (converted when built)."""
+    Layouts = AnyPlacement | tuple[AnyPlacement | None, ...] | list[AnyPlacement | None]
+    """One placement (a single input or output) or one per input or output (None: leave it)."""
 
 __all__ = [
     "ColwiseParallel",
@@ -81,6 +95,43 @@ class ParallelStyle(ABC):
         del module, sharding, mesh, axis  # the default keeps the module's own forward
 
 
+def _placement(value: object) -> Placement | None:
+    """A style's placement as ours (None stays None; torch's are converted)."""
+    return None if value is None else style_placement(value)
+
+
+def _convert_fields(style: object, *names: str) -> None:
+    """Replace a frozen style's placement fields by ours, so that torch's placements are
+    accepted and anything else is refused when the style is built, not when it is applied."""
+    for name in names:
+        object.__setattr__(style, name, _placement(getattr(style, name)))
+
+
+def _layout_tuple(value: object) -> tuple[Placement | None, ...] | None:
+    """Per-input layouts as a tuple of ours: one placement becomes a 1-tuple (torch's
+    ``PrepareModuleInput(input_layouts=Shard(0))``), None stays None."""
+    if value is None:
+        return None
+    if isinstance(value, tuple | list):
+        return tuple(_placement(v) for v in value)
+    return (_placement(value),)
+
+
+def _check_lengths(style: str, what: str, layouts: object, desired: object) -> None:
+    """torch refuses layouts and desired layouts of different lengths when the style is built
+    (an ``AssertionError``); so does this (:class:`PlanLayoutLengthError` is both a PlanError
+    and an AssertionError)."""
+    if layouts is None or desired is None:
+        return
+    assert isinstance(layouts, tuple | dict)
+    assert isinstance(desired, tuple | dict)
+    if len(layouts) != len(desired):
+        raise PlanLayoutLengthError(
+            f"{style}: {what} has {len(layouts)} entries but desired_{what} has "
+            f"{len(desired)}; give one desired layout per layout (None leaves one alone)"
+        )
+
+
 def _refuse(style: str, module: nn.Module, name: str, supported: str) -> PlanError:
     return PlanError(
         f"{style} cannot shard module {name!r} ({type(module).__name__}); it supports {supported}"
@@ -101,9 +152,12 @@ class ColwiseParallel(ParallelStyle):
         use_local_output: hand on a plain local tensor (validation mode keeps DTensors).
     """
 
-    input_layouts: Placement | None = None
-    output_layouts: Placement | None = None
+    input_layouts: AnyPlacement | None = None
+    output_layouts: AnyPlacement | None = None
     use_local_output: bool = True
+
+    def __post_init__(self) -> None:
+        _convert_fields(self, "input_layouts", "output_layouts")
 
     def lower(self, module: nn.Module, name: str) -> ShardingPlan:
         if isinstance(module, nn.Linear):
@@ -117,8 +171,8 @@ class ColwiseParallel(ParallelStyle):
             raise _refuse("ColwiseParallel", module, name, "nn.Linear and nn.Embedding")
         return ShardingPlan(
             params=params,
-            inputs=(Boundary(self.input_layouts or Replicate(), Replicate()),),
-            outputs=Boundary(Shard(-1), self.output_layouts or Shard(-1)),
+            inputs=(Boundary(_placement(self.input_layouts) or Replicate(), Replicate()),),
+            outputs=Boundary(Shard(-1), _placement(self.output_layouts) or Shard(-1)),
             use_local_output=self.use_local_output,
             style="ColwiseParallel",
         )
@@ -159,9 +213,12 @@ class RowwiseParallel(ParallelStyle):
         use_local_output: hand on a plain local tensor (validation mode keeps DTensors).
     """
 
-    input_layouts: Placement | None = None
-    output_layouts: Placement | None = None
+    input_layouts: AnyPlacement | None = None
+    output_layouts: AnyPlacement | None = None
     use_local_output: bool = True
+
+    def __post_init__(self) -> None:
+        _convert_fields(self, "input_layouts", "output_layouts")
 
     def lower(self, module: nn.Module, name: str) -> ShardingPlan:
         if isinstance(module, nn.Linear):
@@ -179,8 +236,8 @@ class RowwiseParallel(ParallelStyle):
             raise _refuse("RowwiseParallel", module, name, "nn.Linear and nn.Embedding")
         return ShardingPlan(
             params=params,
-            inputs=(Boundary(self.input_layouts or desired_input, desired_input),),
-            outputs=Boundary(Partial(), self.output_layouts or Replicate()),
+            inputs=(Boundary(_placement(self.input_layouts) or desired_input, desired_input),),
+            outputs=Boundary(Partial(), _placement(self.output_layouts) or Replicate()),
             use_local_output=self.use_local_output,
             replaces_forward=True,
             style="RowwiseParallel",
@@ -345,9 +402,12 @@ class ExpertParallel(_ExpertForwards):
         use_local_output: hand on a plain local tensor (validation mode keeps DTensors).
     """
 
-    input_layouts: Placement | None = None
-    output_layouts: Placement | None = None
+    input_layouts: AnyPlacement | None = None
+    output_layouts: AnyPlacement | None = None
     use_local_output: bool = True
+
+    def __post_init__(self) -> None:
+        _convert_fields(self, "input_layouts", "output_layouts")
 
     def lower(self, module: nn.Module, name: str) -> ShardingPlan:
         params: dict[str, Placement | tuple[Placement, ...]] = dict.fromkeys(
@@ -358,8 +418,8 @@ class ExpertParallel(_ExpertForwards):
             module,
             name,
             params,
-            self.input_layouts,
-            self.output_layouts,
+            _placement(self.input_layouts),
+            _placement(self.output_layouts),
             self.use_local_output,
         )
 
@@ -385,9 +445,12 @@ class ExpertTensorParallel(_ExpertForwards):
     mesh_axes: tuple[str, ...] = ("ep", "tp")
     ep_axis: str = "ep"
     tp_axis: str = "tp"
-    input_layouts: Placement | None = None
-    output_layouts: Placement | None = None
+    input_layouts: AnyPlacement | None = None
+    output_layouts: AnyPlacement | None = None
     use_local_output: bool = True
+
+    def __post_init__(self) -> None:
+        _convert_fields(self, "input_layouts", "output_layouts")
 
     def lower(self, module: nn.Module, name: str) -> ShardingPlan:
         if (
@@ -418,8 +481,8 @@ class ExpertTensorParallel(_ExpertForwards):
             module,
             name,
             params,
-            self.input_layouts,
-            self.output_layouts,
+            _placement(self.input_layouts),
+            _placement(self.output_layouts),
             self.use_local_output,
             self.tp_axis,
         )
@@ -428,16 +491,10 @@ class ExpertTensorParallel(_ExpertForwards):
 def _boundaries(
     layouts: Sequence[Placement | None] | None,
     desired: Sequence[Placement | None] | None,
-    what: str,
-    name: str,
 ) -> tuple[Boundary | None, ...]:
+    """One boundary per layout (lengths were checked when the style was built)."""
     got = list(layouts or [])
     want = list(desired or [])
-    if want and len(want) != len(got):
-        raise PlanError(
-            f"{what} for module {name!r}: {len(got)} layouts but {len(want)} desired layouts; "
-            "give one desired layout per input (None to leave one alone)"
-        )
     out: list[Boundary | None] = []
     for i, layout in enumerate(got):
         target = want[i] if want else None
@@ -445,37 +502,117 @@ def _boundaries(
     return tuple(out)
 
 
+def _kwarg_layouts(value: Mapping[str, object]) -> dict[str, Placement]:
+    out: dict[str, Placement] = {}
+    for key, layout in value.items():
+        converted = _placement(layout)
+        if converted is None:
+            raise PlanError(f"keyword input {key!r}: give a placement, not None")
+        out[key] = converted
+    return out
+
+
+def _prepare_inputs(style: Any, name: str) -> None:
+    """Convert and check the input fields of :class:`PrepareModuleInput` and
+    :class:`PrepareModuleInputOutput` (``name``: the style, for messages)."""
+    layouts = style.input_layouts
+    object.__setattr__(
+        style, "one_input", layouts is not None and not isinstance(layouts, tuple | list)
+    )
+    _convert_layouts(style, "input_layouts")
+    _convert_layouts(style, "desired_input_layouts")
+    for field_name in ("input_kwarg_layouts", "desired_input_kwarg_layouts"):
+        object.__setattr__(style, field_name, _kwarg_layouts(getattr(style, field_name)))
+    _check_lengths(
+        name,
+        "input_layouts",
+        style.input_layouts,
+        style.desired_input_layouts,
+    )
+    _check_lengths(
+        name,
+        "input_kwarg_layouts",
+        style.input_kwarg_layouts or None,
+        style.desired_input_kwarg_layouts or None,
+    )
+
+
+def _convert_layouts(style: ParallelStyle, field_name: str) -> None:
+    object.__setattr__(style, field_name, _layout_tuple(getattr(style, field_name)))
+
+
+def _output_layouts(value: object) -> Placement | tuple[Placement | None, ...]:
+    """An output layout field as ours: one placement, or a tuple of them."""
+    if isinstance(value, tuple | list):
+        return tuple(_placement(v) for v in value)
+    converted = _placement(value)
+    if converted is None:
+        raise PlanError("output layouts: give a placement (or a tuple of them), not None")
+    return converted
+
+
+def _prepare_outputs(style: Any, name: str) -> None:
+    """Convert and check the output fields of :class:`PrepareModuleOutput` and
+    :class:`PrepareModuleInputOutput`."""
+    for field_name in ("output_layouts", "desired_output_layouts"):
+        object.__setattr__(style, field_name, _output_layouts(getattr(style, field_name)))
+    layouts, desired = style.output_layouts, style.desired_output_layouts
+    if isinstance(layouts, tuple) or isinstance(desired, tuple):
+        _check_lengths(
+            name,
+            "output_layouts",
+            layouts if isinstance(layouts, tuple) else (layouts,),
+            desired if isinstance(desired, tuple) else (desired,),
+        )
+
+
 @dataclass(frozen=True)
 class PrepareModuleInput(ParallelStyle):
     """Convert a module's inputs: ``input_layouts[i]`` as they arrive, ``desired_...[i]`` as the
     module needs them (None leaves an input alone).
 
+    Placements may be ``hp_layout``'s or ``torch.distributed.tensor``'s. Layouts and desired
+    layouts of different lengths are refused when the style is built
+    (:class:`PlanLayoutLengthError`, an ``AssertionError`` as torch raises). A single placement
+    (not a tuple) stands for a module with one positional input, as in torch: a call with
+    another number of positional inputs is refused (``ValueError``, as torch). A tuple gives
+    the layouts of the leading positional inputs and leaves any further ones alone (torch
+    refuses a call with more inputs than layouts; hp's own plans rely on this, e.g. an
+    attention block's rotary tables after its hidden states).
+
     Attributes:
-        input_layouts: per positional input.
-        desired_input_layouts: per positional input.
+        input_layouts: per positional input (or one placement).
+        desired_input_layouts: per positional input (or one placement).
         input_kwarg_layouts: per keyword input.
         desired_input_kwarg_layouts: per keyword input.
         use_local_output: hand the module plain local tensors (validation mode keeps DTensors).
+        one_input: set when built: ``input_layouts`` was one placement (see above).
     """
 
-    input_layouts: tuple[Placement | None, ...] | None = None
-    desired_input_layouts: tuple[Placement | None, ...] | None = None
-    input_kwarg_layouts: Mapping[str, Placement] = field(default_factory=dict)
-    desired_input_kwarg_layouts: Mapping[str, Placement] = field(default_factory=dict)
+    input_layouts: Layouts | None = None
+    desired_input_layouts: Layouts | None = None
+    input_kwarg_layouts: Mapping[str, AnyPlacement] = field(default_factory=dict)
+    desired_input_kwarg_layouts: Mapping[str, AnyPlacement] = field(default_factory=dict)
     use_local_output: bool = False
+    one_input: bool = field(default=False, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        _prepare_inputs(self, "PrepareModuleInput")
 
     def lower(self, module: nn.Module, name: str) -> ShardingPlan:
+        layouts = cast("tuple[Placement | None, ...] | None", self.input_layouts)
+        desired = cast("tuple[Placement | None, ...] | None", self.desired_input_layouts)
+        wanted = cast("Mapping[str, Placement]", self.desired_input_kwarg_layouts)
         kwargs = {
-            key: Boundary(layout, self.desired_input_kwarg_layouts.get(key))
+            key: Boundary(cast(Placement, layout), wanted.get(key))
             for key, layout in self.input_kwarg_layouts.items()
         }
         return ShardingPlan(
-            inputs=_boundaries(
-                self.input_layouts, self.desired_input_layouts, "PrepareModuleInput", name
-            ),
+            inputs=_boundaries(layouts, desired),
             kwarg_inputs=kwargs,
             use_local_output=self.use_local_output,
             style="PrepareModuleInput",
+            exact_inputs=self.one_input,
         )
 
 
@@ -494,15 +631,18 @@ class PrepareModuleInputOutput(ParallelStyle):
         use_local_output: hand on plain local tensors (validation mode keeps DTensors).
     """
 
-    input_layouts: tuple[Placement | None, ...] | None = None
-    desired_input_layouts: tuple[Placement | None, ...] | None = None
-    input_kwarg_layouts: Mapping[str, Placement] = field(default_factory=dict)
-    desired_input_kwarg_layouts: Mapping[str, Placement] = field(default_factory=dict)
-    output_layouts: Placement | tuple[Placement | None, ...] = field(default_factory=Replicate)
-    desired_output_layouts: Placement | tuple[Placement | None, ...] = field(
-        default_factory=Replicate
-    )
+    input_layouts: Layouts | None = None
+    desired_input_layouts: Layouts | None = None
+    input_kwarg_layouts: Mapping[str, AnyPlacement] = field(default_factory=dict)
+    desired_input_kwarg_layouts: Mapping[str, AnyPlacement] = field(default_factory=dict)
+    output_layouts: Layouts = field(default_factory=Replicate)
+    desired_output_layouts: Layouts = field(default_factory=Replicate)
     use_local_output: bool = True
+    one_input: bool = field(default=False, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        _prepare_inputs(self, "PrepareModuleInputOutput")
+        _prepare_outputs(self, "PrepareModuleInputOutput")
 
     def lower(self, module: nn.Module, name: str) -> ShardingPlan:
         inputs = PrepareModuleInput(
@@ -520,13 +660,15 @@ class PrepareModuleInputOutput(ParallelStyle):
             outputs=outputs.outputs,
             use_local_output=self.use_local_output,
             style="PrepareModuleInputOutput",
+            exact_inputs=self.one_input,
         )
 
 
 @dataclass(frozen=True)
 class PrepareModuleOutput(ParallelStyle):
     """Convert a module's outputs: ``output_layouts`` as produced, ``desired_output_layouts``
-    as handed on.
+    as handed on (placements of either library; tuples of different lengths are refused when
+    the style is built, as :class:`PrepareModuleInput`'s).
 
     Attributes:
         output_layouts: per output (one placement, or a tuple for tuple outputs).
@@ -534,29 +676,22 @@ class PrepareModuleOutput(ParallelStyle):
         use_local_output: hand on plain local tensors (validation mode keeps DTensors).
     """
 
-    output_layouts: Placement | tuple[Placement | None, ...] = field(default_factory=Replicate)
-    desired_output_layouts: Placement | tuple[Placement | None, ...] = field(
-        default_factory=Replicate
-    )
+    output_layouts: Layouts = field(default_factory=Replicate)
+    desired_output_layouts: Layouts = field(default_factory=Replicate)
     use_local_output: bool = True
 
+    def __post_init__(self) -> None:
+        _prepare_outputs(self, "PrepareModuleOutput")
+
     def lower(self, module: nn.Module, name: str) -> ShardingPlan:
-        if isinstance(self.output_layouts, tuple) or isinstance(self.desired_output_layouts, tuple):
-            layouts = (
-                self.output_layouts
-                if isinstance(self.output_layouts, tuple)
-                else (self.output_layouts,)
-            )
-            desired = (
-                self.desired_output_layouts
-                if isinstance(self.desired_output_layouts, tuple)
-                else (self.desired_output_layouts,)
-            )
-            outputs: Boundary | tuple[Boundary | None, ...] = _boundaries(
-                layouts, desired, "PrepareModuleOutput", name
-            )
+        produced = cast("Placement | tuple[Placement | None, ...]", self.output_layouts)
+        handed = cast("Placement | tuple[Placement | None, ...]", self.desired_output_layouts)
+        if isinstance(produced, tuple) or isinstance(handed, tuple):
+            layouts = produced if isinstance(produced, tuple) else (produced,)
+            desired = handed if isinstance(handed, tuple) else (handed,)
+            outputs: Boundary | tuple[Boundary | None, ...] = _boundaries(layouts, desired)
         else:
-            outputs = Boundary(self.output_layouts, self.desired_output_layouts)
+            outputs = Boundary(produced, handed)
         return ShardingPlan(
             outputs=outputs, use_local_output=self.use_local_output, style="PrepareModuleOutput"
         )
