@@ -147,3 +147,27 @@ def test_meshes_under_torchs_threaded_process_group() -> None:
         # Grid row-major (2, 2): rank = 2a + b. Along "a" the group is {b, 2 + b}; along "b"
         # it is {2a, 2a + 1}.
         assert results[rank] == (2.0 * b + 2.0, 4.0 * a + 1.0, True, 4.0 * a + 1.0)
+
+
+def _round_trip_of_a_sub_mesh() -> dict[str, object]:
+    root = DeviceMesh("cpu", Mesh((2, 1, 2), ("rt_pp", "rt_dp", "rt_tp")))
+    stage = root[["rt_dp", "rt_tp"]]
+    back = DeviceMesh.from_torch(stage.to_torch())
+    # A 2-d mesh over half the job: its group over all its ranks is created from the root,
+    # in the same order on every rank (a bound torch sub-mesh has none to give).
+    t = torch.tensor([float(dist.get_rank())])
+    dist.all_reduce(t, group=back.get_mesh_group())
+    return {
+        "same_mesh": back is stage,
+        "unbound": back.torch_mesh is None,
+        "lookup": DeviceMesh.lookup("cpu", stage.mesh) is stage,
+        "sum": t.item(),
+    }
+
+
+def test_a_torch_mesh_built_by_to_torch_comes_back_as_the_mesh_it_was_built_from() -> None:
+    for rank, got in enumerate(run_on_ranks(4, _round_trip_of_a_sub_mesh, timeout=60)):
+        assert got["same_mesh"]
+        assert got["unbound"]
+        assert got["lookup"]
+        assert got["sum"] == (0.0 + 1.0 if rank < 2 else 2.0 + 3.0)

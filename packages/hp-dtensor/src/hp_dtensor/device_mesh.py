@@ -311,8 +311,15 @@ class DeviceMesh:
         and axis names; unnamed axes are called ``dim0``, ``dim1``, ...), bound to it: its
         process groups are the torch mesh's own and :meth:`to_torch` returns ``torch_mesh``
         itself. Nothing collective happens, so a mesh over a subgroup needs no other rank.
-        Later :meth:`lookup` calls for the same rank grid in this job return the bound mesh."""
+        Later :meth:`lookup` calls for the same rank grid in this job return the bound mesh.
+
+        A torch mesh that :meth:`to_torch` built gives back the mesh it was built from (a
+        round trip through torch, e.g. a torch DTensor of a mesh cut from a larger hp mesh,
+        keeps that mesh's root and group creation)."""
         world = _world()
+        for built_from, built in world.torch_meshes.items():
+            if built is torch_mesh:
+                return built_from
         grid = torch_mesh.mesh
         names = torch_mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(grid.ndim))
         mesh = Mesh(tuple(grid.shape), tuple(names), [int(r) for r in grid.flatten().tolist()])

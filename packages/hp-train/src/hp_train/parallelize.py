@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hp_dtensor import DeviceMesh
+from hp_dtensor.interop import style_placement
 from hp_dtensor.parallel import (
     ColwiseParallel,
     ParallelPlan,
@@ -256,7 +257,11 @@ def tp_plan(model: ModelConfig, stage: Transformer | None = None) -> dict[str, P
     if model.tie_embeddings:
         head = plan["output"]
         assert isinstance(head, ColwiseParallel)
-        plan["output"] = TiedHeadParallel(head.input_layouts, head.output_layouts)
+        # A style's fields may hold torch's placements as given; ours are hp's.
+        plan["output"] = TiedHeadParallel(
+            None if head.input_layouts is None else style_placement(head.input_layouts),
+            None if head.output_layouts is None else style_placement(head.output_layouts),
+        )
     out = plan
     if model.moe is not None:
         dense_ffn = {k: v for k, v in plan.items() if ".ffn." in k}
