@@ -346,6 +346,24 @@ def _case_replicated_torch_dtensor_input() -> dict[str, Any]:
     return results
 
 
+def _case_keyword_forms() -> dict[str, Any]:
+    """torch's keyword call, ``parallelize_module(module=, device_mesh=, parallelize_plan=)``,
+    on both libraries: the same module."""
+    mesh = init_device_mesh("cpu", (WORLD,))
+    model = _linear()
+    torch.manual_seed(12)
+    x = torch.rand(3, 16)
+    outs = {}
+    for label, api in TP_APIS:
+        module = api.parallelize_module(
+            module=copy.deepcopy(model),
+            device_mesh=mesh,
+            parallelize_plan={"": api.ColwiseParallel(output_layouts=TorchReplicate())},
+        )
+        outs[label] = _local(module(x)).detach()
+    return {"outs": outs, "whole": model(x).detach()}
+
+
 def _case_meshes() -> dict[str, Any]:
     """hp's own mesh and torch's give the same module; a torch mesh keeps its own groups."""
     torch_mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("tp",))
@@ -582,7 +600,7 @@ def test_torch_mesh_and_hp_mesh_give_the_same_module() -> None:
 
 
 def test_length_mismatch_refused_when_built_with_torchs_type() -> None:
-    with pytest.raises(AssertionError):
+    with pytest.raises(AssertionError) as theirs:
         torch_tp.PrepareModuleInput(
             input_layouts=TorchShard(0), desired_input_layouts=(TorchReplicate(), None)
         )
@@ -590,6 +608,8 @@ def test_length_mismatch_refused_when_built_with_torchs_type() -> None:
         hp_tp.PrepareModuleInput(
             input_layouts=TorchShard(0), desired_input_layouts=(TorchReplicate(), None)
         )
+    # torch's sentence leads ours, so a test matching torch's message matches hp's.
+    assert str(caught.value).startswith(str(theirs.value))
     assert isinstance(caught.value, AssertionError)
     assert isinstance(caught.value, PlanError)
     with pytest.raises(AssertionError):
@@ -648,6 +668,27 @@ def test_mlp_plan_keys_match_as_torchs(keys: tuple[str, str]) -> None:
             out, params = rank[label]
             _same(out, one_out, 1e-5)
             _same_grads(params, one_params, 1e-5)
+
+
+def test_torchs_keyword_call() -> None:
+    for rank in run_on_ranks(WORLD, _case_keyword_forms, timeout=60):
+        _same(rank["outs"]["hp"], rank["outs"]["torch"])
+        _same(rank["outs"]["hp"], rank["whole"])
+
+
+def test_arguments_hp_does_not_take_are_refused_by_name() -> None:
+    """No current-mesh context (torch's ``with mesh:``) and no ``src_data_rank`` scatter: both
+    refused before anything is sharded, naming what to pass instead; the plan under both of its
+    names is refused."""
+    layer = nn.Linear(4, 4)
+    style = hp_tp.ColwiseParallel()
+    with pytest.raises(TypeError, match="needs device_mesh"):
+        hp_tp.parallelize_module(layer, parallelize_plan=style)
+    with pytest.raises(NotImplementedError, match="src_data_rank=None"):
+        hp_tp.parallelize_module(layer, None, style, src_data_rank=0)
+    with pytest.raises(TypeError, match="give one"):
+        hp_tp.parallelize_module(layer, None, style, parallelize_plan=style)
+    assert layer.weight.shape == (4, 4)
 
 
 def test_no_plan_and_bad_plans() -> None:

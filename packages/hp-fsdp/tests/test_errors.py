@@ -60,13 +60,17 @@ def _errors() -> list[str]:
 
     cast = fully_shard(nn.Linear(3, 3), mesh=mesh)
     attempt(lambda: cast.double())
+
+    loaded = fully_shard(nn.Linear(3, 3, device="meta"), mesh=mesh)
+    whole = {"weight": torch.ones(3, 3), "bias": torch.ones(3)}
+    attempt(lambda: loaded.load_state_dict(whole, assign=True))
     return messages
 
 
 @pytest.mark.multiprocess
 def test_bad_input_is_named() -> None:
     messages = run_on_ranks(2, _errors)[0]
-    twice, topology, mixed, shared, meta, half_meta, nested, empty, pinned, cast = messages
+    twice, topology, mixed, shared, meta, half_meta, nested, empty, pinned, cast, loaded = messages
     assert "already fully_shard'ed" in twice
     assert "does not match topology" in topology
     assert "several dtypes" in mixed
@@ -78,6 +82,10 @@ def test_bad_input_is_named() -> None:
     assert "empty list" in empty
     assert "pin_memory=False" in pinned
     assert "from torch.float32 to torch.float64 is not supported" in cast
+    # torch FSDP2's sentence leads, so a test matching torch's message matches hp's.
+    assert meta.startswith("FSDP parameters should be materialized from meta device")
+    assert "still on meta" in loaded
+    assert "materialize" in loaded
 
 
 def _bf16_warning(slow: bool) -> list[str]:

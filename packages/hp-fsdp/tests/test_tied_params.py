@@ -4,13 +4,14 @@ A parameter object registered in several modules (an LM head tied to the embeddi
 one parameter after sharding: the same object on every owner (the sharded one between steps, the
 unsharded one during forward), listed once by ``model.parameters()``, sharded and gathered once,
 with one gradient, the sum of every use's contribution; the state dict keeps both names, as
-torch FSDP2's does, and loads back under both (nothing missing or unexpected, the tie kept). Checked on this project's small Llama with its head tied to the embedding
-(blocks sharded, then the root; or the two owners passed together, ``fully_shard([emb, head])``)
-and on Hugging Face's ``LlamaForCausalLM`` with ``tie_word_embeddings=True``, for both
-parameter layouts and for torch FSDP2, against the same model trained on one device on the
-global batch (SGD, so that a gradient counted once instead of twice, or twice too large, moves
-the parameters). Owners in two different ``fully_shard`` groups are refused by both (torch at
-the first forward, hp-fsdp at the second ``fully_shard`` call), with ``ValueError``.
+torch FSDP2's does, and loads back under both (nothing missing or unexpected, the tie kept).
+Checked on this project's small Llama with its head tied to the embedding (blocks sharded, then
+the root; or the two owners passed together, ``fully_shard([emb, head])``) and on Hugging Face's
+``LlamaForCausalLM`` with ``tie_word_embeddings=True``, for both parameter layouts and for torch
+FSDP2, against the same model trained on one device on the global batch (SGD, so that a gradient
+counted once instead of twice, or twice too large, moves the parameters). Owners in two
+different ``fully_shard`` groups are refused by both (torch at the first forward, hp-fsdp at the
+second ``fully_shard`` call), with ``ValueError``.
 """
 
 from __future__ import annotations

@@ -580,6 +580,7 @@ class FSDPParamGroup:
         self.adopt_registered()
         if self.sharded_flat.is_meta:
             raise RuntimeError(
+                "FSDP parameters should be materialized from meta device before training: "
                 f"fully_shard({self.owner!r}): the parameters are still on meta; allocate them "
                 "with module.to_empty(device=...) and initialize them, or run "
                 "hp_dtensor.parallel.materialize(module)"

@@ -284,6 +284,15 @@ class _StateDictHooks:
             keys = [prefix + name for name in names if prefix + name in state_dict]
             if not keys:
                 continue
+            if fp.sharded.is_meta:
+                # Copying into a meta piece would load nothing and say nothing.
+                raise NotImplementedError(
+                    f"load_state_dict into {keys[0]!r}, a fully_shard parameter still on meta "
+                    "(torch FSDP2: load_state_dict(..., assign=True) onto a meta model) is not "
+                    "implemented; allocate the model first (hp_dtensor.parallel.materialize("
+                    "model), or model.to_empty(device=...) in the per-parameter layout), "
+                    "then load"
+                )
             values = [state_dict.pop(key) for key in keys]
             self.loaded += keys
             key, value = keys[0], values[0]

@@ -51,9 +51,14 @@ def _as_plan(plan: object) -> Mapping[str, ParallelStyle | ShardingPlan]:
 
 def parallelize_module(
     module: nn.Module,
-    device_mesh: DeviceMesh | Any,
-    plan: Mapping[str, ParallelStyle | ShardingPlan] | ParallelStyle | ShardingPlan | None,
+    device_mesh: DeviceMesh | Any = None,
+    plan: Mapping[str, ParallelStyle | ShardingPlan] | ParallelStyle | ShardingPlan | None = None,
     *,
+    parallelize_plan: Mapping[str, ParallelStyle | ShardingPlan]
+    | ParallelStyle
+    | ShardingPlan
+    | None = None,
+    src_data_rank: int | None = None,
     mode: Mode = "production",
     tp_axis: str | None = None,
     dp_axes: Sequence[str] | None = None,
@@ -75,6 +80,9 @@ def parallelize_module(
         tp_axis: the mesh axis the styles shard over (default: the only axis).
         dp_axes: axes over which inputs are split by batch (default: every other axis);
             gradients of parameters replicated there are reduced in backward.
+        parallelize_plan: torch's name for ``plan`` (give one of the two).
+        src_data_rank: torch's argument; only None is taken: each rank shards the values it
+            holds (initialize the model identically on every rank, e.g. from one seed).
 
     The resolved plan (:func:`hp_dtensor.parallel.resolve`, what the executor applied) is then
     :func:`hp_dtensor.contract.parallel_plan_of` the module.
@@ -84,6 +92,19 @@ def parallelize_module(
             module is named twice, or (production mode) a Linear is left out of the plan while
             its look-alike sibling is column-parallel (see ``check_sibling_projections``).
     """
+    if parallelize_plan is not None:
+        if plan is not None:
+            raise TypeError(
+                "parallelize_module: got both plan and parallelize_plan (the same argument "
+                "under hp's and torch's names); give one"
+            )
+        plan = parallelize_plan
+    if src_data_rank is not None:
+        raise NotImplementedError(
+            f"parallelize_module(src_data_rank={src_data_rank}) (torch: scatter every "
+            "parameter from that rank) is not implemented; each rank shards its own values, "
+            "so initialize the model identically on every rank and pass src_data_rank=None"
+        )
     if plan is None:
         # torch's parallelize_module without a plan: a warning, and the module as it is.
         warnings.warn(
@@ -93,6 +114,11 @@ def parallelize_module(
         )
         return module
     plan = _as_plan(plan)
+    if device_mesh is None:
+        raise TypeError(
+            "parallelize_module needs device_mesh: hp has no current-mesh context (torch's "
+            "`with mesh:`); pass the mesh"
+        )
     device_mesh = _our_mesh(device_mesh)
     resolved = resolve(module, device_mesh, plan, mode=mode, tp_axis=tp_axis, dp_axes=dp_axes)
     if mode == "production":

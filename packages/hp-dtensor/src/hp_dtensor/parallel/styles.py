@@ -127,6 +127,7 @@ def _check_lengths(style: str, what: str, layouts: object, desired: object) -> N
     assert isinstance(desired, tuple | dict)
     if len(layouts) != len(desired):
         raise PlanLayoutLengthError(
+            f"{what} and desired_{what} should have same length! "
             f"{style}: {what} has {len(layouts)} entries but desired_{what} has "
             f"{len(desired)}; give one desired layout per layout (None leaves one alone)"
         )
