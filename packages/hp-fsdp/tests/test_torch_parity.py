@@ -240,6 +240,33 @@ def _train_steps(kind: str, mesh: Any) -> list[float]:
     return losses
 
 
+def _microbatches_not_last(kind: str) -> list[torch.Tensor]:
+    """Two microbatches per step, the first backward marked not last (FSDP2's pipelining
+    use): the gradients after the step's last backward."""
+    model = _mlp()
+    _fully_shard(kind)(model[0])
+    _fully_shard(kind)(model)
+    x = _input()
+    for index, part in enumerate(x.chunk(2)):
+        model.set_is_last_backward(index == 1)  # type: ignore[operator]
+        model(part).square().mean().backward()
+    return [_local(p.grad) for p in model.parameters() if p.grad is not None]
+
+
+def _local(t: Any) -> torch.Tensor:
+    local: torch.Tensor = t.to_local() if hasattr(t, "to_local") else t
+    return local.detach().clone()
+
+
+def test_set_is_last_backward_gives_torchs_gradients() -> None:
+    want = run_on_ranks(2, _microbatches_not_last, "torch", timeout=60)
+    got = run_on_ranks(2, _microbatches_not_last, "per_param", timeout=60)
+    for ours, theirs in zip(got, want, strict=True):
+        assert len(ours) == len(theirs) == 4
+        for a, b in zip(ours, theirs, strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-7)
+
+
 def _subgroup(kind: str) -> list[float]:
     """Train on a 1-d mesh made from a subgroup (ranks {0, 1} and {2, 3})."""
     from torch.distributed.device_mesh import DeviceMesh as TorchDeviceMesh

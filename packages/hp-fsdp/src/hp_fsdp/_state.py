@@ -85,6 +85,8 @@ class FSDPState:
         self.reshard_after_backward = True
         self.requires_gradient_sync = True
         self.requires_all_reduce = True
+        # FSDP2's set_is_last_backward: recorded; every backward finishes its reductions.
+        self.is_last_backward = True
         self.output_dtype = output_dtype
         self.input_dtype = input_dtype
         self.training = TrainingState.IDLE

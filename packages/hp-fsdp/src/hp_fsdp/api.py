@@ -98,6 +98,18 @@ class FSDPModule:
         for state in self._states(recurse):
             state.requires_gradient_sync = requires_gradient_sync
 
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """FSDP2: whether the next backward is the last of the optimizer step; with False,
+        FSDP2 may leave that backward's last gradient reductions pending (an overlap for
+        microbatched pipelines), with the same gradients once the step's last backward ends.
+        hp-fsdp finishes its reductions at the end of every backward, so either value gives
+        those gradients; the setting is kept (``is_last_backward``) and changes nothing else.
+        Gradient accumulation without reducing is :meth:`set_requires_gradient_sync`."""
+        if not isinstance(is_last_backward, bool):
+            raise ValueError(f"is_last_backward should be a bool, got {type(is_last_backward)}")
+        for state in self._states(True):
+            state.is_last_backward = is_last_backward
+
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
         """HSDP gradient accumulation: with False, backward still reduce-scatters over the
         shard axis every micro-step (the unsharded gradients are freed) but skips the

@@ -27,8 +27,6 @@ REFUSED_METHODS: dict[str, str] = {
     "LowPrecisionCommPolicy(param_all_gather_dtype=...) chooses the wire format",
     "set_custom_reduce_scatter": "custom reduce-scatter implementations are not supported; "
     "LowPrecisionCommPolicy(shard_reduce_dtype=...) chooses the wire format",
-    "set_is_last_backward": "hp-fsdp finishes every backward (use set_requires_gradient_sync "
-    "for gradient accumulation)",
     "set_post_optim_event": "no cross-stream event is needed: hp-fsdp issues its collectives "
     "on the current stream",
     "set_reduce_scatter_max_input_buffers": "the reduce-scatter inputs are the groups' own "
