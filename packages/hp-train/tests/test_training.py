@@ -134,6 +134,11 @@ def _run_observed(
         return real["parallelize"](m, layout, **kw)
 
     def observe(logits: torch.Tensor, targets: torch.Tensor) -> Any:
+        # A block just written with zeros and freed is what the next allocation of that size
+        # gets back: NaN then only if fresh memory is NaN-filled (memory freed by an earlier
+        # deterministic run of this pool process may hold NaNs).
+        probe = torch.zeros(64)
+        del probe
         fresh = bool(torch.empty(64).isnan().all())
         captured["modes"].append((torch.are_deterministic_algorithms_enabled(), fresh))
         return real["lm_loss"](logits, targets)
