@@ -29,7 +29,7 @@ from hp_fsdp._arena import GradArena
 from hp_fsdp._group import FSDPParamGroup
 from hp_fsdp.policy import PrefetchPolicy, default_prefetch
 
-__all__ = ["FSDPState", "TrainingState"]
+__all__ = ["FSDPState", "TrainingState", "attach_fsdp_state", "fsdp_state"]
 
 _BUCKET_BYTES = 25 * 1024 * 1024
 
@@ -141,7 +141,7 @@ class FSDPState:
         states: list[FSDPState] = []
         for member in self.modules:
             for m in member.modules():
-                found = getattr(m, "_hp_fsdp_state", None)
+                found = fsdp_state(m)
                 if found is not None and all(found is not s for s in states):
                     states.append(found)
         seen: dict[int, str] = {}
@@ -406,3 +406,20 @@ def _cast(value: Any, dtype: torch.dtype) -> Any:
         return x
 
     return tree_map(cast, value)
+
+
+# The one place the attribute is named: a module's fully_shard state is read and written through
+# these two functions only.
+_STATE_ATTR = "_hp_fsdp_state"
+
+
+def fsdp_state(module: nn.Module) -> FSDPState | None:
+    """The fully_shard state of ``module`` (shared by the modules of one list call), or None
+    for a module fully_shard has not sharded itself (a submodule of one included)."""
+    state: FSDPState | None = module.__dict__.get(_STATE_ATTR)
+    return state
+
+
+def attach_fsdp_state(module: nn.Module, state: FSDPState) -> None:
+    """Make ``state`` the fully_shard state of ``module``."""
+    module.__dict__[_STATE_ATTR] = state

@@ -12,7 +12,7 @@ from hp_dtensor import DTensor
 from hp_dtensor.contract import hand_over_grad_reduction, record_flat_slots
 from hp_fsdp._group import Alias, FSDPParam, FSDPParamGroup, plan_params
 from hp_fsdp._mesh import as_hp_mesh, resolve_mesh
-from hp_fsdp._state import FSDPState
+from hp_fsdp._state import FSDPState, attach_fsdp_state, fsdp_state
 from hp_fsdp.compat import REFUSED_METHODS, UnshardHandle, refusal
 from hp_fsdp.policy import (
     LowPrecisionCommPolicy,
@@ -27,7 +27,6 @@ from hp_layout import Topology
 
 __all__ = ["FSDPModule", "fully_shard"]
 
-_STATE = "_hp_fsdp_state"
 # Set on the original parameters a group took over, to refuse sharing across groups.
 _OWNER = "_hp_fsdp_owner"
 
@@ -36,7 +35,8 @@ class FSDPModule:
     """Methods every fully_shard'ed module gets (mixed into its class)."""
 
     def _fsdp_state(self) -> FSDPState:
-        state: FSDPState = getattr(self, _STATE)
+        state = fsdp_state(cast(nn.Module, self))
+        assert state is not None
         return state
 
     def _states(self, recurse: bool) -> list[FSDPState]:
@@ -45,7 +45,7 @@ class FSDPModule:
             return [self._fsdp_state()]
         out: list[FSDPState] = []
         for m in module.modules():
-            state = getattr(m, _STATE, None)
+            state = fsdp_state(m)
             if state is not None and all(state is not s for s in out):
                 out.append(state)  # a list's state once, though each member carries it
         return out
@@ -208,7 +208,7 @@ def _managed(
     places: set[tuple[int, str]] = set()
 
     def visit(prefix: str, m: nn.Module) -> None:
-        if m is not module and hasattr(m, _STATE):
+        if m is not module and fsdp_state(m) is not None:
             return
         for name, param in m._parameters.items():
             if param is None or (id(m), name) in places:
@@ -240,7 +240,7 @@ def _members(module: nn.Module | Iterable[nn.Module]) -> list[nn.Module]:
     for m in members:
         if not isinstance(m, nn.Module):
             raise TypeError(f"fully_shard takes modules, got {type(m).__name__}")
-        if hasattr(m, _STATE):
+        if fsdp_state(m) is not None:
             raise ValueError(
                 f"{type(m).__name__} is already fully_shard'ed; apply fully_shard once per module"
             )
@@ -390,7 +390,7 @@ def fully_shard(
         auto_reshard_after_forward=reshard_after_forward is None,
     )
     for member in members:
-        setattr(member, _STATE, state)
+        attach_fsdp_state(member, state)
         member.register_forward_pre_hook(state.pre_forward, prepend=True, with_kwargs=True)
         member.register_forward_hook(state.post_forward)
         register_state_dict_hooks(member)
@@ -402,8 +402,7 @@ def fully_shard(
 def _state_of(module: nn.Module) -> FSDPState | None:
     """FSDP2's ``fully_shard.state(module)``: the fully_shard state of ``module`` (shared by
     the modules of one list call), or None for a module fully_shard has not sharded."""
-    state: FSDPState | None = getattr(module, _STATE, None)
-    return state
+    return fsdp_state(module)
 
 
 fully_shard.state = _state_of  # type: ignore[attr-defined]
@@ -521,7 +520,7 @@ def _record_slots(module: nn.Module) -> None:
     """
     where: dict[int, tuple[FSDPState, dict[int, tuple[str, nn.Module]]]] = {}
     for prefix, sub in module.named_modules():
-        state: FSDPState | None = getattr(sub, _STATE, None)
+        state = fsdp_state(sub)
         if state is not None:
             found = where.setdefault(id(state), (state, {}))[1]
             found[state.member_index(sub)] = (prefix, sub)

@@ -16,6 +16,8 @@ from typing import Any
 
 from torch import nn
 
+from hp_fsdp._state import fsdp_state
+
 __all__ = ["REFUSED_METHODS", "UnshardHandle", "refusal", "register_fsdp_forward_method"]
 
 REFUSED_METHODS: dict[str, str] = {
@@ -77,7 +79,7 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
     Raises:
         ValueError: ``module`` is not fully_shard'ed, or has no such method.
     """
-    state = getattr(module, "_hp_fsdp_state", None)
+    state = fsdp_state(module)
     if state is None:
         raise ValueError(f"{type(module).__name__} is not fully_shard'ed; call fully_shard first")
     method = getattr(module, method_name, None)

@@ -47,6 +47,7 @@ from hp_dtensor.interop import (
 )
 from hp_dtensor.redistribute import plan_for
 from hp_fsdp._group import FSDPParam, ShardedState
+from hp_fsdp._state import fsdp_state
 from hp_layout import Layout, Replicate, Shard, plan_redistribute
 
 __all__ = [
@@ -58,8 +59,6 @@ __all__ = [
     "set_model_state_dict",
     "set_optimizer_state_dict",
 ]
-
-_STATE = "_hp_fsdp_state"
 
 
 # Layouts --------------------------------------------------------------------------------------
@@ -176,7 +175,7 @@ def _from_checkpoint(value: torch.Tensor, fp: FSDPParam, key: str) -> torch.Tens
 
 
 def _module_params(module: nn.Module) -> list[FSDPParam]:
-    state = getattr(module, _STATE, None)
+    state = fsdp_state(module)
     if state is None:
         return []
     member = state.member_index(module)
@@ -191,7 +190,7 @@ def _module_entries(module: nn.Module) -> list[tuple[FSDPParam, list[str]]]:
     """Each parameter registered in fully_shard'ed ``module`` (one member of its call) with
     its names there: the owning one first, then those of its aliases (tied weights); a
     parameter whose only registrations in ``module`` are aliases is listed by those."""
-    state = getattr(module, _STATE, None)
+    state = fsdp_state(module)
     if state is None:
         return []
     member = state.member_index(module)
@@ -273,7 +272,8 @@ class _StateDictHooks:
         """Copy each managed parameter's entry into the flat buffer and take it out of the
         (per-call copy of the) state dict, so the default loader leaves it alone."""
         del local_metadata, strict, missing_keys, unexpected_keys
-        state = getattr(module, _STATE)
+        state = fsdp_state(module)
+        assert state is not None
         for group in state.groups:
             if group.state is not ShardedState.SHARDED:
                 # The unsharded copy would be stale: drop it (the next forward gathers again).
