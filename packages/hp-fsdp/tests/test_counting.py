@@ -387,3 +387,16 @@ def test_peak_memory_mode_counts_live_storage() -> None:
     assert memory.peak_op == "aten.zeros"
     assert memory.end_bytes - memory.start_bytes == 40 + 8000
     assert d.numel() == 10
+
+
+def test_the_runtime_does_not_import_the_instrument() -> None:
+    """fully_shard and its runtime tag their collectives through ``hp_fsdp._purpose``; the
+    counting mode is a measuring instrument that only tests and the dry run load."""
+    import subprocess
+    import sys
+
+    probe = (
+        "import sys; import hp_fsdp; from hp_fsdp import fully_shard, clip_grad_norm_; "
+        "import hp_fsdp.state_dict; sys.exit('hp_fsdp.counting' in sys.modules)"
+    )
+    assert subprocess.run([sys.executable, "-c", probe], timeout=120).returncode == 0

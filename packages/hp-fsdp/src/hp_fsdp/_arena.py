@@ -36,7 +36,7 @@ from torch.distributed.distributed_c10d import _coalescing_manager as coalescing
 
 from hp_dtensor.watchdog import watch_async
 from hp_fsdp._lowp_comm import all_reduce_lowp
-from hp_fsdp.counting import collective_purpose
+from hp_fsdp._purpose import collective_purpose
 
 __all__ = ["GradArena", "Reduced"]
 

@@ -37,8 +37,8 @@ from hp_dtensor.watchdog import watch, watch_async
 from hp_fsdp._collectives import ReduceScatterPrimitive, reduce_scatter, reduce_scatter_primitive
 from hp_fsdp._lowp_comm import Deferred, WireCodec, all_gather_records, reduce_scatter_lowp
 from hp_fsdp._mesh import FSDPMesh
+from hp_fsdp._purpose import collective_purpose
 from hp_fsdp._rows import as_torch_dtensor, copy_in, copy_out, local_shape, pack_rows
-from hp_fsdp.counting import collective_purpose
 from hp_fsdp.group_plan import GroupPlan, plan_group, spec_of, torch_dtype
 from hp_fsdp.policy import CPUOffloadPolicy, LowPrecisionCommPolicy, MixedPrecisionPolicy
 from hp_layout import FlatBufferLayout, Layout, ReduceOp

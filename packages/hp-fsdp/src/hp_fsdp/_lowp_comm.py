@@ -35,7 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hp_fsdp.counting import collective_purpose
+from hp_fsdp._purpose import collective_purpose
 from hp_fsdp.policy import FLOAT8_WIRE_DTYPES
 
 __all__ = [

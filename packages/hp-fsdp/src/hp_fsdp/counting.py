@@ -56,11 +56,10 @@ the communication library, not to the code under test.
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import threading
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Final
@@ -69,6 +68,8 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
+
+from hp_fsdp._purpose import collective_purpose, current_purpose
 
 __all__ = [
     "COPY_KERNELS",
@@ -304,21 +305,6 @@ class CollectiveCall:
         return float(self.nbytes)
 
 
-_PURPOSE = threading.local()
-
-
-@contextlib.contextmanager
-def collective_purpose(purpose: str) -> Iterator[None]:
-    """Tag the collectives issued inside with ``purpose`` (recorded by an active
-    :class:`CountingMode` in :attr:`CollectiveCall.purpose`; costs nothing otherwise)."""
-    previous = getattr(_PURPOSE, "value", None)
-    _PURPOSE.value = purpose
-    try:
-        yield
-    finally:
-        _PURPOSE.value = previous
-
-
 def _resolve_process_group(name: str) -> Any:
     """The process group a functional collective names (torch keeps the resolver private)."""
     from torch.distributed import distributed_c10d
@@ -448,7 +434,7 @@ class CountingMode(TorchDispatchMode):
                 ranks=_process_group_ranks(flat),
                 nbytes=nbytes,
                 dtype=None if largest is None else largest.dtype,
-                purpose=getattr(_PURPOSE, "value", None),
+                purpose=current_purpose(),
             )
         )
 
