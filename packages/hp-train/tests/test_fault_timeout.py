@@ -121,3 +121,12 @@ def test_a_rank_that_never_joins_fails_the_job_in_time(
     codes = {int(rank): int(code) for rank, code in _EXIT.findall(output)}
     assert sorted(codes) == list(range(world)), output[-3000:]
     assert all(code != 0 for code in codes.values()), codes
+
+
+def test_an_unknown_device_type_is_named_before_anything_starts() -> None:
+    """The runtime takes its backend from hp-dtensor's one table: an unknown device type is a
+    ValueError naming the types there are, raised before any process group or device is set."""
+    from hp_train.runtime import init_runtime
+
+    with pytest.raises(ValueError, match=re.escape("use one of ['cpu', 'cuda', 'npu']")):
+        init_runtime("tpu")

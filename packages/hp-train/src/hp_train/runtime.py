@@ -18,7 +18,6 @@ for good before its ``n``-th collective issued through hp_dtensor, as a rank tha
 
 from __future__ import annotations
 
-import importlib
 import math
 import os
 import socket
@@ -36,10 +35,10 @@ from torch._C._distributed_c10d import Store
 from torch.distributed.rendezvous import rendezvous
 
 from hp_dtensor import watchdog
+from hp_dtensor.device import backend_for
 
 __all__ = ["STALL_ENV", "TIMEOUT_ENV", "Runtime", "init_runtime", "shutdown"]
 
-_BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
 
 #: The collective timeout in seconds, when ``init_runtime`` is given none.
 TIMEOUT_ENV = "HP_TRAIN_COLLECTIVE_TIMEOUT"
@@ -152,12 +151,12 @@ def init_runtime(
     Raises:
         ValueError: an unknown device type, a timeout that is not a positive number, a
             malformed ``HP_TRAIN_INJECT_STALL``.
+        RuntimeError: ``npu`` without an importable ``torch_npu``.
     """
-    if device_type not in _BACKENDS:
-        raise ValueError(f"device must be one of {sorted(_BACKENDS)}, got {device_type!r}")
+    # hp-dtensor's one backend table; it also loads torch_npu for "npu" (registering the device
+    # and HCCL) and names the device types it takes.
+    backend = backend_for(device_type)
     timeout = _timeout(timeout_s)
-    if device_type == "npu":
-        importlib.import_module("torch_npu")  # registers the npu device and HCCL
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if device_type == "cpu":
         device = torch.device("cpu")
@@ -167,7 +166,6 @@ def init_runtime(
         device = torch.device(device_type, local_rank)
         torch.get_device_module(device_type).set_device(device)
     if not dist.is_initialized():
-        backend = _BACKENDS[device_type]
         if "RANK" in os.environ:
             stall = _stall_hook(int(os.environ["RANK"]))
             device_id = None if device_type == "cpu" else device
