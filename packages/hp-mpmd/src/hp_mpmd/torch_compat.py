@@ -352,6 +352,7 @@ class _SingleStage(_Schedule):
         output_merge_spec: object = None,
         scale_grads: bool = True,
     ) -> None:
+        self._check_microbatches(stage, n_microbatches)
         _refuse_spec("args_chunk_spec", args_chunk_spec)
         _refuse_spec("kwargs_chunk_spec", kwargs_chunk_spec)
         _refuse_spec("output_merge_spec", output_merge_spec)
@@ -362,6 +363,10 @@ class _SingleStage(_Schedule):
             )
         self._stage = stage
         super().__init__([stage], n_microbatches, loss_fn, scale_grads)
+
+    def _check_microbatches(self, stage: PipelineStage, n_microbatches: int) -> None:
+        """A schedule's own rule on the microbatch count (none by default)."""
+        del stage, n_microbatches
 
 
 class ScheduleGPipe(_SingleStage):
@@ -375,30 +380,12 @@ class Schedule1F1B(_SingleStage):
     """1F1B (``hp_mpmd.schedules.one_f_one_b``); ``ValueError`` with fewer microbatches than
     stages, as torch."""
 
-    def __init__(
-        self,
-        stage: PipelineStage,
-        n_microbatches: int,
-        loss_fn: Callable[..., torch.Tensor] | None = None,
-        args_chunk_spec: object = None,
-        kwargs_chunk_spec: object = None,
-        output_merge_spec: object = None,
-        scale_grads: bool = True,
-    ) -> None:
+    def _check_microbatches(self, stage: PipelineStage, n_microbatches: int) -> None:
         if n_microbatches < stage.num_stages:
             raise ValueError(
                 f"Number of microbatches ({n_microbatches}) must be greater than or equal to "
                 f"the number of stages ({stage.num_stages})."
             )
-        super().__init__(
-            stage,
-            n_microbatches,
-            loss_fn,
-            args_chunk_spec,
-            kwargs_chunk_spec,
-            output_merge_spec,
-            scale_grads,
-        )
 
     def _plan(self) -> SchedulePlan:
         return one_f_one_b(self._stage.num_stages, self._n_microbatches)
