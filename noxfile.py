@@ -664,7 +664,7 @@ def demo(session: nox.Session) -> None:
     tokenizer = out / "tokenizer"
     if not (tokenizer / "tokenizer.json").is_file():
         session.run(
-            "python", "-m", "hp_train.tokenizer", "train", "--data", "pydoc",
+            "python", "-m", "hp_train.data.tokenizer", "train", "--data", "pydoc",
             "--vocab-size", DEMO_VOCAB, "--eval-fraction", "0.1", "--out", str(tokenizer),
             env=TEST_ENV,
         )  # fmt: skip

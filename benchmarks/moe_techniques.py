@@ -99,10 +99,10 @@ def _reset_rss_peak() -> bool:
 
 def _held_bytes_rank() -> dict[str, list[Any]]:
     """Per variant, every rank's activation bytes (device, host) and RSS rise of one step."""
-    from hp_train.cli import parse
-    from hp_train.data import build_data
-    from hp_train.model import Transformer, lm_loss
-    from hp_train.parallelize import build_layout, parallelize
+    from hp_train.config.cli import parse
+    from hp_train.data.loader import build_data
+    from hp_train.model.llama import Transformer, lm_loss
+    from hp_train.parallel.parallelize import build_layout, parallelize
     from hp_train.trainer import data_spec, run_tokenizer
 
     out: dict[str, list[Any]] = {}

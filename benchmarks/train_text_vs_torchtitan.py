@@ -6,11 +6,11 @@ heads, SwiGLU hidden 768, vocabulary 2048 (6,163,712 parameters, counted on both
 checked equal) -- in fp32, FSDP over 2 local gloo ranks (``dp_shard=2``, one thread each),
 sequences of 256 tokens, 4 per rank (2,048 tokens per step), for 60 steps (``--steps``).
 
-The text: a byte-level BPE of 2,048 tokens (:func:`hp_train.tokenizer.train_bpe`) is trained on
+The text: a byte-level BPE of 2,048 tokens (:func:`hp_train.data.tokenizer.train_bpe`) is trained on
 the training split of hp-train's built-in ``pydoc`` data (CPython's documentation topics,
 10 % of the documents held out: ``training_texts(DataSpec(source="pydoc",
 eval_fraction=0.1), seed=0)``) into a temporary folder. Both trainers are fed the batches of
-hp-train's :class:`~hp_train.data.TrainData` for that data and tokenizer: step ``s`` (from 0)
+hp-train's :class:`~hp_train.data.loader.TrainData` for that data and tokenizer: step ``s`` (from 0)
 is ``TrainData.batch(s, global_batch=8, dp_rank, dp_size=2)`` on each rank. Every batch each
 trainer takes is hashed (inputs and targets, per step and rank) and the script stops with an
 error unless both trainers saw the same tokens at every step.
@@ -18,7 +18,7 @@ error unless both trainers saw the same tokens at every step.
 What runs is each trainer's own loop, configured through its own API:
 
 * hp-train: :func:`hp_train.trainer.train` (what ``python -m hp_train`` runs) of the command
-  line :func:`hp_train.cli.parse` reads from ``--data pydoc --tokenizer DIR --eval-fraction 0.1
+  line :func:`hp_train.config.cli.parse` reads from ``--data pydoc --tokenizer DIR --eval-fraction 0.1
   --optimizer adamw --dp-shard 2`` and the sizes above; the rotary base is set to torchtitan's
   500,000 (hp-train's command line has no flag for it). The loss of every step is the global
   mean its ``Summary`` returns; learning rates and step times come from its ``metrics.jsonl``
@@ -57,7 +57,7 @@ own scheme, so the curves start apart and their difference measures that and the
 together), the model code, the FSDP implementations and the loss kernel (torchtitan's chunked
 cross-entropy).
 
-Peak memory is the same measure for both: :func:`hp_train.metrics.peak_memory_bytes` on the
+Peak memory is the same measure for both: :func:`hp_train.observe.metrics.peak_memory_bytes` on the
 CPU, the peak resident set size of each rank's process (``ru_maxrss``: all of the process's
 memory, which cannot be reset). So each trainer runs in fresh rank processes of its own
 (hp-train first, then torchtitan); the table also gives each rank's peak before the trainer
@@ -80,7 +80,7 @@ so and exits 0.
 Run: ``nox -s bench -- train_text_vs_torchtitan.py`` (or, in the dev venv,
 ``OMP_NUM_THREADS=1 PYTHONDONTWRITEBYTECODE= python benchmarks/train_text_vs_torchtitan.py``).
 ``--steps N`` changes the number of steps (default 60, at least ``WARMUP + 3``);
-``--plot FILE.png`` also draws both loss curves (:func:`hp_train.plot.write_curves`). About 5
+``--plot FILE.png`` also draws both loss curves (:func:`hp_train.observe.plot.write_curves`). About 5
 minutes on 2 busy cores (80 steps took 7 minutes under a load of 4 and 13 under a load of 8).
 """
 
@@ -154,7 +154,7 @@ def hp_train_args(tokenizer: str, out: str, steps: int) -> list[str]:
 
 def _parsed(args: list[str]) -> tuple[Any, Any, Any, Any]:
     """(model, parallel, train config, run options) of ``args``, the rotary base torchtitan's."""
-    from hp_train.cli import parse
+    from hp_train.config.cli import parse
 
     model, parallel, config, options, _ = parse(args, DP)
     return dataclasses.replace(model, rope_theta=ROPE_THETA), parallel, config, options
@@ -166,10 +166,10 @@ def _parsed(args: list[str]) -> tuple[Any, Any, Any, Any]:
 
 
 def record_batches() -> dict[int, str]:
-    """From now on in this process, every :meth:`hp_train.data.TrainData.batch` call's result
+    """From now on in this process, every :meth:`hp_train.data.loader.TrainData.batch` call's result
     is hashed into the returned dict (step -> sha256 of inputs and targets); the batches
     themselves are unchanged."""
-    from hp_train.data import Batch, TrainData
+    from hp_train.data.loader import Batch, TrainData
 
     digests: dict[int, str] = {}
     serve = TrainData.batch
@@ -195,13 +195,13 @@ def _gathered(value: Any) -> list[Any]:
 def _start_peak() -> int:
     """The rank's peak before its trainer runs: after importing torch, this script and
     hp-train's command line (which imports hp-train's trainer), as both sides need."""
-    import hp_train.cli  # noqa: F401
+    import hp_train.config.cli  # noqa: F401
 
     return _peak()
 
 
 def _peak() -> int:
-    from hp_train.metrics import peak_memory_bytes
+    from hp_train.observe.metrics import peak_memory_bytes
 
     peak = peak_memory_bytes("cpu")
     if peak is None:
@@ -216,7 +216,7 @@ def _peak() -> int:
 
 def _hp_train_rank(tokenizer: str, folder: str, steps: int) -> dict[str, Any]:
     start_peak = _start_peak()
-    from hp_train.model import Transformer
+    from hp_train.model.llama import Transformer
     from hp_train.runtime import init_runtime
     from hp_train.trainer import train
 
@@ -251,7 +251,7 @@ def text_components(args: list[str]) -> tuple[Any, Any]:
 
     The dataloader's ``i``-th batch (``i`` from 0; its checkpoint state) on data-parallel rank
     ``r`` of ``n`` is ``({"input": inputs}, targets)`` of ``TrainData.batch(i, global_batch,
-    r, n)`` of :func:`hp_train.data.build_data` for ``args``' data, tokenizer, ``seq_len`` and
+    r, n)`` of :func:`hp_train.data.loader.build_data` for ``args``' data, tokenizer, ``seq_len`` and
     seed: the tokens hp-train's trainer takes at step ``i``.
 
     Raises (when built): ValueError where torchtitan's batch shape, step count or tokenizer
@@ -278,7 +278,7 @@ def text_components(args: list[str]) -> tuple[Any, Any]:
             local_batch_size: int,
             **kwargs: Any,
         ) -> None:
-            from hp_train.data import build_data
+            from hp_train.data.loader import build_data
             from hp_train.trainer import data_spec, run_tokenizer
 
             _, _, train_config, _ = _parsed(list(config.hp_train_args))
@@ -401,7 +401,7 @@ def _options(argv: list[str]) -> argparse.Namespace:
 
 
 def _plot(path: Path, runs: dict[str, dict[str, Any]]) -> None:
-    from hp_train.plot import write_curves
+    from hp_train.observe.plot import write_curves
 
     series = {
         t: [(float(s + 1), loss) for s, loss in enumerate(runs[t]["losses"])] for t in TRAINERS
@@ -413,8 +413,8 @@ def _plot(path: Path, runs: dict[str, dict[str, Any]]) -> None:
 
 
 def _train_tokenizer(folder: Path) -> tuple[str, float]:
-    from hp_train.data import DataSpec, training_texts
-    from hp_train.tokenizer import train_bpe
+    from hp_train.data.loader import DataSpec, training_texts
+    from hp_train.data.tokenizer import train_bpe
 
     began = time.perf_counter()
     texts = training_texts(DataSpec(source=DATA, eval_fraction=EVAL_FRACTION), seed=SEED)
@@ -508,7 +508,7 @@ def _print_report(runs: dict[str, dict[str, Any]], summary: dict[str, Any], step
         f"{t} {'/'.join(f'{m:.0f}' for m in summary[t]['start_mib'])}" for t in TRAINERS
     )
     print(
-        f"peak RSS = ru_maxrss of each rank's process (hp_train.metrics.peak_memory_bytes); "
+        f"peak RSS = ru_maxrss of each rank's process (hp_train.observe.metrics.peak_memory_bytes); "
         f"at the trainer's start (MiB, rank 0/1): {starts}"
     )
     print(f"\n{'step':>5} {'torchtitan':>11} {'hp-train':>10} {'hp - tt':>9}")

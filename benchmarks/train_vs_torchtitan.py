@@ -142,8 +142,8 @@ def _torchtitan_rank(layout: Layout, folder: str) -> dict[str, Any]:
 
 
 def _hp_train_rank(layout: Layout, folder: str) -> dict[str, Any]:
-    from hp_train.config import ModelConfig, ParallelConfig, TrainConfig
-    from hp_train.model import Transformer
+    from hp_train.config.schema import ModelConfig, ParallelConfig, TrainConfig
+    from hp_train.model.llama import Transformer
     from hp_train.runtime import init_runtime
     from hp_train.trainer import RunOptions, train
 

@@ -4,7 +4,8 @@ intermediate output, two forwards, a penalty on replicated parameters, two backw
 activation checkpointing (non-reentrant and reentrant, inside the model and around the
 caller's own block calls).
 
-World 2, tensor parallelism 2 (``hp_train.parallelize.tp_plan``, production mode), on a dense
+World 2, tensor parallelism 2 (``hp_train.parallel.parallelize.tp_plan``, production mode), on a
+dense
 model with grouped-query attention and qk-norms, a tied-embedding model (the head reads the
 embedding's weight directly) and an MoE model (routed and shared experts replicated over tp,
 the load-balancing loss seeded on tp rank 0 as the trainer does); fp32, every gradient within
@@ -25,10 +26,10 @@ from hp_dtensor.parallel.equivalence import full_value
 from hp_layout import Mesh
 from hp_testing import run_on_ranks
 from hp_testing.call_paths import PATHS, worst_gradient_error
-from hp_train.config import ModelConfig, MoEConfig
-from hp_train.expert import seed_aux_loss_once
-from hp_train.model import Transformer
-from hp_train.parallelize import tp_plan
+from hp_train.config.schema import ModelConfig, MoEConfig
+from hp_train.model.llama import Transformer
+from hp_train.parallel.expert import seed_aux_loss_once
+from hp_train.parallel.parallelize import tp_plan
 
 MODELS = {
     "dense": ModelConfig(

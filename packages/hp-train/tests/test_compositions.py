@@ -29,8 +29,8 @@ import pytest
 import torch
 
 from hp_testing import run_on_ranks
-from hp_train.combinations import REFUSALS, check_combination, combination_table
-from hp_train.config import ConfigError, ModelConfig, MoEConfig, ParallelConfig, TrainConfig
+from hp_train.config.combinations import REFUSALS, check_combination, combination_table
+from hp_train.config.schema import ConfigError, ModelConfig, MoEConfig, ParallelConfig, TrainConfig
 from hp_train.runtime import init_runtime
 from hp_train.trainer import RunOptions, train
 
@@ -86,7 +86,7 @@ def _run(
     collectives by purpose."""
     from hp_fsdp.counting import CountingMode
     from hp_offload import OffloadedOptimizer, Swapper
-    from hp_train.model import Attention
+    from hp_train.model.llama import Attention
 
     runtime = init_runtime("cpu", threads=1)
     folder = Path(out) / f"rank{runtime.rank}"
@@ -381,7 +381,7 @@ def test_readme_table_of_refused_pairs_is_the_code() -> None:
 
 
 def test_command_line_sets_every_technique() -> None:
-    from hp_train.cli import parse
+    from hp_train.config.cli import parse
 
     argv = [
         "--cp", "2", "--cp-variant", "ulysses", "--grad-accum", "2", "--clip-grad-norm", "1",
@@ -428,7 +428,7 @@ def _resume_args(kind: str) -> list[str]:
 
 
 def _train_on_pool_rank(argv: list[str]) -> dict[int, float]:
-    from hp_train.cli import parse
+    from hp_train.config.cli import parse
 
     runtime = init_runtime("cpu", threads=1)
     model, parallel, config, options, _ = parse(argv, runtime.world_size)

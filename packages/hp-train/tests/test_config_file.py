@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from hp_train.cli import _TABLES, _parser, parse, parse_args, resolved_options
-from hp_train.config import ConfigError, ModelConfig, ParallelConfig, TrainConfig
-from hp_train.config_file import dump_toml, option_tables
-from hp_train.run_record import resume_conflicts, run_record
+from hp_train.config.cli import _TABLES, _parser, parse, parse_args, resolved_options
+from hp_train.config.schema import ConfigError, ModelConfig, ParallelConfig, TrainConfig
+from hp_train.config.toml_file import dump_toml, option_tables
+from hp_train.observe.run_record import resume_conflicts, run_record
 
 
 def _write(tmp_path: Path, text: str) -> Path:

@@ -22,10 +22,10 @@ import pyarrow.parquet as pq  # type: ignore[import-untyped,unused-ignore]
 import pytest
 import torch
 
-from hp_train.config import ConfigError
-from hp_train.data import Batch, DataSpec, TrainData, build_data, is_held_out, training_texts
-from hp_train.documents import open_documents
-from hp_train.tokenizer import ByteTokenizer
+from hp_train.config.schema import ConfigError
+from hp_train.data.documents import open_documents
+from hp_train.data.loader import Batch, DataSpec, TrainData, build_data, is_held_out, training_texts
+from hp_train.data.tokenizer import ByteTokenizer
 
 BYTES = ByteTokenizer()
 EOS = BYTES.eos_id
@@ -411,7 +411,9 @@ def test_streaming_left_to_the_size(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     """``streaming=None`` loads an input up to the threshold and streams a larger one."""
     source = _write_jsonl(tmp_path / "d.jsonl", _letter_docs(10))
     assert "1 json file, 0.0 MB, loaded" in _build(source).describe()
-    monkeypatch.setattr("hp_train.documents.STREAMING_THRESHOLD_BYTES", source.stat().st_size - 1)
+    monkeypatch.setattr(
+        "hp_train.data.documents.STREAMING_THRESHOLD_BYTES", source.stat().st_size - 1
+    )
     line = _build(source).describe()
     assert "1 json file, 0.0 MB, streamed): documents and tokens counted as they are read" in line
 

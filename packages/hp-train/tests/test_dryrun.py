@@ -10,7 +10,7 @@ import torch
 
 from hp_layout import Topology, plan_flat_buffer
 from hp_muon import split_params
-from hp_train.config import ModelConfig, MoEConfig, ParallelConfig, TrainConfig
+from hp_train.config.schema import ModelConfig, MoEConfig, ParallelConfig, TrainConfig
 from hp_train.dryrun import (
     MODEL_PRESETS,
     MOE_505B_PARAMS,
@@ -27,7 +27,7 @@ from hp_train.dryrun import (
     topology_preset,
 )
 from hp_train.dryrun.cli import main
-from hp_train.model import Transformer
+from hp_train.model.llama import Transformer
 from hp_train.optim import ROUTER_PATTERNS
 
 MOE_TINY = ModelConfig(n_layers=4, moe=MoEConfig(n_experts=4, top_k=2, n_shared_experts=1))

@@ -24,7 +24,7 @@ import math
 import pytest
 
 from hp_layout import Collective, Tier, Topology
-from hp_train.config import ModelConfig, MoEConfig, ParallelConfig
+from hp_train.config.schema import ModelConfig, MoEConfig, ParallelConfig
 from hp_train.dryrun import (
     BF16_MIXED,
     Device,

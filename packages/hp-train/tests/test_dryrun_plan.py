@@ -20,9 +20,9 @@ import torch.distributed as dist
 from hp_dtensor.contract import layout_of
 from hp_layout import Replicate, Shard
 from hp_testing import run_on_ranks
-from hp_train import cli as train_cli
-from hp_train import presets
-from hp_train.config import ConfigError, ModelConfig, MoEConfig, ParallelConfig, TrainConfig
+from hp_train.config import cli as train_cli
+from hp_train.config import presets
+from hp_train.config.schema import ConfigError, ModelConfig, MoEConfig, ParallelConfig, TrainConfig
 from hp_train.dryrun import (
     MODEL_PRESETS,
     DryRunError,
@@ -38,9 +38,9 @@ from hp_train.dryrun import (
 )
 from hp_train.dryrun.cli import main
 from hp_train.dryrun.shapes import stage_layers
-from hp_train.model import Transformer
-from hp_train.parallelize import build_layout, check_model_fits, parallelize
-from hp_train.pipeline import keep_stage, stage_boundaries
+from hp_train.model.llama import Transformer
+from hp_train.parallel.parallelize import build_layout, check_model_fits, parallelize
+from hp_train.parallel.pipeline import keep_stage, stage_boundaries
 
 TINY = MODEL_PRESETS["tiny"].model
 TINY_MOE = MODEL_PRESETS["tiny-moe"].model

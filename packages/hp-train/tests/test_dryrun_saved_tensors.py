@@ -2,7 +2,7 @@
 
 The oracle is torch's autograd: hp-offload's ``ActivationMeter`` counts every storage autograd
 saves for backward (through ``saved_tensors_hooks``) on the device and in host memory, and the
-trainer's own wrappers (:func:`hp_train.activations.apply_activation_policy`) apply each
+trainer's own wrappers (:func:`hp_train.parallel.activations.apply_activation_policy`) apply each
 checkpointing policy and the swap. The inputs reach where the model's terms differ: grouped
 key/value heads, per-head q/k norms, an MoE block with a shared expert and ``top_k < E``, bf16
 next to fp32 (the norms' reciprocal RMS and the router's scores follow the compute dtype), and
@@ -15,11 +15,11 @@ import pytest
 import torch
 
 from hp_offload.memory import ActivationMeter, Place, Token
-from hp_train.activations import SWAP_MIN_BYTES, apply_activation_policy
-from hp_train.config import ModelConfig, MoEConfig, TrainConfig
+from hp_train.config.schema import ModelConfig, MoEConfig, TrainConfig
 from hp_train.dryrun.activation import block_activations, kept_activations
 from hp_train.dryrun.workload import BF16_MIXED, FP32, head_activation_bytes
-from hp_train.model import Transformer, lm_loss
+from hp_train.model.llama import Transformer, lm_loss
+from hp_train.parallel.activations import SWAP_MIN_BYTES, apply_activation_policy
 
 BATCH, SEQ = 4, 16
 TOKENS = BATCH * SEQ

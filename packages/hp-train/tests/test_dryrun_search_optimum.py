@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 
 from hp_layout import Topology
-from hp_train.config import ModelConfig, MoEConfig, ParallelConfig
+from hp_train.config.schema import ModelConfig, MoEConfig, ParallelConfig
 from hp_train.dryrun import DryRun, DryRunError, SearchSpace, StepShape, dry_run, search
 
 MOE = ModelConfig(

@@ -11,15 +11,15 @@ import pytest
 
 from hp_layout import Topology
 from hp_mpmd.simulate import simulate
-from hp_train.combinations import REFUSALS
-from hp_train.config import ModelConfig, MoEConfig, ParallelConfig
+from hp_train.config.combinations import REFUSALS
+from hp_train.config.schema import ModelConfig, MoEConfig, ParallelConfig
 from hp_train.dryrun import DryRun, DryRunError, StepShape, cli, dry_run, fsdp_groups, search
 from hp_train.dryrun.cli import build_parser, main
 from hp_train.dryrun.memory import GIB
 from hp_train.dryrun.presets import device_for
 from hp_train.dryrun.reproduce import reproduce_paper
 from hp_train.dryrun.search import SearchSpace
-from hp_train.pipeline import PIPELINE_SCHEDULES
+from hp_train.parallel.pipeline import PIPELINE_SCHEDULES
 
 MOE = ModelConfig(
     dim=64,

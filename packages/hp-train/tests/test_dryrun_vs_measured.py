@@ -24,14 +24,14 @@ import torch.distributed as dist
 from hp_fsdp.counting import CountingMode, PeakMemoryMode
 from hp_offload.memory import ActivationMeter, Place, Token
 from hp_testing import run_on_ranks
-from hp_train.config import ModelConfig, MoEConfig, ParallelConfig, TrainConfig
-from hp_train.context import shard_batch
-from hp_train.data import Batch
+from hp_train.config.schema import ModelConfig, MoEConfig, ParallelConfig, TrainConfig
+from hp_train.data.loader import Batch
 from hp_train.dryrun import predict_for_run
-from hp_train.expert import moe_layers
-from hp_train.model import Transformer, lm_loss
+from hp_train.model.llama import Transformer, lm_loss
 from hp_train.optim import build_optimizer
-from hp_train.parallelize import Layout3D, build_layout, parallelize
+from hp_train.parallel.context import shard_batch
+from hp_train.parallel.expert import moe_layers
+from hp_train.parallel.parallelize import Layout3D, build_layout, parallelize
 
 MODEL = ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=4, ffn_dim=128, max_seq_len=32)
 CONFIG = TrainConfig(global_batch=4, seq_len=32, data="synthetic")

@@ -5,7 +5,7 @@ reads, ``<...>`` standing for what varies); the tests run the main job with the 
 that message in what it said (:func:`_expect`), and the README's "Faults" table is made from
 the entries (:func:`fault_table`, checked by :func:`test_readme_fault_table_is_the_cases`).
 
-The runs go through the command line's code (``hp_train.cli.parse``, then the ``Trainer``) in
+The runs go through the command line's code (``hp_train.config.cli.parse``, then the ``Trainer``) in
 the shared rank pool, as in ``test_resume.py``, at world 2 (world 4 for two cases); one job is
 launched with torchrun and one as a plain process to see the exit codes. Faults are injected
 from here: NaN into one rank's gradient, loss or weights (wrapping the trainer's methods in the
@@ -37,11 +37,11 @@ import torch.distributed as dist
 
 from hp_dtensor import DTensor
 from hp_testing import RankFailure, run_on_ranks
-from hp_train.checkpoint import MANIFEST_FILE, CheckpointError
-from hp_train.cli import EXIT_CHECKPOINT, EXIT_NONFINITE, parse
-from hp_train.config import ConfigError, TrainConfig
-from hp_train.metrics import read_metrics
-from hp_train.nonfinite import NonFiniteError
+from hp_train.checkpoint.dcp import MANIFEST_FILE, CheckpointError
+from hp_train.config.cli import EXIT_CHECKPOINT, EXIT_NONFINITE, parse
+from hp_train.config.schema import ConfigError, TrainConfig
+from hp_train.observe.metrics import read_metrics
+from hp_train.observe.nonfinite import NonFiniteError
 from hp_train.runtime import init_runtime
 from hp_train.trainer import Trainer
 from test_resume import ARGS, _checkpoint_state, _command, _env

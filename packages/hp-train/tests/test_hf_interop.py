@@ -10,7 +10,7 @@ fp32, saved with ``save_pretrained``; their norm weights and biases are drawn at
   logits (also from a sharded save with an index);
 * world 4, FSDP x TP: the same logits, and each rank read only its own pieces (counted);
 * world 4, FSDP x TP: a few AdamW steps follow one device's, the checkpoint exported by
-  ``python -m hp_train.export`` loads in transformers with the trained model's logits;
+  ``python -m hp_train.checkpoint.export`` loads in transformers with the trained model's logits;
 * bad inputs fail naming what is wrong.
 
 Tolerances are relative to the largest logit. On one rank hp-train computes transformers'
@@ -37,18 +37,10 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.tensor import DTensor
 
 from hp_testing import run_on_ranks
-from hp_train.checkpoint import save_checkpoint
-from hp_train.config import (
-    ConfigError,
-    ModelConfig,
-    MoEConfig,
-    ParallelConfig,
-    RopeScaling,
-    TrainConfig,
-)
-from hp_train.export import CONFIG_NAME
-from hp_train.export import main as export_main
-from hp_train.hf import (
+from hp_train.checkpoint.dcp import save_checkpoint
+from hp_train.checkpoint.export import CONFIG_NAME
+from hp_train.checkpoint.export import main as export_main
+from hp_train.checkpoint.hf import (
     WeightsMismatchError,
     export_hf,
     hf_config_dict,
@@ -56,11 +48,19 @@ from hp_train.hf import (
     load_hf_weights,
     read_hf_config,
 )
-from hp_train.hf.safetensors_index import SafetensorsCheckpoint
-from hp_train.model import Transformer
+from hp_train.checkpoint.hf.safetensors_index import SafetensorsCheckpoint
+from hp_train.config.schema import (
+    ConfigError,
+    ModelConfig,
+    MoEConfig,
+    ParallelConfig,
+    RopeScaling,
+    TrainConfig,
+)
+from hp_train.model.llama import Transformer
 from hp_train.optim import build_optimizer
-from hp_train.parallelize import build_layout, check_model_fits, parallelize
-from hp_train.pipeline import keep_stage, stage_boundaries
+from hp_train.parallel.parallelize import build_layout, check_model_fits, parallelize
+from hp_train.parallel.pipeline import keep_stage, stage_boundaries
 
 VOCAB, SEQ, BATCH = 64, 16, 2
 ONE_RANK_TOLERANCE = 1e-6

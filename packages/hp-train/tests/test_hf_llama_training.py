@@ -19,10 +19,10 @@ from hp_dtensor.parallel.equivalence import full_value
 from hp_fsdp import fully_shard
 from hp_testing import run_on_ranks
 from hp_testing.hf import causal_lm, tp_plan_styles
-from hp_train.checkpoint import load_checkpoint, save_checkpoint
-from hp_train.config import ParallelConfig, TrainConfig
+from hp_train.checkpoint.dcp import load_checkpoint, save_checkpoint
+from hp_train.config.schema import ParallelConfig, TrainConfig
 from hp_train.optim import build_optimizer
-from hp_train.parallelize import Layout3D, build_layout
+from hp_train.parallel.parallelize import Layout3D, build_layout
 
 BATCH, SEQ, STEPS = 4, 8, 4
 TRAIN = TrainConfig(steps=STEPS, optimizer="muon", muon_lr=0.02, lr=3e-3)

@@ -1,4 +1,5 @@
-"""``python -m hp_train --init-from HF_DIR`` and ``python -m hp_train.export``, end to end as
+"""``python -m hp_train --init-from HF_DIR`` and ``python -m hp_train.checkpoint.export``, end to
+end as
 the command line parses them, at world 4 under FSDP x TP: the first step's loss is
 transformers' loss of the checkpoint on that batch; after three steps the exported folder,
 loaded by transformers' ``from_pretrained``, gives the held-out loss hp-train reported."""
@@ -14,11 +15,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from hp_testing import run_on_ranks
-from hp_train.cli import parse
-from hp_train.data import DataSpec, build_data
-from hp_train.export import main as export_main
+from hp_train.checkpoint.export import main as export_main
+from hp_train.config.cli import parse
+from hp_train.data.loader import DataSpec, build_data
+from hp_train.data.tokenizer import ByteTokenizer
 from hp_train.runtime import init_runtime
-from hp_train.tokenizer import ByteTokenizer
 from hp_train.trainer import train
 
 SEQ, BATCH, STEPS = 16, 4, 3

@@ -1,4 +1,5 @@
-"""Tests for hp_train.logs: rank 0's console, every rank's file, idempotent setup, warnings."""
+"""Tests for hp_train.observe.logs: rank 0's console, every rank's file, idempotent setup,
+warnings."""
 
 from __future__ import annotations
 
@@ -14,8 +15,8 @@ import pytest
 import torch.distributed as dist
 
 from hp_testing import run_on_ranks
-from hp_train.logs import LOGGER_NAME, close_logging, log_file, setup_logging
-from hp_train.progress import ProgressBar
+from hp_train.observe.logs import LOGGER_NAME, close_logging, log_file, setup_logging
+from hp_train.observe.progress import ProgressBar
 
 # A file line: "2031-01-02 03:04:05,678 rank 1 INFO hp_train.trainer: message".
 FILE_LINE = re.compile(
@@ -89,12 +90,12 @@ def test_quiet_keeps_warnings_on_the_console_and_everything_in_the_file(
 ) -> None:
     logger = setup_logging(tmp_path, 0, quiet=True)
     assert logger.name == LOGGER_NAME
-    logging.getLogger("hp_train.data").info("read 3 files")
-    logging.getLogger("hp_train.data").error("file 4 is empty")
+    logging.getLogger("hp_train.data.loader").info("read 3 files")
+    logging.getLogger("hp_train.data.loader").error("file 4 is empty")
     assert capsys.readouterr().err == "ERROR: file 4 is empty\n"
     assert [line[1:] for line in file_lines(tmp_path, 0)] == [
-        ("INFO", "hp_train.data", "read 3 files"),
-        ("ERROR", "hp_train.data", "file 4 is empty"),
+        ("INFO", "hp_train.data.loader", "read 3 files"),
+        ("ERROR", "hp_train.data.loader", "file 4 is empty"),
     ]
 
 

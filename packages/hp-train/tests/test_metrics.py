@@ -1,4 +1,4 @@
-"""Tests for hp_train.metrics: JSON Lines round trip, JSON-safe values, peak memory."""
+"""Tests for hp_train.observe.metrics: JSON Lines round trip, JSON-safe values, peak memory."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from hp_train.metrics import (
+from hp_train.observe.metrics import (
     NONFINITE_KEY,
     MetricsWriter,
     peak_memory_bytes,

@@ -10,16 +10,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from hp_train.checkpoint import latest_checkpoint
-from hp_train.cli import parse
-from hp_train.config import ConfigError, ModelConfig, MoEConfig, ParallelConfig, TrainConfig
-from hp_train.data import DataSpec, TrainData, build_data
-from hp_train.documents import corpus_documents
-from hp_train.model import Transformer, moe_feed_forward
-from hp_train.monitor import divergent_ranks, layer_of
+from hp_train.checkpoint.dcp import latest_checkpoint
+from hp_train.config.cli import parse
+from hp_train.config.schema import ConfigError, ModelConfig, MoEConfig, ParallelConfig, TrainConfig
+from hp_train.data.documents import corpus_documents
+from hp_train.data.loader import DataSpec, TrainData, build_data
+from hp_train.data.tokenizer import ByteTokenizer
+from hp_train.model.llama import Transformer, moe_feed_forward
+from hp_train.observe.monitor import divergent_ranks, layer_of
 from hp_train.optim import build_optimizer, build_schedule, lr_factor
-from hp_train.parallelize import check_model_fits, tp_plan
-from hp_train.tokenizer import ByteTokenizer
+from hp_train.parallel.parallelize import check_model_fits, tp_plan
 from hp_train.trainer import check_vocabulary
 
 
@@ -67,9 +67,9 @@ def test_microbatches_need_a_pipeline_and_divide_the_rank_batch() -> None:
 
 
 def test_pipeline_stages_keep_global_names_and_balance_blocks() -> None:
-    from hp_train.model import Transformer
-    from hp_train.parallelize import tp_plan
-    from hp_train.pipeline import keep_stage, stage_boundaries
+    from hp_train.model.llama import Transformer
+    from hp_train.parallel.parallelize import tp_plan
+    from hp_train.parallel.pipeline import keep_stage, stage_boundaries
 
     config = ModelConfig(n_layers=5, moe=MoEConfig(every=2))
     bounds = stage_boundaries(config, 2)

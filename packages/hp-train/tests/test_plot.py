@@ -1,4 +1,4 @@
-"""Tests for hp_train.plot: the PNG matplotlib writes, read back through PIL.
+"""Tests for hp_train.observe.plot: the PNG matplotlib writes, read back through PIL.
 
 Where a line should be, the test asks the figure itself (the same figure ``curves_figure``
 builds for the same arguments) for the pixel of a data point, then looks at that pixel of the
@@ -23,8 +23,8 @@ from matplotlib.figure import Figure
 from matplotlib.legend import Legend
 from PIL import Image
 
-import hp_train.plot as plot
-from hp_train.plot import (
+import hp_train.observe.plot as plot
+from hp_train.observe.plot import (
     MISSING_MATPLOTLIB,
     PALETTE,
     curves_figure,
@@ -217,7 +217,7 @@ def test_the_users_matplotlib_state_is_left_alone(tmp_path: Path) -> None:
         import matplotlib
         matplotlib.rcParams["lines.linewidth"] = 7.0
         before = dict(dict.items(matplotlib.rcParams))
-        from hp_train.plot import write_curves
+        from hp_train.observe.plot import write_curves
         assert write_curves({str(tmp_path / "p.png")!r}, {{"a": [(0, 1), (1, 2)]}},
                             title="t", x_label="x", y_label="y")
         assert "matplotlib.pyplot" not in sys.modules, "pyplot was imported"
@@ -248,7 +248,7 @@ def test_without_matplotlib_nothing_is_written_and_it_is_said_once(
     assert list(tmp_path.iterdir()) == []
     said = [r for r in caplog.records if r.name.startswith("hp_train")]
     assert [(r.name, r.levelno, r.getMessage()) for r in said] == [
-        ("hp_train.plot", logging.WARNING, MISSING_MATPLOTLIB)
+        ("hp_train.observe.plot", logging.WARNING, MISSING_MATPLOTLIB)
     ]
     assert "pip install 'hp-train[plot]'" in MISSING_MATPLOTLIB
     with pytest.raises(ModuleNotFoundError, match=r"hp-train\[plot\]"):

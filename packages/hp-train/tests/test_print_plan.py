@@ -22,8 +22,8 @@ import pytest
 import torch.distributed as dist
 
 from hp_testing import run_on_ranks
-from hp_train.cli import main, parse
-from hp_train.run_plan import PLAN_FILE, resolve_run_plans
+from hp_train.config.cli import main, parse
+from hp_train.parallel.run_plan import PLAN_FILE, resolve_run_plans
 from hp_train.runtime import init_runtime
 from hp_train.trainer import train
 

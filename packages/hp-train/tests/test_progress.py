@@ -1,4 +1,5 @@
-"""Tests for hp_train.progress: tqdm's redraws on a TTY, whole lines in a log, rank gating."""
+"""Tests for hp_train.observe.progress: tqdm's redraws on a TTY, whole lines in a log, rank
+gating."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import re
 import pytest
 import torch
 
-from hp_train.progress import ProgressBar, format_value
+from hp_train.observe.progress import ProgressBar, format_value
 
 
 class FakeTTY(io.StringIO):

@@ -3,7 +3,7 @@ that was never interrupted; resume at another world size or layout.
 
 The killed job and its rerun are launched with torchrun (``python -m torch.distributed.run``)
 as a user would, in subprocesses. The other runs run the same command line's code
-(``hp_train.cli.parse``, then ``train``) in the shared rank pool: a launch spends most of its
+(``hp_train.config.cli.parse``, then ``train``) in the shared rank pool: a launch spends most of its
 time importing torch into every rank, and the pool has done that once for the session."""
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from hp_testing import run_on_ranks
-from hp_train.checkpoint import latest_checkpoint
-from hp_train.cli import parse
-from hp_train.metrics import read_metrics
+from hp_train.checkpoint.dcp import latest_checkpoint
+from hp_train.config.cli import parse
+from hp_train.observe.metrics import read_metrics
 from hp_train.runtime import init_runtime
 from hp_train.trainer import train
 
@@ -106,7 +106,7 @@ def _assert_identical(got: object, want: object, where: str = "") -> None:
 
 def _train_on_pool_rank(argv: list[str]) -> int:
     """What ``torchrun ... -m hp_train *argv`` runs on each rank, in the rank pool's process
-    group (``hp_train.cli.main`` would destroy it at the end); returns the step it started
+    group (``hp_train.config.cli.main`` would destroy it at the end); returns the step it started
     at."""
     runtime = init_runtime("cpu", threads=1)
     model, parallel, config, options, _ = parse(argv, runtime.world_size)

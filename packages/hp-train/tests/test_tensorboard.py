@@ -1,4 +1,4 @@
-"""Tests for hp_train.tensorboard: event files read back by TensorBoard's own reader."""
+"""Tests for hp_train.observe.tensorboard: event files read back by TensorBoard's own reader."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from tensorboard.backend.event_processing.event_accumulator import (  # type: ig
     EventAccumulator,
 )
 
-from hp_train.config import ConfigError
-from hp_train.tensorboard import (
+from hp_train.config.schema import ConfigError
+from hp_train.observe.tensorboard import (
     EVAL_LOSS,
     EVAL_PERPLEXITY,
     GRAD_NORM,

@@ -1,6 +1,6 @@
 """hp-train's tokenizers: the byte tokenizer, a byte-level BPE trained on the documentation
 topics every CPython ships (pydoc_data), loaded back by hp-train and by transformers, and the
-``python -m hp_train.tokenizer train`` command line (trained on the training split only)."""
+``python -m hp_train.data.tokenizer train`` command line (trained on the training split only)."""
 
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ from pydoc_data.topics import topics  # type: ignore[import-untyped,unused-ignor
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from hp_train.config import ConfigError
-from hp_train.data import is_held_out
-from hp_train.tokenizer import (
+from hp_train.config.schema import ConfigError
+from hp_train.data.loader import is_held_out
+from hp_train.data.tokenizer import (
     EOS_TOKEN,
     ByteTokenizer,
     HFTokenizer,
@@ -25,7 +25,7 @@ from hp_train.tokenizer import (
     load_tokenizer,
     train_bpe,
 )
-from hp_train.tokenizer.cli import main
+from hp_train.data.tokenizer.cli import main
 
 PYDOC = [str(topics[name]) for name in sorted(topics)]
 SAMPLES = [
@@ -209,14 +209,14 @@ def test_cli_bad_input_exits_2_with_the_reason(
     argv = ["train", *(a.replace("{rows}", str(rows)) for a in args), "--out", str(tmp_path / "o")]
     assert main(argv) == 2
     err = capsys.readouterr().err
-    assert err.startswith("python -m hp_train.tokenizer train: error: ")
+    assert err.startswith("python -m hp_train.data.tokenizer train: error: ")
     assert message in err
 
 
 def test_module_entry_point(tmp_path: Path) -> None:
-    """``python -m hp_train.tokenizer train`` in a subprocess, end to end, and its exit 2."""
+    """``python -m hp_train.data.tokenizer train`` in a subprocess, end to end, and its exit 2."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-    command = [sys.executable, "-m", "hp_train.tokenizer", "train", "--data", "pydoc"]
+    command = [sys.executable, "-m", "hp_train.data.tokenizer", "train", "--data", "pydoc"]
     done = subprocess.run(
         [*command, "--vocab-size", "300", "--out", str(tmp_path / "t")],
         capture_output=True, text=True, env=env, timeout=120, check=False,

@@ -14,12 +14,12 @@ import numpy as np
 import pytest
 import torch
 
-from hp_train.config import ModelConfig, RopeScaling, TrainConfig
-from hp_train.model import Transformer, lm_loss, rotary_inverse_frequencies
-from hp_train.monitor import clip_grads_to_norm_, global_grad_norm, local_norms
+from hp_train.config.schema import ModelConfig, RopeScaling, TrainConfig
+from hp_train.data.order import is_held_out, mix64, permutation
+from hp_train.data.packing import MemoryRows, eval_tokens
+from hp_train.model.llama import Transformer, lm_loss, rotary_inverse_frequencies
+from hp_train.observe.monitor import clip_grads_to_norm_, global_grad_norm, local_norms
 from hp_train.optim import build_optimizer, build_schedule, lr_factor
-from hp_train.order import is_held_out, mix64, permutation
-from hp_train.packing import MemoryRows, eval_tokens
 
 
 def _factor(step: int, steps: int, warmup: int, floor: float) -> float:

@@ -18,15 +18,15 @@ import torch
 import torch.distributed as dist
 
 from hp_testing import run_on_ranks
-from hp_train.cli import parse
-from hp_train.config import ConfigError
-from hp_train.config_file import CONFIG_FILE
-from hp_train.data import DataSpec, training_texts
-from hp_train.documents import pydoc_documents
-from hp_train.metrics import read_metrics
-from hp_train.run_record import RECORD_FILE
+from hp_train.config.cli import parse
+from hp_train.config.schema import ConfigError
+from hp_train.config.toml_file import CONFIG_FILE
+from hp_train.data.documents import pydoc_documents
+from hp_train.data.loader import DataSpec, training_texts
+from hp_train.data.tokenizer import train_bpe
+from hp_train.observe.metrics import read_metrics
+from hp_train.observe.run_record import RECORD_FILE
 from hp_train.runtime import init_runtime
-from hp_train.tokenizer import train_bpe
 from hp_train.trainer import DATA_STATE_FILE, train
 
 TINY = ["--model", "tiny", "--dim", "64", "--n-layers", "2", "--n-heads", "4", "--ffn-dim", "128"]

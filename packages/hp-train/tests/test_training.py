@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 
 from hp_testing import run_on_ranks
-from hp_train.config import ModelConfig, MoEConfig, ParallelConfig, TrainConfig
-from hp_train.data import Batch, TrainData
+from hp_train.config.schema import ModelConfig, MoEConfig, ParallelConfig, TrainConfig
+from hp_train.data.loader import Batch, TrainData
 from hp_train.runtime import init_runtime
 from hp_train.trainer import RunOptions, train
 
@@ -208,7 +208,7 @@ def test_deterministic_runs_are_bitwise_identical(tmp_path: Path) -> None:
 def test_deterministic_flag_reaches_the_config() -> None:
     """``--deterministic`` on the command line sets what the test above runs with, and its
     absence leaves it off."""
-    from hp_train.cli import parse
+    from hp_train.config.cli import parse
 
     assert parse(["--deterministic"], 4)[2].deterministic
     assert not parse([], 4)[2].deterministic
@@ -266,8 +266,8 @@ def test_pipeline_matches_one_rank(
 
 
 def test_zero_bubble_schedule_is_refused_under_fsdp() -> None:
-    from hp_train.config import PIPELINE_SCHEDULE_NAMES, ConfigError
-    from hp_train.pipeline import PIPELINE_SCHEDULES
+    from hp_train.config.schema import PIPELINE_SCHEDULE_NAMES, ConfigError
+    from hp_train.parallel.pipeline import PIPELINE_SCHEDULES
 
     assert "zbh1" not in PIPELINE_SCHEDULES
     assert set(PIPELINE_SCHEDULES) == set(PIPELINE_SCHEDULE_NAMES)

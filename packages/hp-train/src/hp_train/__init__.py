@@ -2,11 +2,11 @@
 
 ``torchrun --standalone --nproc-per-node 4 -m hp_train --dp-shard 2 --tp 2`` trains a
 Llama-style model (dense or MoE) with FSDP x TP and Muon + AdamW on local CPU ranks; see
-:mod:`hp_train.cli`. ``python -m hp_train.dryrun`` predicts memory and communication of a
+:mod:`hp_train.config.cli`. ``python -m hp_train.dryrun`` predicts memory and communication of a
 configuration at any scale without processes.
 """
 
-from hp_train.config import ConfigError, ModelConfig, MoEConfig, ParallelConfig, TrainConfig
+from hp_train.config.schema import ConfigError, ModelConfig, MoEConfig, ParallelConfig, TrainConfig
 
 __version__ = "0.1.0"
 

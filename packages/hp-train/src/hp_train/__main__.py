@@ -1,10 +1,10 @@
-"""``python -m hp_train``: the training entry point (see :mod:`hp_train.cli`)."""
+"""``python -m hp_train``: the training entry point (see :mod:`hp_train.config.cli`)."""
 
 import logging
 import os
 import sys
 
-from hp_train.cli import main
+from hp_train.config.cli import main
 
 code = main()
 # main has shut the process groups down and closed its files. Leave without the interpreter's

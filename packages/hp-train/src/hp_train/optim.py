@@ -9,7 +9,7 @@ from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
 from hp_muon import muon_with_adamw, split_params
-from hp_train.config import TrainConfig
+from hp_train.config.schema import TrainConfig
 
 __all__ = ["ROUTER_PATTERNS", "build_optimizer", "build_schedule", "lr_factor"]
 

@@ -2,20 +2,22 @@
 resume, then for every step train, monitor, evaluate, log and checkpoint; then report.
 
 Every rank runs it with the same arguments (:func:`train` is the one-call form). Rank 0 draws
-the progress bar and writes ``plan.json`` (:mod:`hp_train.run_plan`), ``config.toml`` and
-``hp_train_config.json`` (the run's configuration: :mod:`hp_train.config_file`,
-:mod:`hp_train.run_record`), ``metrics.jsonl``, ``loss.png`` (with matplotlib) and TensorBoard
+the progress bar and writes ``plan.json`` (:mod:`hp_train.parallel.run_plan`), ``config.toml`` and
+``hp_train_config.json`` (the run's configuration: :mod:`hp_train.config.toml_file`,
+:mod:`hp_train.observe.run_record`), ``metrics.jsonl``, ``loss.png`` (with matplotlib) and
+TensorBoard
 events (``--tensorboard``) into the output folder; every rank logs to
 ``<out>/logs/rank_<r>.log``; checkpoints go to ``<out>/checkpoints``, each with the data
 loader's position (``data_state.json``) and the run's configuration, so a resumed run sees
 the batches an uninterrupted one would and refuses a configuration it cannot continue.
 
 Faults: every step checks, before the optimizer step, that the global loss and gradients are
-finite (:mod:`hp_train.nonfinite`); a non-finite one stops the run with
-:class:`~hp_train.nonfinite.NonFiniteError` naming the first non-finite parameter or gradient
+finite (:mod:`hp_train.observe.nonfinite`); a non-finite one stops the run with
+:class:`~hp_train.observe.nonfinite.NonFiniteError` naming the first non-finite parameter or
+gradient
 (or, with ``skip_nonfinite``, skips the step), and no checkpoint is written from non-finite
 state. ``--resume`` loads the newest checkpoint that verifies against its manifest
-(:func:`hp_train.checkpoint.verify_checkpoint`), saying which it skipped and why.
+(:func:`hp_train.checkpoint.dcp.verify_checkpoint`), saying which it skipped and why.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ import torch.distributed as dist
 
 from hp_dtensor.watchdog import watch
 from hp_offload import OffloadedOptimizer
-from hp_train.checkpoint import (
+from hp_train.checkpoint.dcp import (
     CheckpointCorruptError,
     CheckpointError,
     StageOf,
@@ -46,15 +48,15 @@ from hp_train.checkpoint import (
     save_checkpoint,
     verify_checkpoint,
 )
-from hp_train.combinations import check_combination
-from hp_train.config import ConfigError, ModelConfig, ParallelConfig, TrainConfig
-from hp_train.config_file import CONFIG_FILE, dump_toml
-from hp_train.context import shard_batch
-from hp_train.data import Batch, DataSpec, TrainData, build_data
-from hp_train.logs import close_logging, setup_logging
-from hp_train.metrics import MetricsWriter, peak_memory_bytes, read_metrics, write_json
-from hp_train.model import Transformer, lm_loss
-from hp_train.monitor import (
+from hp_train.config.combinations import check_combination
+from hp_train.config.schema import ConfigError, ModelConfig, ParallelConfig, TrainConfig
+from hp_train.config.toml_file import CONFIG_FILE, dump_toml
+from hp_train.data.loader import Batch, DataSpec, TrainData, build_data
+from hp_train.data.tokenizer import ByteTokenizer, TextTokenizer, load_tokenizer
+from hp_train.model.llama import Transformer, lm_loss
+from hp_train.observe.logs import close_logging, setup_logging
+from hp_train.observe.metrics import MetricsWriter, peak_memory_bytes, read_metrics, write_json
+from hp_train.observe.monitor import (
     clip_grads_to_norm_,
     divergent_ranks,
     global_grad_norm,
@@ -62,16 +64,16 @@ from hp_train.monitor import (
     rank_losses,
     snapshot,
 )
-from hp_train.nonfinite import NonFiniteError, count_nonfinite, first_nonfinite, nonfinite_state
-from hp_train.optim import build_optimizer, build_schedule
-from hp_train.parallelize import build_layout, check_model_fits, parallelize, resolve_tp_plan
-from hp_train.pipeline import PipelineRunner, build_pipeline, keep_stage, stage_boundaries
-from hp_train.plot import write_curves
-from hp_train.progress import ProgressBar
-from hp_train.run_plan import PLAN_FILE, applied_plan, write_plan
-from hp_train.run_record import RECORD_FILE, read_record, resume_conflicts, run_record
-from hp_train.runtime import Runtime
-from hp_train.tensorboard import (
+from hp_train.observe.nonfinite import (
+    NonFiniteError,
+    count_nonfinite,
+    first_nonfinite,
+    nonfinite_state,
+)
+from hp_train.observe.plot import write_curves
+from hp_train.observe.progress import ProgressBar
+from hp_train.observe.run_record import RECORD_FILE, read_record, resume_conflicts, run_record
+from hp_train.observe.tensorboard import (
     EVAL_LOSS,
     EVAL_PERPLEXITY,
     GRAD_NORM,
@@ -85,7 +87,17 @@ from hp_train.tensorboard import (
     open_tensorboard,
     peak_mib,
 )
-from hp_train.tokenizer import ByteTokenizer, TextTokenizer, load_tokenizer
+from hp_train.optim import build_optimizer, build_schedule
+from hp_train.parallel.context import shard_batch
+from hp_train.parallel.parallelize import (
+    build_layout,
+    check_model_fits,
+    parallelize,
+    resolve_tp_plan,
+)
+from hp_train.parallel.pipeline import PipelineRunner, build_pipeline, keep_stage, stage_boundaries
+from hp_train.parallel.run_plan import PLAN_FILE, applied_plan, write_plan
+from hp_train.runtime import Runtime
 
 __all__ = [
     "DATA_STATE_FILE",
@@ -125,7 +137,8 @@ class RunOptions:
         validate_steps: steps of that check.
         quiet: no progress bar; only warnings on the console.
         init_from: a local Hugging Face checkpoint folder whose weights the model starts from
-            (its architecture is the run's ``ModelConfig``: :func:`hp_train.hf.read_hf_config`).
+            (its architecture is the run's ``ModelConfig``:
+            :func:`hp_train.checkpoint.hf.read_hf_config`).
             A resumed run takes the checkpoint's weights instead.
         tensorboard: write TensorBoard event files into ``out_dir/tensorboard``.
         options: the resolved command-line options by table, written as ``config.toml`` (the
@@ -152,7 +165,7 @@ class Summary:
         first_step: the step this invocation started at (> 0 after a resume).
         tokens_per_s: median tokens per second over the steps (all ranks together).
         step_time_s: median step time.
-        peak_memory_bytes: per rank (see :func:`hp_train.metrics.peak_memory_bytes`).
+        peak_memory_bytes: per rank (see :func:`hp_train.observe.metrics.peak_memory_bytes`).
         checkpoint: the last checkpoint written, if any.
         eval_losses: the held-out loss of every evaluation of this invocation, by the step
             after which it ran (``eval_every``).
@@ -307,7 +320,7 @@ class Trainer:
         unstyled = resolve_tp_plan(model, self.layout.mesh) if self.layout.tp_size == 1 else None
         parallelize(model, self.layout, config=self.config)
         if self.options.init_from is not None and not self._will_resume():
-            from hp_train.hf import load_hf_weights
+            from hp_train.checkpoint.hf import load_hf_weights
 
             load_hf_weights(model, self.options.init_from)
             self.log.info("initialized from %s", self.options.init_from)
@@ -460,7 +473,8 @@ class Trainer:
 
     def _forward_backward(self, batch: Batch) -> float:
         """Forward and backward of ``batch`` in ``grad_accum`` micro-steps (FSDP divides the
-        summed gradients by the micro-steps too: ``hp_train.parallelize``); their mean loss.
+        summed gradients by the micro-steps too: ``hp_train.parallel.parallelize``); their mean
+        loss.
         Under HSDP the replicas' all-reduce waits for the last micro-step."""
         steps = self.config.grad_accum
         hsdp = steps > 1 and self.parallel.dp_replicate > 1

@@ -10,10 +10,10 @@ import torch.distributed as dist
 
 from hp_dtensor import DeviceMesh
 from hp_layout import Mesh
-from hp_train.config import ConfigError, ModelConfig, TrainConfig
-from hp_train.data import Batch
-from hp_train.model import Transformer
-from hp_train.parallelize import Layout3D, tp_plan
+from hp_train.config.schema import ConfigError, ModelConfig, TrainConfig
+from hp_train.data.loader import Batch
+from hp_train.model.llama import Transformer
+from hp_train.parallel.parallelize import Layout3D, tp_plan
 
 __all__ = ["validate_tp_plan"]
 

@@ -2,7 +2,7 @@
 
 Shapes come from the model built on ``meta`` (:mod:`~hp_train.dryrun.shapes`), tensor
 parallelism from the plan the trainer resolves on it (``hp_dtensor.parallel.resolve`` of
-``hp_train.parallelize.tp_plan``), FSDP groups from ``hp_layout.plan_flat_buffer``, every
+``hp_train.parallel.parallelize.tp_plan``), FSDP groups from ``hp_layout.plan_flat_buffer``, every
 parameter's layout from both (:func:`predicted_layouts`, what ``layout_of`` reports in the real
 run), the fits check and the model presets from the trainer's, costs from
 ``hp_layout.Topology``'s alpha-beta model, Muon traffic from ``hp_muon``'s plan (or
@@ -11,7 +11,7 @@ collectives from the runtime's exchanges (:mod:`~hp_train.dryrun.expert_comm`,
 :mod:`~hp_train.dryrun.context_comm`), checkpointing policies' activations
 (:mod:`~hp_train.dryrun.activation`), the pipeline's bubble from hp-mpmd's plan and simulator
 (:mod:`~hp_train.dryrun.schedule`), the trainer's refused pairs from
-:mod:`hp_train.combinations` (:mod:`~hp_train.dryrun.refusals`), the paper reproduction in
+:mod:`hp_train.config.combinations` (:mod:`~hp_train.dryrun.refusals`), the paper reproduction in
 :mod:`~hp_train.dryrun.reproduce`. Every planning function is pure and returns frozen
 dataclasses; :mod:`~hp_train.dryrun.report`
 formats them and :mod:`~hp_train.dryrun.cli` is ``hp-dryrun`` / ``python -m hp_train.dryrun``.

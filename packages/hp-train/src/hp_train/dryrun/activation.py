@@ -1,5 +1,5 @@
 """What a block keeps for its backward under each activation-checkpointing policy
-(``TrainConfig.ac``, applied by :func:`hp_train.activations.apply_activation_policy`).
+(``TrainConfig.ac``, applied by :func:`hp_train.parallel.activations.apply_activation_policy`).
 
 Per token of this rank (a context-parallel rank holds ``1 / cp`` of each sequence), with
 ``q`` the query width and ``kv`` the key/value width, ``fe`` an expert's hidden width (over
@@ -34,7 +34,7 @@ them only for the block being recomputed.
 
 Swap (``TrainConfig.swap``, hp-offload's ``Swapper`` under ``none`` or ``selective``): what a
 block keeps goes to host memory, except its tensors below the swapper's ``min_bytes``
-(``hp_train.activations.SWAP_MIN_BYTES``): of those only the per-token vectors (the norms'
+(``hp_train.parallel.activations.SWAP_MIN_BYTES``): of those only the per-token vectors (the norms'
 reciprocal RMS in the compute dtype, the attention's fp32 log-sum-exp, the router's fp32
 scores) can be that small, each a ``tokens x width`` tensor; the rest are at least
 ``tokens x dim`` wide. Under
@@ -46,7 +46,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from hp_train.config import ModelConfig
+from hp_train.config.schema import ModelConfig
 from hp_train.dryrun.presets import DryRunError
 
 __all__ = ["BlockActivations", "KeptActivations", "block_activations", "kept_activations"]

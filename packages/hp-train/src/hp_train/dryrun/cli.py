@@ -11,7 +11,7 @@ Examples::
 The flags are the trainer's names (``--ep``, ``--ep-tp``, ``--cp``, ``--cp-variant``,
 ``--ac``, ``--swap``, ``--offload``, ``--mixed-precision``, ``--grad-reduce-dtype``, ``--fp8``,
 ``--fp8-all-gather``, ``--pp-schedule``); a pair the trainer refuses
-(:mod:`hp_train.combinations`) is refused with its message. ``--search`` keeps what fits
+(:mod:`hp_train.config.combinations`) is refused with its message. ``--search`` keeps what fits
 ``--memory-limit-gib`` (default: the device preset's memory); ``--reproduce-paper`` prints
 :mod:`~hp_train.dryrun.reproduce`'s report.
 
@@ -28,7 +28,7 @@ import argparse
 import sys
 from dataclasses import replace
 
-from hp_train.config import (
+from hp_train.config.schema import (
     CP_VARIANTS,
     FP8_RECIPES,
     MIXED_PRECISIONS,

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from hp_layout import Collective, Mesh, Tier, Topology
-from hp_train.config import ParallelConfig
+from hp_train.config.schema import ParallelConfig
 from hp_train.dryrun.presets import DryRunError
 
 __all__ = [
@@ -34,7 +34,7 @@ __all__ = [
 ]
 
 AXES = ("pp", "dp_replicate", "expert_shard", "ep", "cp", "tp")
-"""Mesh axes, outermost first: the runtime's grids (``hp_train.parallelize.build_layout``)
+"""Mesh axes, outermost first: the runtime's grids (``hp_train.parallel.parallelize.build_layout``)
 in one: ``dp_shard = expert_shard x ep`` (expert parallelism carved from the shard axis, ep
 inner), ``cp`` between the shard axis and ``tp``."""
 

@@ -1,5 +1,5 @@
 """Context parallelism's collectives per block and microbatch, as the runtime issues them
-(:mod:`hp_dtensor.parallel.context_attention`, :mod:`hp_train.context`).
+(:mod:`hp_dtensor.parallel.context_attention`, :mod:`hp_train.parallel.context`).
 
 Each rank holds ``tokens`` of its sequences (``1 / cp`` of each, zigzag: two of ``2 cp``
 chunks), q/k/v with every head (grouped key/value heads are expanded before the attention
@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from hp_layout import Collective
-from hp_train.config import ModelConfig
+from hp_train.config.schema import ModelConfig
 from hp_train.dryrun.comm import CollectiveRecord, RankGrid
 
 __all__ = ["context_records"]

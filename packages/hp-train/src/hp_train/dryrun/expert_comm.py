@@ -1,5 +1,5 @@
 """Expert parallelism's collectives per MoE layer and microbatch, as the runtime issues them
-(:func:`hp_dtensor.parallel.expert.run_expert_parallel`, :mod:`hp_train.expert`).
+(:func:`hp_dtensor.parallel.expert.run_expert_parallel`, :mod:`hp_train.parallel.expert`).
 
 Forward, on the ``ep`` group: one all-gather of the routing counts (``ep x n_experts``
 int64), one all-to-all dispatching the token copies (``top_k`` rows of ``dim`` per token)
@@ -23,7 +23,7 @@ tokens' gradient in backward (``tokens x dim``). Those are ``tp`` collectives.
 from __future__ import annotations
 
 from hp_layout import Collective
-from hp_train.config import ModelConfig, ParallelConfig
+from hp_train.config.schema import ModelConfig, ParallelConfig
 from hp_train.dryrun.comm import CollectiveRecord, RankGrid
 
 __all__ = ["expert_records"]

@@ -51,11 +51,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hp_train.activations import SWAP_MIN_BYTES
-from hp_train.config import ModelConfig, ParallelConfig
+from hp_train.config.schema import ModelConfig, ParallelConfig
 from hp_train.dryrun.activation import KeptActivations, block_activations, kept_activations
 from hp_train.dryrun.shapes import GroupSpec
 from hp_train.dryrun.workload import StepShape, head_activation_bytes, loss_gradient_bytes
+from hp_train.parallel.activations import SWAP_MIN_BYTES
 
 __all__ = [
     "FP8_BLOCK",
@@ -69,7 +69,7 @@ __all__ = [
 GIB = 2**30
 
 FP8_BLOCK = 128
-"""Elements per fp32 scale of an FP8 all-gather (``hp_train.precision``)."""
+"""Elements per fp32 scale of an FP8 all-gather (``hp_train.parallel.precision``)."""
 
 
 def fp8_record_bytes(numel: int) -> int:

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 from hp_layout import Layout, Mesh, Replicate, Shard
 from hp_muon.plan import MatrixTensor, newton_schulz_cost, plan_muon_step, rank_program
-from hp_train.config import ParallelConfig
+from hp_train.config.schema import ParallelConfig
 from hp_train.dryrun.shapes import GroupSpec
 
 __all__ = ["EXACT_LIMIT", "MuonTraffic", "muon_traffic"]

@@ -20,7 +20,7 @@ Schedule model (per microbatch, on each pipeline stage; stated so its numbers ca
 * **Pipeline**: the trainer's schedule (``1f1b`` or ``gpipe``) built and timed by hp-mpmd
   (:mod:`~hp_train.dryrun.schedule`), every stage at the slowest stage's forward and backward
   microbatch times; stages keep the blocks the trainer gives them
-  (:func:`hp_train.pipeline.stage_boundaries`).
+  (:func:`hp_train.parallel.pipeline.stage_boundaries`).
 * **Activation swap** copies run on a host-link stream in the runtime's order (the swapper's
   offload at a block's forward end, its fetch at the block's backward start, one block ahead);
   the compute stream's waits for them are the step's swap time, reported with offload.
@@ -28,7 +28,7 @@ Schedule model (per microbatch, on each pipeline stage; stated so its numbers ca
 Compute time is FLOPs (:mod:`hp_train.dryrun.workload`) over the device's achieved
 throughput, the blocks' linears ``fp8_speedup`` times faster under ``fp8``. Elementwise
 optimizer work and kernel launch overheads are not modeled. The runtime's refused pairs of
-options (:mod:`hp_train.combinations`) are refused here too (for ``runtime="hp"``: the
+options (:mod:`hp_train.config.combinations`) are refused here too (for ``runtime="hp"``: the
 modeled baselines are other runtimes).
 """
 
@@ -39,7 +39,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from hp_layout import Collective, Topology
-from hp_train.config import ModelConfig, ParallelConfig
+from hp_train.config.schema import ModelConfig, ParallelConfig
 from hp_train.dryrun.comm import KINDS, CollectiveRecord, RankGrid
 from hp_train.dryrun.context_comm import context_records
 from hp_train.dryrun.expert_comm import expert_records
@@ -679,7 +679,8 @@ def dry_run(
 
     Raises:
         DryRunError: the degrees do not multiply to the topology's world size, the trainer
-            refuses the configuration (``hp_train.parallelize.check_model_fits``: ``tp`` does
+            refuses the configuration (``hp_train.parallel.parallelize.check_model_fits``: ``tp``
+            does
             not split the model, ``pp`` exceeds the blocks), or the batch does not split.
     """
     grid = RankGrid.build(parallel, topology)

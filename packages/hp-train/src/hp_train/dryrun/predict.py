@@ -38,7 +38,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from hp_layout import Topology
-from hp_train.config import ModelConfig, ParallelConfig, TrainConfig
+from hp_train.config.schema import ModelConfig, ParallelConfig, TrainConfig
 from hp_train.dryrun.comm import RankGrid
 from hp_train.dryrun.memory import MemoryBreakdown
 from hp_train.dryrun.planner import dry_run

@@ -1,7 +1,7 @@
 """Named topologies and devices the dry run knows, the model presets it shares with the
 trainer, and the errors of bad names.
 
-Model presets: :data:`MODEL_PRESETS` is :mod:`hp_train.presets`' table (the one the trainer's
+Model presets: :data:`MODEL_PRESETS` is :mod:`hp_train.config.presets`' table (the one the trainer's
 ``--model`` uses too): ``tiny``, ``small``, ``tiny-moe``, ``llama_8b``, ``moe_505b``.
 
 Topology presets (:func:`topology_preset`): ``single_host[:N]``, ``cluster:HxR`` (hosts x ranks
@@ -14,9 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hp_layout import Topology, TopologyError
-from hp_train import presets
-from hp_train.config import ConfigError
-from hp_train.presets import MODEL_PRESETS, MOE_505B_PARAMS, ModelPreset
+from hp_train.config import presets
+from hp_train.config.presets import MODEL_PRESETS, MOE_505B_PARAMS, ModelPreset
+from hp_train.config.schema import ConfigError
 
 __all__ = [
     "DEVICE_PRESETS",
@@ -38,7 +38,7 @@ class DryRunError(ConfigError):
 
 
 def model_preset(name: str) -> ModelPreset:
-    """The model preset called ``name`` (:func:`hp_train.presets.model_preset`).
+    """The model preset called ``name`` (:func:`hp_train.config.presets.model_preset`).
 
     Raises:
         DryRunError: no such preset (the message lists the known ones).

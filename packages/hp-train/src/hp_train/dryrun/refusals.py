@@ -1,16 +1,17 @@
 """The combinations the runtime refuses, refused by the dry run too.
 
-The refusals are the trainer's data (:data:`hp_train.combinations.REFUSALS`, checked by
-:func:`hp_train.combinations.check_combination`); :func:`check_runtime_accepts` states the dry
-run's configuration as the :class:`~hp_train.config.TrainConfig` the trainer would get and
+The refusals are the trainer's data (:data:`hp_train.config.combinations.REFUSALS`, checked by
+:func:`hp_train.config.combinations.check_combination`); :func:`check_runtime_accepts` states the
+dry
+run's configuration as the :class:`~hp_train.config.schema.TrainConfig` the trainer would get and
 raises the first refused pair as a :class:`~hp_train.dryrun.presets.DryRunError`, with the
 trainer's message.
 """
 
 from __future__ import annotations
 
-from hp_train.combinations import check_combination
-from hp_train.config import ConfigError, ModelConfig, ParallelConfig, TrainConfig
+from hp_train.config.combinations import check_combination
+from hp_train.config.schema import ConfigError, ModelConfig, ParallelConfig, TrainConfig
 from hp_train.dryrun.presets import DryRunError
 from hp_train.dryrun.workload import StepShape
 
@@ -49,7 +50,7 @@ def check_runtime_accepts(model: ModelConfig, parallel: ParallelConfig, shape: S
     """Raise what the trainer raises for a refused pair of options (module doc).
 
     Raises:
-        DryRunError: the first :data:`hp_train.combinations.REFUSALS` entry that applies.
+        DryRunError: the first :data:`hp_train.config.combinations.REFUSALS` entry that applies.
     """
     try:
         check_combination(model, parallel, train_config(parallel, shape))

@@ -1,6 +1,6 @@
 """The pipeline's step time and bubble from hp-mpmd's own plan and simulator.
 
-The trainer runs ``hp_train.pipeline.PIPELINE_SCHEDULES[pp_schedule](pp, microbatches)``;
+The trainer runs ``hp_train.parallel.pipeline.PIPELINE_SCHEDULES[pp_schedule](pp, microbatches)``;
 :func:`pipeline_timing` builds that same :class:`hp_mpmd.SchedulePlan` and times it with
 :func:`hp_mpmd.simulate.simulate` (eager sends): every stage at the slowest stage's forward and
 backward time per microbatch (compute plus exposed communication), every transfer at the
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from hp_mpmd.simulate import Simulation, simulate
-from hp_train.pipeline import PIPELINE_SCHEDULES
+from hp_train.parallel.pipeline import PIPELINE_SCHEDULES
 
 __all__ = ["PipelineTiming", "in_flight", "pipeline_timing"]
 

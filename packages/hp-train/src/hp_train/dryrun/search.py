@@ -2,9 +2,11 @@
 
 Enumerated (:class:`SearchSpace`, by default every divisor): ``dp_replicate x dp_shard x cp x
 tp x pp == world`` with ``ep`` dividing ``dp_shard`` (and the experts), that the trainer
-accepts (:func:`hp_train.parallelize.check_model_fits`: ``tp`` dividing the attention heads,
+accepts (:func:`hp_train.parallel.parallelize.check_model_fits`: ``tp`` dividing the attention
+heads,
 the KV heads, the dense feed-forward and the vocabulary, ``pp <= n_layers``; and the pairs
-:mod:`hp_train.combinations` refuses, such as ``ep`` with ``cp``), the global batch divisible by
+:mod:`hp_train.config.combinations` refuses, such as ``ep`` with ``cp``), the global batch
+divisible by
 ``dp``; microbatch counts that divide the per-rank batch (at least ``pp`` of them when
 pipelining); the checkpointing policies of the space. A configuration fits when its largest
 stage's peak memory (:attr:`~hp_train.dryrun.memory.MemoryBreakdown.total`) is at most the
@@ -19,7 +21,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
 from hp_layout import Topology
-from hp_train.config import CP_VARIANTS, ModelConfig, ParallelConfig
+from hp_train.config.schema import CP_VARIANTS, ModelConfig, ParallelConfig
 from hp_train.dryrun.planner import DryRun, dry_run
 from hp_train.dryrun.presets import Device, DryRunError
 from hp_train.dryrun.refusals import check_runtime_accepts

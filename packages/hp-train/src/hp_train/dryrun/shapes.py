@@ -1,34 +1,36 @@
 """The parameters a run shards, from the model built on ``meta``: shapes, tensor-parallel
 placement, optimizer, the FSDP groups as flat-buffer layouts, and every parameter's layout.
 
-Nothing is allocated: :func:`model_parameters` builds :class:`hp_train.model.Transformer` under
+Nothing is allocated: :func:`model_parameters` builds :class:`hp_train.model.llama.Transformer`
+under
 ``torch.device("meta")`` (shapes only) and splits the parameters between Muon and AdamW with
 :func:`hp_muon.split_params` with the trainer's router patterns (the rule the training loop uses,
 :data:`hp_train.optim.ROUTER_PATTERNS`: MoE routers on AdamW).
 
 Tensor parallelism is what the trainer applies: the plan
-:func:`hp_train.parallelize.resolve_tp_plan` resolves (``hp_dtensor.parallel.resolve`` of
-:func:`hp_train.parallelize.tp_plan` on the meta model), read, not restated: a parameter's
+:func:`hp_train.parallel.parallelize.resolve_tp_plan` resolves (``hp_dtensor.parallel.resolve`` of
+:func:`hp_train.parallel.parallelize.tp_plan` on the meta model), read, not restated: a parameter's
 tensor-parallel dim is the dim of its ``Shard`` placement on the ``tp`` axis of its resolved
 layout. Today that is Megatron's plan on the dense parts (the embedding by vocabulary, the
 attention and dense feed-forward projections column- then row-wise, the head by vocabulary);
 MoE feed-forwards (router, routed and shared experts) stay whole and replicated on every
 tensor-parallel rank, as the trainer keeps them. The one fits check is the trainer's,
-:func:`hp_train.parallelize.check_model_fits`.
+:func:`hp_train.parallel.parallelize.check_model_fits`.
 
 FSDP follows ``hp_fsdp``: one ``fully_shard`` per block (``model.layers``' modules), then the
 root with the remaining parameters (``tok_embeddings``, ``norm``, ``output``); under expert
 parallelism each MoE layer's feed-forward first, a group of its own over the ranks holding the
-same experts (:func:`hp_train.expert.shard_experts`). Each group packs
+same experts (:func:`hp_train.parallel.expert.shard_experts`). Each group packs
 its parameters' local (tensor-parallel) shapes with :func:`hp_layout.plan_flat_buffer` into
 ``dp_shard`` chunks, aligned to 16 bytes of the storage dtype, parameters whose gradient the
 plan reduces over the tensor-parallel axis (those replicated over a ``tp`` of size > 1) last
 (their gradients need an extra all-reduce of the buffer's tail). Pipeline stages keep the
-blocks :func:`hp_train.pipeline.stage_boundaries` gives them, as the trainer cuts the model.
+blocks :func:`hp_train.parallel.pipeline.stage_boundaries` gives them, as the trainer cuts the
+model.
 
 :func:`predicted_layouts` gives the ``hp_layout.Layout`` of every parameter on one rank, which
 is what ``hp_dtensor.contract.layout_of`` reports for the real parameter once
-``hp_train.parallelize.parallelize`` has laid the model out: hp-fsdp's own pure planner
+``hp_train.parallel.parallelize.parallelize`` has laid the model out: hp-fsdp's own pure planner
 (:func:`hp_fsdp.plan_group`) run on the resolved plan's local shapes, layouts and gradient
 reductions (the RaggedShard of a flat slot on ``dp_shard``, over the tensor-parallel layout
 with ``tp > 1``), checked against :func:`fsdp_groups`' buffers; :func:`planned_model` is the
@@ -50,12 +52,12 @@ from hp_fsdp import ParamSpec as FSDPParamSpec
 from hp_fsdp.group_plan import ALIGN_BYTES
 from hp_layout import FlatBufferLayout, Layout, Mesh, Shard, chunk_length, plan_flat_buffer
 from hp_muon import split_params
-from hp_train.config import ConfigError, ModelConfig, ParallelConfig
+from hp_train.config.schema import ConfigError, ModelConfig, ParallelConfig
 from hp_train.dryrun.presets import DryRunError
-from hp_train.model import Transformer
+from hp_train.model.llama import Transformer
 from hp_train.optim import ROUTER_PATTERNS
-from hp_train.parallelize import AXES, check_model_fits, resolve_tp_plan
-from hp_train.pipeline import keep_stage, stage_boundaries
+from hp_train.parallel.parallelize import AXES, check_model_fits, resolve_tp_plan
+from hp_train.parallel.pipeline import keep_stage, stage_boundaries
 
 __all__ = [
     "GroupSpec",
@@ -180,7 +182,7 @@ def _structure(model: ModelConfig) -> _Structure:
 
 
 def model_parameters(model: ModelConfig) -> tuple[ParamSpec, ...]:
-    """Every trainable parameter of :class:`~hp_train.model.Transformer` built from ``model``,
+    """Every trainable parameter of :class:`~hp_train.model.llama.Transformer` built from ``model``,
     in ``named_parameters`` order.
 
     Postconditions: the shapes are those of the real module (built on ``meta``: no memory);
@@ -199,7 +201,8 @@ def parameter_count(model: ModelConfig) -> int:
 
 
 def check_fits(model: ModelConfig, parallel: ParallelConfig) -> None:
-    """The trainer's check (:func:`hp_train.parallelize.check_model_fits`), as a dry-run error.
+    """The trainer's check (:func:`hp_train.parallel.parallelize.check_model_fits`), as a dry-run
+    error.
 
     Raises:
         DryRunError: the model cannot be split ``tp`` ways or into ``pp`` stages (the
@@ -233,7 +236,7 @@ def _boundaries(model: ModelConfig, pp: int) -> tuple[int, ...]:
 
 def stage_layers(model: ModelConfig, pp: int, stage: int) -> tuple[int, int]:
     """``[start, stop)`` of the blocks pipeline stage ``stage`` of ``pp`` keeps, as the trainer
-    cuts the model (:func:`hp_train.pipeline.stage_boundaries`: balanced by parameters).
+    cuts the model (:func:`hp_train.parallel.pipeline.stage_boundaries`: balanced by parameters).
 
     Raises:
         DryRunError: fewer blocks than stages.
@@ -245,7 +248,7 @@ def stage_layers(model: ModelConfig, pp: int, stage: int) -> tuple[int, int]:
 
 def job_mesh(parallel: ParallelConfig) -> Mesh:
     """The job's rank grid as the trainer builds it
-    (:func:`hp_train.parallelize.build_layout`): ``(dp_replicate, dp_shard, tp)``, with a
+    (:func:`hp_train.parallel.parallelize.build_layout`): ``(dp_replicate, dp_shard, tp)``, with a
     ``pp`` axis in front when pipelining."""
     shape = (parallel.dp_replicate, parallel.dp_shard, parallel.tp)
     if parallel.pp > 1:
@@ -278,7 +281,7 @@ def _stage_plan(model: ModelConfig, parallel: ParallelConfig, stage: int) -> Par
 def resolved_plan(model: ModelConfig, parallel: ParallelConfig, rank: int = 0) -> ParallelPlan:
     """The tensor-parallel plan the trainer resolves for ``rank``'s model (its pipeline stage
     under ``pp > 1``) over that stage's ``(dp_replicate, dp_shard, tp)`` ranks
-    (:func:`hp_train.parallelize.resolve_tp_plan` on the meta model; no flat slots).
+    (:func:`hp_train.parallel.parallelize.resolve_tp_plan` on the meta model; no flat slots).
 
     Raises:
         DryRunError: a configuration the trainer refuses, or a rank outside the world.
@@ -425,7 +428,7 @@ def fsdp_groups(
     ``dp_shard`` is the number of chunks the dense groups are split into (the runtime's FSDP
     shard axis: ``dp_shard x cp`` under context parallelism). With ``ep > 1`` every MoE
     layer's feed-forward is a group of its own before its block's (``layers.N.ffn``, as
-    :func:`hp_train.expert.shard_experts` makes it): its experts' local stacks
+    :func:`hp_train.parallel.expert.shard_experts` makes it): its experts' local stacks
     (``n_experts / ep`` each; with ``ep_tp`` their hidden dim split over ``tp`` too) first,
     then the router and shared experts, replicated over ep (the tail FSDP all-reduces over
     ``ep``), in ``dp_shard / ep`` chunks (the ranks holding the same experts; one when
@@ -485,7 +488,8 @@ def _rank_groups(
 
 
 def _dp_axes(parallel: ParallelConfig) -> list[str]:
-    """The FSDP mesh's axes (:func:`hp_train.parallelize.build_layout`): HSDP over both data
+    """The FSDP mesh's axes (:func:`hp_train.parallel.parallelize.build_layout`): HSDP over both
+    data
     axes, or 1-d over the shard axis."""
     return [_REPLICATE, _SHARD] if parallel.dp_replicate > 1 else [_SHARD]
 
@@ -535,7 +539,7 @@ def predicted_layouts(
 ) -> dict[str, Layout]:
     """Every parameter's layout on ``rank`` once the trainer has laid the model out, by name:
     what ``hp_dtensor.contract.layout_of`` reports for the parameters of ``rank``'s model (its
-    pipeline stage) after :func:`hp_train.parallelize.parallelize`.
+    pipeline stage) after :func:`hp_train.parallel.parallelize.parallelize`.
 
     Each is its flat slot's RaggedShard on ``dp_shard`` as hp-fsdp plans it
     (:func:`hp_fsdp.plan_group`): with ``tp > 1`` over its resolved tensor-parallel layout on

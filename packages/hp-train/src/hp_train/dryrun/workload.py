@@ -49,7 +49,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from hp_train.config import (
+from hp_train.config.schema import (
     FP8_RECIPES,
     OFFLOAD_TARGETS,
     PIPELINE_SCHEDULE_NAMES,
@@ -167,7 +167,7 @@ class StepShape:
         expert_imbalance: rows an expert-parallel rank receives over the rows it sends
             (``top_k`` per token), for the rank the figures are for: 1 for a perfectly
             balanced router; the most loaded rank's ratio bounds the step.
-        pp_schedule: ``"1f1b"`` or ``"gpipe"`` (``hp_train.pipeline.PIPELINE_SCHEDULES``).
+        pp_schedule: ``"1f1b"`` or ``"gpipe"`` (``hp_train.parallel.pipeline.PIPELINE_SCHEDULES``).
         runtime: the data-parallel runtime modeled (:data:`RUNTIMES`): ``"hp"`` (hp-fsdp,
             what hp-train runs), ``"torch_fsdp2"`` or ``"megatron_ddp"`` (the baselines of
             :mod:`~hp_train.dryrun.reproduce`).

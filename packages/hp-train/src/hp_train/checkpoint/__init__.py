@@ -1,0 +1,1 @@
+"""Checkpoints (torch.distributed.checkpoint), export, and Hugging Face import and export."""

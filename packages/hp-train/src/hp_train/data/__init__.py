@@ -1,0 +1,1 @@
+"""The data pipeline: sources, documents, packing, order and the tokenizers."""

@@ -1,0 +1,1 @@
+"""The models the trainer builds: the Llama family, dense and MoE."""

@@ -1,0 +1,66 @@
+"""Context parallelism in the main job: each sequence split ``cp`` ways (zigzag), attention
+across the pieces (ring or Ulysses, ``hp_dtensor.parallel.ContextParallel``).
+
+The ``cp`` ranks of a data-parallel rank read the same sequences; each keeps its
+:func:`hp_dtensor.parallel.shard_sequence` columns of the token ids and targets and the global
+positions of those columns (the rotary tables are looked up at them). Only the attention
+cores (``layers.<i>.attn.core``, parameter-free) are replaced; every parameter stays
+replicated over ``cp`` and FSDP shards and reduces over ``dp_shard x cp`` as one axis. The
+zigzag split gives every rank the same number of tokens, so the mean of the ranks' local
+token means FSDP's averaging takes is the global token mean of the batch.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+
+from hp_dtensor import DeviceMesh
+from hp_dtensor.parallel import ContextParallel, local_positions, shard_sequence
+from hp_train.data.loader import Batch
+from hp_train.model.llama import Transformer
+
+__all__ = ["CP_AXIS", "ShardedBatch", "apply_context_parallel", "shard_batch"]
+
+#: The name of the context-parallel axis (``hp_train.parallel.parallelize.build_layout``).
+CP_AXIS = "cp"
+
+
+def apply_context_parallel(model: Transformer, cp_mesh: DeviceMesh, variant: str) -> None:
+    """Replace every block's attention core by ``variant``'s context-parallel attention over
+    ``cp_mesh`` (1-d, axis ``cp``), zigzag-balanced, in production mode."""
+    style = ContextParallel(variant=variant, balanced=True)
+    coordinate = cp_mesh.get_local_rank(CP_AXIS)
+    for index, block in model.layers.items():
+        core = block.get_submodule("attn.core")
+        plan = style.lower(core, f"layers.{index}.attn.core")
+        forward = style.production_forward(core, plan, cp_mesh, coordinate)
+        assert forward is not None  # ContextParallel always replaces the forward
+        object.__setattr__(core, "forward", types.MethodType(forward, core))
+
+
+class ShardedBatch:
+    """This rank's columns of a batch and their global positions.
+
+    Attributes:
+        inputs: token ids ``[batch, seq / cp]``.
+        targets: next tokens, the same columns.
+        positions: the global position of each column (int64 ``[seq / cp]``).
+    """
+
+    def __init__(self, inputs: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor):
+        self.inputs = inputs
+        self.targets = targets
+        self.positions = positions
+
+
+def shard_batch(batch: Batch, cp_mesh: DeviceMesh) -> ShardedBatch:
+    """This rank's zigzag columns of ``batch`` (whole sequences of its data-parallel rank)."""
+    seq = batch.inputs.shape[1]
+    device = batch.inputs.device
+    return ShardedBatch(
+        shard_sequence(batch.inputs, 1, cp_mesh, CP_AXIS),
+        shard_sequence(batch.targets, 1, cp_mesh, CP_AXIS),
+        local_positions(seq, cp_mesh, CP_AXIS, device=device),
+    )
