@@ -73,9 +73,21 @@ ALLOWED_DEPS: Mapping[str, frozenset[str]] = {
     "hp_muon": _BELOW_SIBLINGS,
     "hp_mpmd": _BELOW_SIBLINGS,
     "hp_offload": _BELOW_SIBLINGS,
+    # The whole job's plan (JobPlan) and its pricing: reads the libraries' pure planners.
+    "hp_planner": frozenset({"hp_layout", "hp_dtensor", "hp_fsdp", "hp_muon", "hp_mpmd"})
+    | TEST_ONLY,
     # The training application on top: it composes the libraries (never imported by them).
     "hp_train": frozenset(
-        {"hp_layout", "hp_dtensor", "hp_kernels", "hp_fsdp", "hp_muon", "hp_mpmd", "hp_offload"}
+        {
+            "hp_layout",
+            "hp_dtensor",
+            "hp_kernels",
+            "hp_fsdp",
+            "hp_muon",
+            "hp_mpmd",
+            "hp_offload",
+            "hp_planner",
+        }
     )
     | TEST_ONLY,
     # The umbrella on top of everything (HyperParallel's names over the libraries; hp-train only
@@ -89,6 +101,7 @@ ALLOWED_DEPS: Mapping[str, frozenset[str]] = {
             "hp_muon",
             "hp_mpmd",
             "hp_offload",
+            "hp_planner",
             "hp_train",
         }
     )

@@ -1,10 +1,11 @@
 """``python -m hp_train --print-plan`` and the ``plan.json`` a run writes.
 
-``--print-plan`` resolves the plan on a meta-device model in one process (no torchrun, no
-process group) and prints its table; a real run (in the shared rank pool, as
-``test_resume.py`` runs the command line's code) writes the plan it applied to ``plan.json``.
-The printed plan must be the applied one: the rows of the printed table and
-``resolve_run_plans`` (what ``--print-plan`` prints) are compared with ``plan.json``.
+``--print-plan`` plans the job on a meta-device model in one process (no torchrun, no
+process group) and prints its tables; a real run (in the shared rank pool, as
+``test_resume.py`` runs the command line's code) checks on every rank that its executors did
+what the plan says (``check_applied``) and writes the plan to ``plan.json``. The printed plan
+must be the one the run wrote: the rows of the printed table and ``plan_run`` (what
+``--print-plan`` prints) are compared with ``plan.json``.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ import torch.distributed as dist
 
 from hp_testing import run_on_ranks
 from hp_train.config.cli import main, parse
-from hp_train.parallel.run_plan import PLAN_FILE, resolve_run_plans
+from hp_train.parallel.job import plan_run
+from hp_train.parallel.run_plan import PLAN_FILE
 from hp_train.runtime import init_runtime
 from hp_train.trainer import train
 
@@ -42,6 +44,25 @@ LAYOUTS = [
     (["--model", "tiny-moe", "--dp-shard", "2", "--tp", "2"], 4),
     (["--pp", "2", "--tp", "2", "--dp-shard", "1"], 4),
     (["--pp", "2", "--dp-shard", "1"], 2),
+    # Expert parallelism (the MoE's own FSDP groups over the ranks holding the same experts),
+    # context parallelism (FSDP over dp_shard x cp), HSDP with activation checkpointing, FSDP
+    # with its parameters offloaded to the host.
+    (["--model", "tiny-moe", "--dp-shard", "2", "--ep", "2"], 2),
+    (["--model", "tiny-moe", "--dp-shard", "2", "--ep", "2", "--tp", "2"], 4),
+    (["--cp", "2", "--dp-shard", "1", "--ac", "full"], 2),
+    (["--dp-replicate", "2", "--dp-shard", "2", "--ac", "selective"], 4),
+    (["--dp-shard", "2", "--offload", "params"], 2),
+]
+IDS = [
+    "fsdp2xtp2",
+    "moe-fsdp2xtp2",
+    "pp2xtp2",
+    "pp2",
+    "moe-ep2",
+    "moe-ep2xtp2",
+    "cp2-ac",
+    "hsdp2x2-ac",
+    "fsdp2-offload",
 ]
 
 
@@ -165,7 +186,7 @@ def _param_keys(plan: dict[str, Any]) -> list[tuple[Any, ...]]:
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(
-    ("flags", "world"), LAYOUTS, ids=["fsdp2xtp2", "moe-fsdp2xtp2", "pp2xtp2", "pp2"]
+    ("flags", "world"), LAYOUTS, ids=IDS
 )
 def test_plan_json_is_the_printed_plan(
     flags: list[str], world: int, tmp_path: Path, capsys: pytest.CaptureFixture[str]
@@ -178,14 +199,12 @@ def test_plan_json_is_the_printed_plan(
     run_on_ranks(world, _train_on_pool_rank, [*RUN_ARGS, *flags, "--out", str(out)], timeout=300)
     assert (out / "metrics.jsonl").exists()
     written = json.loads((out / PLAN_FILE).read_text())
-    pipelined = "--pp" in flags
-    if pipelined:
-        assert written["pp"] == 2
-        stages = written["stages"]
-    else:
-        stages = [written]
     model, parallel, config, _, _ = parse([*RUN_ARGS, *flags], world)
-    printed = [json.loads(plan.to_json()) for plan in resolve_run_plans(model, parallel, config)]
+    job = json.loads(plan_run(model, parallel, config).to_json())
+    assert written == job  # the whole job plan: meshes, FSDP groups of every mesh, schedule
+    assert written["dims"]["pp"] == parallel.pp
+    stages = [stage["parallel"] for stage in written["stages"]]
+    printed = [stage["parallel"] for stage in job["stages"]]
     assert len(stages) == len(printed) == parallel.pp
     for applied, want in zip(stages, printed, strict=True):
         assert applied["params"], "plan.json lists no parameters"

@@ -89,14 +89,14 @@ from hp_train.observe.tensorboard import (
 )
 from hp_train.optim import build_optimizer, build_schedule
 from hp_train.parallel.context import shard_batch
+from hp_train.parallel.job import plan_run
 from hp_train.parallel.parallelize import (
     build_layout,
     check_model_fits,
     parallelize,
-    resolve_tp_plan,
 )
 from hp_train.parallel.pipeline import PipelineRunner, build_pipeline, keep_stage, stage_boundaries
-from hp_train.parallel.run_plan import PLAN_FILE, applied_plan, write_plan
+from hp_train.parallel.run_plan import PLAN_FILE, check_applied, write_plan
 from hp_train.runtime import Runtime
 
 __all__ = [
@@ -263,16 +263,17 @@ class Trainer:
         """Data, model (laid out, with its pipeline stage), optimizer; writes the plan and the
         configuration."""
         _set_determinism(self.config)
+        self.job = plan_run(self.model_config, self.parallel, self.config)
         self.layout = build_layout(self.parallel, self.runtime.device.type)
         self.data = self._build_data()
         if self.options.validate:
             self._validate()
         _write_pid(self.out, self.runtime.rank)
-        self.model, unstyled = self._build_model()
+        self.model = self._build_model()
         self.pipeline = self._build_pipeline()
         self.optimizer = build_optimizer(self.model, self.config)
-        plan = applied_plan(self.model, unstyled, self.optimizer)
-        write_plan(self.out / PLAN_FILE, plan, self.layout, self.runtime.rank)
+        check_applied(self.job, self.model, self.optimizer, self.layout, self.runtime.rank)
+        write_plan(self.out / PLAN_FILE, self.job, self.runtime.rank)
         self.stage_of = (
             None
             if self.pipeline is None
@@ -306,7 +307,7 @@ class Trainer:
         )
         self.log.info("%s", message)
 
-    def _build_model(self) -> tuple[Transformer, Any]:
+    def _build_model(self) -> Transformer:
         torch.manual_seed(self.config.seed)
         with self.runtime.device:
             model = Transformer(self.model_config)
@@ -315,16 +316,13 @@ class Trainer:
             # keeps its stage.
             stage = self.layout.pipeline_mesh.mesh.coordinate(self.runtime.rank)[0]
             keep_stage(model, stage, stage_boundaries(self.model_config, self.parallel.pp))
-        # With tp == 1 no TP plan is applied: resolve the (unstyled) plan before FSDP replaces
-        # the parameters by their flat pieces.
-        unstyled = resolve_tp_plan(model, self.layout.mesh) if self.layout.tp_size == 1 else None
         parallelize(model, self.layout, config=self.config)
         if self.options.init_from is not None and not self._will_resume():
             from hp_train.checkpoint.hf import load_hf_weights
 
             load_hf_weights(model, self.options.init_from)
             self.log.info("initialized from %s", self.options.init_from)
-        return model, unstyled
+        return model
 
     def _build_pipeline(self) -> PipelineRunner | None:
         if self.layout.pipeline_mesh is None:

@@ -1,20 +1,16 @@
-"""The parallel plan of a run: resolved without processes, applied, written as ``plan.json``.
+"""The run's :class:`~hp_planner.JobPlan`: printed, checked against what ran, written.
 
-``plan.json`` is the parallel plan the run applied (hp-dtensor's
-:class:`~hp_dtensor.parallel.ParallelPlan`, as :meth:`~hp_dtensor.parallel.ParallelPlan.to_dict`
-gives it), written once the model is laid out and the optimizer built, before the first step
-(rewritten by every start, a resume too: a resumed run may have another layout). Each parameter
-carries its optimizer group (``"muon"`` or ``"adamw"``, from the optimizer the run built).
-With ``tp > 1`` it is ``hp_dtensor.contract.parallel_plan_of(model)`` after
-:func:`~hp_train.parallel.parallelize.parallelize`, with FSDP's flat slots where hp-fsdp records
-them;
-with ``tp == 1`` no tensor-parallel plan is applied and it is the plan resolved on the run's
-mesh with no entries (every parameter replicated over the mesh), with those flat slots. With
-pipelining the file is ``{"pp": P, "stages": [plan of stage 0, ...]}``: the first rank of each
-stage sends its stage's plan to rank 0, which writes the one file.
+The trainer plans its job once, before anything is built (:func:`hp_train.parallel.job.plan_run`,
+pure), and executes that plan. Once the model is laid out and the optimizer built,
+:func:`check_applied` compares what the executors did on this rank with the plan: the meshes,
+every parameter's tensor-parallel layout and gradient reduction, its FSDP slot on this rank's
+FSDP mesh (hp-fsdp's record) and its optimizer group; a difference stops the run naming it.
+Then rank 0 writes the plan as ``plan.json`` (:meth:`~hp_planner.JobPlan.to_dict`; rewritten by
+every start, a resume too).
 
-:func:`resolve_run_plans` resolves the same plans on a meta-device model without any process
-(``python -m hp_train --print-plan`` prints them with :func:`plan_report`).
+``python -m hp_train --print-plan`` prints the same plan (:func:`plan_report`) without any
+process: a header naming the world, the axes, the model and the optimizer, then one table per
+pipeline stage.
 """
 
 from __future__ import annotations
@@ -23,32 +19,34 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from hp_dtensor.contract import parallel_plan_of
-from hp_dtensor.parallel import ParallelPlan
+from hp_layout import Mesh
 from hp_muon import ChainedOptimizer
-from hp_train.config.combinations import check_combination
-from hp_train.config.schema import ConfigError, ModelConfig, ParallelConfig, TrainConfig
-from hp_train.dryrun.shapes import job_mesh, planned_model
-from hp_train.model.llama import Transformer
+from hp_planner import JobPlan, StagePlan
+from hp_planner.report import stage_table
+from hp_train.config.schema import ModelConfig, ParallelConfig, TrainConfig
 from hp_train.observe.metrics import write_json
-from hp_train.optim import build_optimizer
-from hp_train.parallel.parallelize import Layout3D, check_model_fits
-from hp_train.parallel.pipeline import keep_stage, stage_boundaries
+from hp_train.parallel.job import plan_run
+from hp_train.parallel.parallelize import Layout3D
+from hp_train.parallel.pipeline import stage_boundaries
 
 __all__ = [
     "PLAN_FILE",
-    "applied_plan",
+    "PlanMismatchError",
+    "check_applied",
     "optimizer_groups",
     "plan_report",
-    "resolve_run_plans",
     "write_plan",
 ]
 
-#: The applied parallel plan, beside ``metrics.jsonl`` (see the module docstring).
+#: The run's plan, beside ``metrics.jsonl`` (see the module docstring).
 PLAN_FILE = "plan.json"
+
+
+class PlanMismatchError(RuntimeError):
+    """An executor did something else than the run's plan says (the message names it)."""
 
 
 def optimizer_groups(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, str]:
@@ -65,106 +63,112 @@ def optimizer_groups(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict
     return {name: owner[id(p)] for name, p in model.named_parameters() if id(p) in owner}
 
 
-def resolve_run_plans(
-    model_config: ModelConfig, parallel: ParallelConfig, config: TrainConfig
-) -> list[ParallelPlan]:
-    """The plan :func:`train` applies, one per pipeline stage (one without pipelining),
-    resolved on a meta-device model without any process group, with each parameter's
-    optimizer group from the optimizer the run builds (:func:`hp_train.optim.build_optimizer`
-    on the meta model: Muon/AdamW by ``hp_muon.split_params``, or AdamW alone).
+def _first_difference(what: str, applied: dict[str, Any], planned: dict[str, Any]) -> None:
+    for name in sorted(set(applied) | set(planned)):
+        got, want = applied.get(name), planned.get(name)
+        if got != want:
+            raise PlanMismatchError(
+                f"{what} of {name!r}: the run applied {got!r}, the job plan says {want!r}"
+            )
 
-    Stage ``k``'s plan is over its ``(dp_replicate, dp_shard, tp)`` ranks of the
-    ``(pp, dp_replicate, dp_shard, tp)`` grid and names the modules the stage keeps.
 
-    Raises:
-        ConfigError: the model cannot be split ``tp`` ways or into ``pp`` stages.
-    """
-    check_model_fits(model_config, parallel)
-    check_combination(model_config, parallel, config)
-    if parallel.cp > 1 or parallel.ep > 1:
-        raise ConfigError(
-            f"--print-plan resolves the tensor-parallel and FSDP plan; it does not model "
-            f"{'--cp' if parallel.cp > 1 else '--ep'} yet (a run writes the plan it applied to "
-            "<out>/plan.json)"
+def _planned_slots(stage: StagePlan, rank: int) -> dict[str, Any]:
+    slots: dict[str, Any] = {}
+    for group in stage.fsdp:
+        if rank in group.plan.mesh:
+            prefix = f"{group.unit}." if group.unit else ""
+            slots.update({prefix + n: s for n, s in group.plan.flat_slots().items()})
+    return slots
+
+
+def _check_meshes(stage: StagePlan, layout: Layout3D, rank: int) -> None:
+    planned = stage.meshes
+    context = planned.context.submesh(["cp"], rank) if planned.context is not None else None
+    built: list[tuple[str, Mesh | None, Mesh | None]] = [
+        ("stage", layout.mesh.mesh, planned.stage),
+        ("FSDP", layout.dp_mesh.mesh, planned.stage.submesh(list(planned.dp_axes), rank)),
+        ("context", None if layout.cp_mesh is None else layout.cp_mesh.mesh, context),
+        ("expert", None if layout.expert_mesh is None else layout.expert_mesh.mesh, planned.expert),
+    ]
+    for name, mesh, want in built:
+        if mesh != want:
+            raise PlanMismatchError(f"{name} mesh: the run built {mesh}, the job plan says {want}")
+
+
+def check_applied(
+    job: JobPlan, model: nn.Module, optimizer: torch.optim.Optimizer, layout: Layout3D, rank: int
+) -> None:
+    """Raise :class:`PlanMismatchError` naming the first thing this rank's executors did otherwise
+    than ``job`` says (module docstring): ``layout`` holds the meshes the run built."""
+    stage = job.stage_of(rank)
+    _check_meshes(stage, layout, rank)
+    applied = parallel_plan_of(model)
+    if applied is None:
+        raise PlanMismatchError("no parallel plan is recorded on the model (FSDP recorded no slot)")
+    _first_difference(
+        "FSDP slot",
+        {p.fqn: p.flat for p in applied.params if p.flat is not None},
+        _planned_slots(stage, rank),
+    )
+    if job.dims.tp > 1:
+        _first_difference(
+            "tensor-parallel layout",
+            {p.fqn: (p.layout, p.reduction) for p in applied.params},
+            {p.fqn: (p.layout, p.reduction) for p in stage.parallel.params},
         )
-    grid = job_mesh(parallel)
-    plans: list[ParallelPlan] = []
-    for k in range(parallel.pp):
-        with torch.device("meta"):
-            model = Transformer(model_config)
-        if parallel.pp > 1:
-            keep_stage(model, k, stage_boundaries(model_config, parallel.pp))
-        groups = optimizer_groups(model, build_optimizer(model, config))
-        # The stage's plan with the FSDP slots of its first rank, as hp-fsdp will plan them.
-        first = grid.rank_at((k, 0, 0, 0)) if parallel.pp > 1 else 0
-        plans.append(
-            planned_model(model_config, parallel, rank=first).with_optimizer_groups(groups)
-        )
-    return plans
+    _first_difference(
+        "optimizer group",
+        optimizer_groups(model, optimizer),
+        {p.fqn: p.optimizer_group for p in stage.parallel.params if p.optimizer_group},
+    )
+
+
+def _held(model: ModelConfig, pp: int, k: int) -> str:
+    boundaries = stage_boundaries(model, pp)
+    first, end = boundaries[k], boundaries[k + 1]
+    held = [f"blocks {first}..{end - 1}" if end - first > 1 else f"block {first}"]
+    if k == 0:
+        held.insert(0, "the embedding")
+    if k == pp - 1:
+        held.append("the final norm and the head")
+    return ", ".join(held)
 
 
 def plan_report(model_config: ModelConfig, parallel: ParallelConfig, config: TrainConfig) -> str:
-    """What ``--print-plan`` prints: a header line naming the world size and the axes, then
-    the plan table of :func:`resolve_run_plans` (local shapes of the first rank), one per
-    pipeline stage with a line naming the stage's modules and ranks."""
-    plans = resolve_run_plans(model_config, parallel, config)
-    axes = f"dp_replicate={parallel.dp_replicate} x dp_shard={parallel.dp_shard} x tp={parallel.tp}"
+    """What ``--print-plan`` prints: a header line naming the world size, the axes, the model
+    and the optimizer, then each stage's table (:func:`hp_planner.report.stage_table`, local
+    shapes of the stage's first rank), with pipelining under a line naming the stage's
+    modules and ranks.
+
+    Raises:
+        ConfigError: see :func:`hp_train.parallel.job.plan_run`.
+    """
+    job = plan_run(model_config, parallel, config)
+    axes = " x ".join(f"{n}={s}" for n, s in zip(job.grid.axis_names, job.grid.shape, strict=True))
+    extra = "".join(f" x {n}={v}" for n, v in (("ep", parallel.ep),) if v > 1)
     kind = "MoE" if model_config.moe else "dense"
     header = (
-        f"hp-train plan: world size {parallel.world_size} = "
-        + (f"pp={parallel.pp} x {axes}" if parallel.pp > 1 else axes)
-        + f"; {kind} model dim {model_config.dim}, {model_config.n_layers} layers; "
-        f"optimizer {config.optimizer}"
+        f"hp-train plan: world size {parallel.world_size} = {axes}{extra}; {kind} model dim "
+        f"{model_config.dim}, {model_config.n_layers} layers; optimizer {config.optimizer}"
     )
-    if parallel.pp == 1:
-        return f"{header}\n\n{plans[0].table(rank=0)}"
-    boundaries = stage_boundaries(model_config, parallel.pp)
+    if job.schedule is None:
+        return f"{header}\n\n{stage_table(job.stages[0])}"
     parts = [
-        f"{header}; one plan per pipeline stage (each over its stage's "
-        "dp_replicate x dp_shard x tp ranks, naming the modules the stage keeps)"
+        f"{header}; pipeline schedule {job.schedule.name} with {job.schedule.num_microbatches} "
+        "microbatches; one plan per pipeline stage (each over its stage's dp_replicate x "
+        "dp_shard x tp ranks, naming the modules the stage keeps)"
     ]
-    for k, plan in enumerate(plans):
-        first, end = boundaries[k], boundaries[k + 1]
-        held = [f"blocks {first}..{end - 1}" if end - first > 1 else f"block {first}"]
-        if k == 0:
-            held.insert(0, "the embedding")
-        if k == parallel.pp - 1:
-            held.append("the final norm and the head")
-        ranks = plan.mesh.ranks
+    for stage in job.stages:
+        ranks = stage.ranks
         parts.append(
-            f"=== stage {k} of {parallel.pp}: {', '.join(held)}; ranks {ranks[0]}..{ranks[-1]}"
-            f"\n\n{plan.table(rank=ranks[0])}"
+            f"=== stage {stage.index} of {parallel.pp}: "
+            f"{_held(model_config, parallel.pp, stage.index)}; ranks {ranks[0]}..{ranks[-1]}"
+            f"\n\n{stage_table(stage)}"
         )
     return "\n\n".join(parts)
 
 
-def applied_plan(
-    model: Transformer, unstyled: ParallelPlan | None, optimizer: torch.optim.Optimizer
-) -> ParallelPlan:
-    """The plan the run applied (see the module docstring); ``unstyled``: the plan resolved
-    before :func:`parallelize` when ``tp == 1`` (no TP plan is applied then)."""
-    applied = parallel_plan_of(model)
-    if unstyled is None:
-        if applied is None:
-            raise RuntimeError("parallelize() applied a tensor-parallel plan but none is recorded")
-        plan = applied
-    else:
-        slots = {p.fqn: p.flat for p in applied.params if p.flat} if applied else {}
-        plan = unstyled.with_flat_slots(slots)
-    return plan.with_optimizer_groups(optimizer_groups(model, optimizer))
-
-
-def write_plan(path: Path, plan: ParallelPlan, layout: Layout3D, rank: int) -> None:
-    """Rank 0 writes ``plan.json``; with pipelining the first rank of each stage sends its
-    stage's plan to rank 0 first (collective)."""
-    if layout.pipeline_mesh is None:
-        if rank == 0:
-            write_json(path, plan.to_dict())
-        return
-    mine = plan.to_dict() if plan.mesh.ranks[0] == rank else None
-    gathered: list[Any] | None = [None] * dist.get_world_size() if rank == 0 else None
-    dist.gather_object(mine, gathered, dst=0)
-    if gathered is not None:
-        # pp is the outermost axis: the stages' first ranks come in stage order.
-        stages = [entry for entry in gathered if entry is not None]
-        write_json(path, {"pp": len(stages), "stages": stages})
+def write_plan(path: Path, job: JobPlan, rank: int) -> None:
+    """Rank 0 writes ``job`` as ``plan.json`` (every rank holds the whole plan)."""
+    if rank == 0:
+        write_json(path, job.to_dict())

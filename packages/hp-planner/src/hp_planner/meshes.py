@@ -1,0 +1,118 @@
+"""The rank grids of a job, as pure ``hp_layout.Mesh`` values.
+
+Layout of the ranks (row-major, last axis fastest): ``(pp, dp_replicate, dp_shard, cp, tp)``,
+the ``pp`` and ``cp`` axes present only when larger than 1. ``tp`` is innermost so that
+tensor-parallel peers are neighbours (the fastest links); ``pp`` is outermost (one activation
+per microbatch crosses a stage boundary, the least traffic).
+
+Per pipeline stage:
+
+* the **stage mesh** ``(dp_replicate, dp_shard, tp)``, with ``cp > 1``
+  ``(dp_replicate, dp_shard_cp, tp)``: the ``cp`` ranks of a data-parallel rank hold the same
+  parameters, so tensor parallelism and FSDP see ``dp_shard x cp`` as one axis;
+* the **FSDP meshes**: the stage mesh's sub-meshes over ``dp_axes`` (HSDP's
+  ``(dp_replicate, shard)`` when ``dp_replicate > 1``, else the shard axis alone), one per
+  tensor-parallel coordinate;
+* the **context mesh** (``cp > 1``): ``(dp_replicate, dp_shard, cp, tp)`` over the stage's
+  ranks, whose ``cp`` axis the attention exchanges run on;
+* the **expert mesh** (``ep > 1``): ``(dp_replicate, expert_shard, ep, tp)`` over the stage
+  mesh's ranks in the same order (``ep`` carved from the shard axis, innermost of it), and
+  its FSDP axes ``expert_dp_axes`` (the ranks holding the same experts).
+
+Postconditions (tested): every stage mesh, context mesh and expert mesh of a stage holds the
+same set of ranks; the stages partition the world; the FSDP meshes of a stage partition its
+ranks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hp_layout import Mesh
+from hp_planner.inputs import JobDims
+
+__all__ = ["StageMeshes", "job_grid", "stage_meshes"]
+
+REPLICATE = "dp_replicate"
+SHARD = "dp_shard"
+CP_SHARD = "dp_shard_cp"
+STAGE_AXES = (REPLICATE, SHARD, "tp")
+EXPERT_AXES = (REPLICATE, "expert_shard", "ep", "tp")
+
+
+@dataclass(frozen=True)
+class StageMeshes:
+    """One pipeline stage's meshes (module docstring).
+
+    Attributes:
+        stage: the mesh tensor parallelism and FSDP apply to.
+        shard_axis: its FSDP shard axis (``dp_shard`` or ``dp_shard_cp``).
+        dp_axes: the FSDP mesh's axes of ``stage`` (replicate first under HSDP).
+        context: with ``cp > 1`` the ``(dp_replicate, dp_shard, cp, tp)`` mesh, else None.
+        expert: with ``ep > 1`` the ``(dp_replicate, expert_shard, ep, tp)`` mesh, else None.
+        expert_dp_axes: the expert mesh's FSDP axes (``()`` without ``ep``).
+    """
+
+    stage: Mesh
+    shard_axis: str
+    dp_axes: tuple[str, ...]
+    context: Mesh | None = None
+    expert: Mesh | None = None
+    expert_dp_axes: tuple[str, ...] = ()
+
+    def fsdp_meshes(self) -> tuple[Mesh, ...]:
+        """The stage's FSDP meshes, one per tensor-parallel coordinate, in rank order."""
+        return self.stage.submeshes(list(self.dp_axes))
+
+    def expert_fsdp_meshes(self) -> tuple[Mesh, ...]:
+        """The FSDP meshes of the experts (the ranks holding the same experts), in rank
+        order; ``()`` without expert parallelism."""
+        if self.expert is None:
+            return ()
+        return self.expert.submeshes(list(self.expert_dp_axes))
+
+
+def job_grid(dims: JobDims) -> Mesh:
+    """The job's rank grid over ranks ``0 .. world_size - 1`` (module docstring)."""
+    shape: list[int] = []
+    names: list[str] = []
+    if dims.pp > 1:
+        shape.append(dims.pp)
+        names.append("pp")
+    shape += [dims.dp_replicate, dims.dp_shard]
+    names += [REPLICATE, SHARD]
+    if dims.cp > 1:
+        shape.append(dims.cp)
+        names.append("cp")
+    shape.append(dims.tp)
+    names.append("tp")
+    return Mesh(tuple(shape), tuple(names))
+
+
+def stage_meshes(dims: JobDims, stage: int) -> StageMeshes:
+    """Stage ``stage``'s meshes (module docstring).
+
+    Raises:
+        ValueError: ``stage`` is not in ``0 .. pp - 1``.
+    """
+    if not 0 <= stage < dims.pp:
+        raise ValueError(f"stage must be in 0..{dims.pp - 1}, got {stage}")
+    grid = job_grid(dims)
+    if dims.pp > 1:
+        first = grid.rank_at((stage,) + (0,) * (grid.ndim - 1))
+        grid = grid.submesh([n for n in grid.axis_names if n != "pp"], first)
+    context: Mesh | None = None
+    shard_axis = SHARD
+    mesh = grid
+    if dims.cp > 1:
+        context = grid
+        mesh = grid.flatten([SHARD, "cp"], CP_SHARD)
+        shard_axis = CP_SHARD
+    dp_axes = (REPLICATE, shard_axis) if dims.dp_replicate > 1 else (shard_axis,)
+    expert: Mesh | None = None
+    expert_dp_axes: tuple[str, ...] = ()
+    if dims.ep > 1:
+        shape = (dims.dp_replicate, dims.dp_shard // dims.ep, dims.ep, dims.tp)
+        expert = Mesh(shape, EXPERT_AXES, mesh.ranks)
+        expert_dp_axes = (REPLICATE, "expert_shard") if dims.dp_replicate > 1 else ("expert_shard",)
+    return StageMeshes(mesh, shard_axis, dp_axes, context, expert, expert_dp_axes)

@@ -1,0 +1,192 @@
+"""``plan_job``: the whole job's plan from meta-device models and configs, without processes.
+
+The algorithm, per pipeline stage ``k`` (its model holds the modules the stage keeps, under
+their names in the whole model):
+
+1. The meshes (:func:`hp_planner.meshes.stage_meshes`).
+2. The tensor-parallel plan: ``hp_dtensor.parallel.resolve`` of the plan entries that name a
+   module of the stage over the stage mesh (``tp`` axis; the data axes ``dp_replicate`` and
+   the shard axis); with ``tp == 1`` the same call with no entries (every parameter
+   replicated: no plan is applied).
+3. Expert parallelism (``ep > 1``): each MoE module resolved alone with the expert style over
+   the expert mesh (``ep`` as its style axis, no data axes: FSDP reduces over those).
+4. Context parallelism (``cp > 1``): the attention cores it replaces, on the context mesh.
+5. FSDP: every ``fully_shard`` call on every FSDP mesh, planned by hp-fsdp
+   (:mod:`hp_planner.fsdp_groups`).
+6. The optimizer split (``hp_muon.split_params``), recorded on the plan's parameters with
+   the stage's first rank's FSDP slots.
+
+Then the pipeline schedule (``pp > 1``). Equal inputs give equal plans: every step is a pure
+function of shapes, dtypes, names and rank grids; nothing reads parameter data or a process
+group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from torch import nn
+
+from hp_dtensor.parallel import ParallelPlan, ParallelStyle, resolve
+from hp_dtensor.parallel.plan import match_modules
+from hp_layout import Topology
+from hp_mpmd import SchedulePlan
+from hp_mpmd.schedules import gpipe, one_f_one_b
+from hp_muon import split_params
+from hp_planner.fsdp_groups import plan_fsdp_groups
+from hp_planner.inputs import JobDims, ModelParallelism, PlanInputError, TrainingPolicy
+from hp_planner.job import ContextPlan, ExpertPlan, JobPlan, StagePlan
+from hp_planner.meshes import REPLICATE, StageMeshes, job_grid, stage_meshes
+
+__all__ = ["plan_job"]
+
+_SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b}
+
+
+def plan_job(
+    stages: nn.Module | Sequence[nn.Module],
+    dims: JobDims,
+    parallelism: ModelParallelism,
+    training: TrainingPolicy,
+    topology: Topology | None = None,
+) -> JobPlan:
+    """The :class:`~hp_planner.JobPlan` of a job (module docstring).
+
+    Args:
+        stages: the model on ``meta`` (or any device: no data is read), or with ``pp > 1``
+            one model per pipeline stage, each keeping its modules under their names in the
+            whole model.
+        dims: ranks along each axis.
+        parallelism: which modules take which style.
+        training: the optimizer split, precision, activation/offload and schedule.
+        topology: recorded with the plan (the pricing reads it), or None.
+
+    Raises:
+        PlanInputError: the number of stage models is not ``pp``; a pattern of
+            ``parallelism`` names no module of any stage; ``ep > 1`` with no expert module or
+            no expert style; ``cp > 1`` with no context module; ``ep > 1`` with ``cp > 1``.
+        hp_dtensor.parallel.PlanError: a style cannot shard the module it names.
+    """
+    models = [stages] if isinstance(stages, nn.Module) else list(stages)
+    if len(models) != dims.pp:
+        raise PlanInputError(f"pp={dims.pp} needs one model per pipeline stage, got {len(models)}")
+    if dims.ep > 1 and dims.cp > 1:
+        raise PlanInputError(
+            f"ep={dims.ep} with cp={dims.cp} is not planned: the expert mesh is carved from "
+            "dp_shard alone; use one of them"
+        )
+    _check_patterns(models, parallelism, dims)
+    planned = tuple(
+        _plan_stage(k, model, dims, parallelism, training) for k, model in enumerate(models)
+    )
+    return JobPlan(dims, training, job_grid(dims), planned, _schedule(dims, training), topology)
+
+
+def _matched(models: Sequence[nn.Module], pattern: str) -> bool:
+    return any(match_modules(m, pattern) for m in models)
+
+
+def _check_patterns(
+    models: Sequence[nn.Module], parallelism: ModelParallelism, dims: JobDims
+) -> None:
+    kinds = [("fsdp_units", parallelism.fsdp_units)]
+    if dims.tp > 1:
+        kinds.append(("tp_plan", tuple(k for k, _ in parallelism.tp_plan)))
+    if dims.ep > 1:
+        if parallelism.expert_style is None or not parallelism.expert_modules:
+            raise PlanInputError(
+                f"ep={dims.ep} needs expert_modules and an expert_style in ModelParallelism"
+            )
+        kinds.append(("expert_modules", parallelism.expert_modules))
+    if dims.cp > 1:
+        if not parallelism.context_modules:
+            raise PlanInputError(f"cp={dims.cp} needs context_modules in ModelParallelism")
+        kinds.append(("context_modules", parallelism.context_modules))
+    for kind, patterns in kinds:
+        for pattern in patterns:
+            if not _matched(models, pattern):
+                raise PlanInputError(
+                    f"{kind} entry {pattern!r} names no module of any stage (patterns match "
+                    "one dotted name component per '*', e.g. 'layers.*')"
+                )
+
+
+def _names(model: nn.Module, patterns: Sequence[str]) -> tuple[str, ...]:
+    """The modules of ``model`` the ``patterns`` match, in module order, each once."""
+    hits = {name for p in patterns for name in match_modules(model, p)}
+    return tuple(name for name, _ in model.named_modules() if name in hits)
+
+
+def _tp_plan(
+    model: nn.Module, meshes: StageMeshes, dims: JobDims, parallelism: ModelParallelism
+) -> ParallelPlan:
+    entries: dict[str, ParallelStyle] = {}
+    if dims.tp > 1:
+        entries = {k: s for k, s in parallelism.tp_plan if match_modules(model, k)}
+    axes = (REPLICATE, meshes.shard_axis)
+    return resolve(model, meshes.stage, entries, mode="production", tp_axis="tp", dp_axes=axes)
+
+
+def _expert_plans(
+    model: nn.Module, meshes: StageMeshes, parallelism: ModelParallelism
+) -> tuple[ExpertPlan, ...]:
+    if meshes.expert is None:
+        return ()
+    style = parallelism.expert_style
+    assert style is not None  # _check_patterns
+    return tuple(
+        ExpertPlan(
+            name,
+            resolve(
+                model.get_submodule(name),
+                meshes.expert,
+                {"": style},
+                mode="production",
+                tp_axis="ep",
+                dp_axes=(),
+            ),
+        )
+        for name in _names(model, parallelism.expert_modules)
+    )
+
+
+def _optimizer_groups(model: nn.Module, training: TrainingPolicy) -> dict[str, str]:
+    if training.optimizer == "adamw":
+        return {name: "adamw" for name, p in model.named_parameters() if p.requires_grad}
+    split = split_params(model, adamw_patterns=training.adamw_patterns)
+    groups = {name: "muon" for name, _ in split.muon}
+    groups.update({name: "adamw" for name, _ in split.adamw})
+    return groups
+
+
+def _plan_stage(
+    k: int,
+    model: nn.Module,
+    dims: JobDims,
+    parallelism: ModelParallelism,
+    training: TrainingPolicy,
+) -> StagePlan:
+    meshes = stage_meshes(dims, k)
+    tp = _tp_plan(model, meshes, dims, parallelism)
+    experts = _expert_plans(model, meshes, parallelism)
+    context = None
+    if meshes.context is not None:
+        modules = _names(model, parallelism.context_modules)
+        context = ContextPlan(dims.cp_variant, modules, meshes.context)
+    units = _names(model, parallelism.fsdp_units)
+    fsdp = plan_fsdp_groups(model, meshes, units, tp if dims.tp > 1 else None, experts, training)
+    first = min(meshes.stage.ranks)
+    slots = {}
+    for group in fsdp:
+        if first in group.plan.mesh:
+            prefix = f"{group.unit}." if group.unit else ""
+            slots.update({prefix + n: s for n, s in group.plan.flat_slots().items()})
+    parallel = tp.with_flat_slots(slots).with_optimizer_groups(_optimizer_groups(model, training))
+    activation = (training.activation, units if training.activation != "none" else ())
+    return StagePlan(k, meshes, parallel, experts, context, fsdp, activation, training.offload)
+
+
+def _schedule(dims: JobDims, training: TrainingPolicy) -> SchedulePlan | None:
+    if dims.pp == 1:
+        return None
+    return _SCHEDULES[training.schedule](dims.pp, training.microbatches)
