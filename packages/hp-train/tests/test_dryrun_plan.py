@@ -22,7 +22,13 @@ from hp_layout import Replicate, Shard
 from hp_testing import run_on_ranks
 from hp_train.config import cli as train_cli
 from hp_train.config import presets
-from hp_train.config.schema import ConfigError, ModelConfig, MoEConfig, ParallelConfig, TrainConfig
+from hp_train.config.schema import (
+    ConfigError,
+    ModelConfig,
+    MoEConfig,
+    ParallelConfig,
+    TrainConfig,
+)
 from hp_train.dryrun import (
     MODEL_PRESETS,
     DryRunError,

@@ -15,25 +15,22 @@ import argparse
 import math
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch.distributed as dist
 
 from hp_train.checkpoint.dcp import CheckpointError
-from hp_train.config.presets import model_configs
-from hp_train.config.schema import (
-    CP_VARIANTS,
-    FP8_RECIPES,
-    MIXED_PRECISIONS,
-    OFFLOAD_TARGETS,
-    PIPELINE_SCHEDULE_NAMES,
-    ConfigError,
-    ModelConfig,
-    MoEConfig,
-    ParallelConfig,
-    TrainConfig,
+from hp_train.config.options import (
+    TABLE_TITLES,
+    CliOption,
+    add_options,
+    config_kwargs,
+    field_options,
 )
+from hp_train.config.presets import model_configs
+from hp_train.config.schema import ConfigError, ModelConfig, MoEConfig, ParallelConfig, TrainConfig
 from hp_train.config.toml_file import option_tables, read_config_file, resolved_tables
 from hp_train.observe.nonfinite import NonFiniteError
 from hp_train.parallel.run_plan import plan_report
@@ -47,14 +44,12 @@ __all__ = ["EXIT_CHECKPOINT", "EXIT_CONFIG", "EXIT_NONFINITE", "MODEL_PRESETS", 
 MODEL_PRESETS: dict[str, ModelConfig] = model_configs()
 
 
-#: The tables of a ``--config`` file, by the argparse group whose options each holds.
-_TABLES = {
-    "model": "model",
-    "parallelism (dp_replicate x dp_shard x cp x tp x pp = world size)": "parallel",
-    "training": "training",
-    "data": "data",
-    "run": "run",
-}
+#: The dataclasses whose fields are the run's options (:mod:`hp_train.config.options`).
+_CONFIGS: tuple[type[Any], ...] = (ModelConfig, MoEConfig, ParallelConfig, TrainConfig)
+
+#: The tables of a ``--config`` file, by the title of the argparse group whose options each
+#: holds.
+_TABLES = {title: table for table, title in TABLE_TITLES.items()}
 
 
 def _expert_note(parallel: ParallelConfig) -> str:
@@ -63,7 +58,13 @@ def _expert_note(parallel: ParallelConfig) -> str:
     return f" (ep={parallel.ep}{', experts over tp' if parallel.ep_tp else ''})"
 
 
+def _options() -> tuple[CliOption, ...]:
+    return field_options(*_CONFIGS)
+
+
 def _parser() -> argparse.ArgumentParser:
+    """The command line: every field option of :data:`_CONFIGS` in the group of its table,
+    and the flags that are no field (:func:`_add_command_flags`)."""
     p = argparse.ArgumentParser(prog="hp-train", description=__doc__.split("\n\n")[0])
     p.add_argument(
         "--config",
@@ -72,107 +73,30 @@ def _parser() -> argparse.ArgumentParser:
         help="a TOML file of options (tables [model], [parallel], [training], [data], [run]; "
         "keys are the options' names with underscores); flags given here override it",
     )
-    m = p.add_argument_group("model")
-    m.add_argument("--model", default=None, choices=sorted(MODEL_PRESETS), help="default: tiny")
-    for name in ("dim", "n-layers", "n-heads", "n-kv-heads", "ffn-dim", "vocab-size"):
-        m.add_argument(f"--{name}", type=int, default=None)
-    m.add_argument("--experts", type=int, default=None, help="routed experts (makes it MoE)")
-    m.add_argument("--top-k", type=int, default=2)
-    m.add_argument("--expert-ffn-dim", type=int, default=None)
-    m.add_argument("--moe-every", type=int, default=2)
-    m.add_argument(
+    groups = {table: p.add_argument_group(title) for table, title in TABLE_TITLES.items()}
+    groups["model"].add_argument(
+        "--model", default=None, choices=sorted(MODEL_PRESETS), help="default: tiny"
+    )
+    add_options(groups, _options())
+    _add_command_flags(groups)
+    return p
+
+
+def _add_command_flags(groups: Mapping[str, argparse._ActionsContainer]) -> None:
+    """The options that set no config field: where the run starts from, where it runs and
+    writes, and what it does besides training (:class:`~hp_train.trainer.RunOptions`)."""
+    groups["model"].add_argument(
         "--init-from",
         type=Path,
         default=None,
         help="a local Hugging Face checkpoint folder (config.json + safetensors; Llama, Qwen2, "
         "Qwen3): the model's architecture and starting weights",
     )
-    d = p.add_argument_group("parallelism (dp_replicate x dp_shard x cp x tp x pp = world size)")
-    d.add_argument("--dp-replicate", type=int, default=1)
-    d.add_argument("--dp-shard", type=int, default=None, help="default: what is left")
-    d.add_argument("--tp", type=int, default=1)
-    d.add_argument("--pp", type=int, default=1, help="pipeline stages")
-    d.add_argument("--cp", type=int, default=1, help="context parallel: split each sequence")
-    d.add_argument("--cp-variant", default="ring", choices=CP_VARIANTS)
-    d.add_argument(
-        "--ep", type=int, default=1, help="expert parallel (MoE), carved from --dp-shard"
-    )
-    d.add_argument(
-        "--ep-tp",
-        action="store_true",
-        help="with --ep and --tp: split each expert's hidden dim over tp too",
-    )
-    d.add_argument(
-        "--microbatches",
-        type=int,
-        default=None,
-        help="pipeline microbatches per step (default: pp; 1 without pipelining)",
-    )
-    d.add_argument("--pp-schedule", default="1f1b", choices=PIPELINE_SCHEDULE_NAMES)
+    d = groups["parallel"]
     d.add_argument("--device", default="cpu", choices=("cpu", "cuda", "npu"))
     d.add_argument("--threads", type=int, default=None, help="CPU threads per rank")
-    t = p.add_argument_group("training")
-    t.add_argument("--steps", type=int, default=20)
-    t.add_argument("--global-batch", type=int, default=8)
-    t.add_argument("--seq-len", type=int, default=32)
-    t.add_argument("--optimizer", default="muon", choices=("muon", "adamw"))
-    t.add_argument("--lr", type=float, default=3e-3, help="AdamW peak lr")
-    t.add_argument("--muon-lr", type=float, default=0.02, help="Muon peak lr")
-    t.add_argument("--weight-decay", type=float, default=0.01)
-    t.add_argument("--warmup-steps", type=int, default=2)
-    t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--deterministic", action="store_true")
-    t.add_argument("--log-every", type=int, default=5, help="precision monitoring interval")
-    t.add_argument("--grad-accum", type=int, default=1, help="micro-steps per optimizer step")
-    t.add_argument("--clip-grad-norm", type=float, default=0.0, help="max global norm (0: off)")
-    t.add_argument(
-        "--skip-nonfinite",
-        type=int,
-        default=0,
-        help="skip up to N steps whose loss or gradients are NaN/inf (no optimizer step), then "
-        "stop; 0: stop at the first (exit code 3)",
-    )
-    t.add_argument(
-        "--ac", default="none", help="activation checkpointing: none, full, selective, budget:<MiB>"
-    )
-    t.add_argument("--swap", action="store_true", help="swap kept activations to host memory")
-    t.add_argument("--offload", default="none", choices=OFFLOAD_TARGETS)
-    t.add_argument("--mixed-precision", default="fp32", choices=MIXED_PRECISIONS)
-    t.add_argument("--fp8", default="none", choices=FP8_RECIPES, help="FP8 linears")
-    t.add_argument("--fp8-all-gather", action="store_true", help="FSDP all-gathers in FP8")
-    t.add_argument(
-        "--grad-reduce-dtype", default="fp32", choices=MIXED_PRECISIONS, help="gradient wire dtype"
-    )
-    t.add_argument("--compile", action="store_true", help="torch.compile every block")
-    g = p.add_argument_group("data")
-    g.add_argument(
-        "--data",
-        default="corpus",
-        help="corpus (the hp-* packages' text), synthetic, pydoc (CPython's documentation "
-        "topics), or a local .txt/.md file, folder, JSON Lines or Parquet path",
-    )
-    g.add_argument(
-        "--tokenizer",
-        default=None,
-        help="a tokenizer.json or a folder holding one (python -m hp_train.data.tokenizer train "
-        "makes one); default: bytes",
-    )
-    g.add_argument("--text-field", default="text", help="the text column of JSON Lines/Parquet")
-    g.add_argument(
-        "--eval-fraction", type=float, default=0.0, help="share of documents held out (0: none)"
-    )
-    g.add_argument("--eval-data", default=None, help="a separate local path to evaluate on")
-    g.add_argument("--eval-every", type=int, default=0, help="evaluate every N steps (0: never)")
-    g.add_argument("--eval-batches", type=int, default=4, help="global batches per evaluation")
-    g.add_argument(
-        "--streaming",
-        default="auto",
-        choices=("auto", "on", "off"),
-        help="read the data as a stream (auto: by its size)",
-    )
-    r = p.add_argument_group("run")
+    r = groups["run"]
     r.add_argument("--out", type=Path, default=Path("hp_train_out"))
-    r.add_argument("--checkpoint-every", type=int, default=0)
     r.add_argument("--resume", action="store_true", help="from the newest checkpoint that verifies")
     r.add_argument(
         "--resume-from",
@@ -190,7 +114,6 @@ def _parser() -> argparse.ArgumentParser:
         help="print the parallel plan of these flags and exit (one process, no torchrun; "
         "--dp-shard defaults to 1, or to what WORLD_SIZE leaves)",
     )
-    return p
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -215,13 +138,11 @@ def resolved_options(args: argparse.Namespace) -> dict[str, dict[str, object]]:
 
 
 def _model_config(args: argparse.Namespace, tokenizer_vocab: int | None) -> ModelConfig:
-    sizes = {
-        field: getattr(args, field)
-        for field in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size")
-        if getattr(args, field) is not None
-    }
+    options = _options()
+    sizes = config_kwargs(options, args, ModelConfig)
     if args.init_from is not None:
-        given = [f"--{k.replace('_', '-')}" for k in sizes] + (["--model"] if args.model else [])
+        given = [o.flag for o in options if o.owner is ModelConfig and o.field in sizes]
+        given += ["--model"] if args.model else []
         if args.experts is not None:
             given.append("--experts")
         if given:
@@ -239,13 +160,11 @@ def _model_config(args: argparse.Namespace, tokenizer_vocab: int | None) -> Mode
         sizes["vocab_size"] = _vocab_for(tokenizer_vocab, args.tp)
     moe = base.moe
     if args.experts is not None:
-        moe = MoEConfig(
-            n_experts=args.experts,
-            top_k=args.top_k,
-            expert_ffn_dim=args.expert_ffn_dim or (base.ffn_dim // 2),
-            every=args.moe_every,
-        )
-    seq = max(base.max_seq_len, args.seq_len)
+        experts = config_kwargs(options, args, MoEConfig)
+        if not experts.get("expert_ffn_dim"):
+            experts["expert_ffn_dim"] = base.ffn_dim // 2
+        moe = MoEConfig(**experts)
+    seq = max(sizes.pop("max_seq_len", base.max_seq_len), args.seq_len)
     return ModelConfig(**{**base.__dict__, **sizes, "moe": moe, "max_seq_len": seq})
 
 
@@ -268,64 +187,16 @@ def parse(
 
         tokenizer_vocab = load_tokenizer(args.tokenizer).vocab_size
     model = _model_config(args, tokenizer_vocab)
+    options = _options()
+    axes = config_kwargs(options, args, ParallelConfig)
     if args.dp_shard is None:
-        parallel = ParallelConfig.fill(
-            world_size,
-            dp_replicate=args.dp_replicate,
-            tp=args.tp,
-            pp=args.pp,
-            cp=args.cp,
-            cp_variant=args.cp_variant,
-            ep=args.ep,
-            ep_tp=args.ep_tp,
-        )
+        parallel = ParallelConfig.fill(world_size, **axes)
     else:
-        parallel = ParallelConfig(
-            args.dp_replicate,
-            args.dp_shard,
-            args.tp,
-            args.pp,
-            args.cp,
-            args.cp_variant,
-            args.ep,
-            args.ep_tp,
-        )
-    config = TrainConfig(
-        steps=args.steps,
-        global_batch=args.global_batch,
-        seq_len=args.seq_len,
-        optimizer=args.optimizer,
-        lr=args.lr,
-        muon_lr=args.muon_lr,
-        weight_decay=args.weight_decay,
-        warmup_steps=args.warmup_steps,
-        data=args.data,
-        tokenizer=args.tokenizer,
-        text_field=args.text_field,
-        eval_fraction=args.eval_fraction,
-        eval_data=args.eval_data,
-        eval_every=args.eval_every,
-        eval_batches=args.eval_batches,
-        streaming={"auto": None, "on": True, "off": False}[args.streaming],
-        seed=args.seed,
-        deterministic=args.deterministic,
-        checkpoint_every=args.checkpoint_every,
-        log_every=args.log_every,
-        microbatches=args.microbatches if args.microbatches is not None else parallel.pp,
-        pp_schedule=args.pp_schedule,
-        grad_accum=args.grad_accum,
-        clip_grad_norm=args.clip_grad_norm,
-        skip_nonfinite=args.skip_nonfinite,
-        ac=args.ac,
-        swap=args.swap,
-        offload=args.offload,
-        mixed_precision=args.mixed_precision,
-        fp8=args.fp8,
-        fp8_all_gather=args.fp8_all_gather,
-        grad_reduce_dtype=args.grad_reduce_dtype,
-        compile=args.compile,
-    )
-    options = RunOptions(
+        parallel = ParallelConfig(**axes)
+    schedule = config_kwargs(options, args, TrainConfig)
+    schedule.setdefault("microbatches", parallel.pp)
+    config = TrainConfig(**schedule)
+    run = RunOptions(
         out_dir=args.out,
         resume=args.resume,
         resume_from=args.resume_from,
@@ -336,7 +207,7 @@ def parse(
         tensorboard=args.tensorboard,
         options=resolved_options(args),
     )
-    return model, parallel, config, options, args
+    return model, parallel, config, run, args
 
 
 def _print_summary(

@@ -12,6 +12,8 @@ from dataclasses import asdict, dataclass, fields
 from types import UnionType
 from typing import Any, TypeVar, Union, get_args, get_origin, get_type_hints
 
+from hp_train.config.options import option
+
 __all__ = [
     "AC_MODES",
     "CP_VARIANTS",
@@ -43,6 +45,11 @@ MIXED_PRECISIONS = ("fp32", "bf16")
 FP8_RECIPES = ("none", "tensorwise", "blockwise")
 
 
+#: What a model option is when not given: the ``--model`` preset's value.
+_PRESET = "the preset's"
+_TRAINING = "training"
+
+
 class ConfigError(ValueError):
     """A configuration value that cannot work (the message names the field and the fix)."""
 
@@ -70,12 +77,20 @@ class MoEConfig:
         aux_loss_weight: weight of the load-balancing loss added to the language-model loss.
     """
 
-    n_experts: int = 4
-    top_k: int = 2
-    expert_ffn_dim: int = 64
-    every: int = 2
-    n_shared_experts: int = 0
-    aux_loss_weight: float = 0.01
+    n_experts: int = option(
+        4, "routed experts (makes it MoE)", table="model", flag="experts", unset="the preset's"
+    )
+    top_k: int = option(2, "experts each token is sent to", table="model")
+    expert_ffn_dim: int = option(
+        64, "hidden width of one expert's SwiGLU", table="model", unset="half the preset's ffn_dim"
+    )
+    every: int = option(
+        2, "every N-th block has an MoE feed-forward", table="model", flag="moe-every"
+    )
+    n_shared_experts: int = option(
+        0, "always-on experts added to the routed output", table="model", flag="shared-experts"
+    )
+    aux_loss_weight: float = option(0.01, "weight of the load-balancing loss", table="model")
 
     def __post_init__(self) -> None:
         for name in ("n_experts", "top_k", "expert_ffn_dim", "every"):
@@ -185,21 +200,35 @@ class ModelConfig:
         rope_scaling: scaled rotary frequencies, or ``None`` for plain ones.
     """
 
-    vocab_size: int = 256
-    dim: int = 64
-    n_layers: int = 2
-    n_heads: int = 4
-    n_kv_heads: int = 4
-    ffn_dim: int = 128
-    max_seq_len: int = 64
-    norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
+    vocab_size: int = option(256, "tokens of the vocabulary", table="model", unset=_PRESET)
+    dim: int = option(64, "model width", table="model", unset=_PRESET)
+    n_layers: int = option(2, "transformer blocks", table="model", unset=_PRESET)
+    n_heads: int = option(4, "attention heads", table="model", unset=_PRESET)
+    n_kv_heads: int = option(
+        4,
+        "key/value heads (grouped-query attention)",
+        table="model",
+        unset="--n-heads if given, else the preset's",
+    )
+    ffn_dim: int = option(128, "hidden width of the dense SwiGLU", table="model", unset=_PRESET)
+    max_seq_len: int = option(
+        64,
+        "longest sequence (rotary tables)",
+        table="model",
+        unset="the preset's, raised to --seq-len",
+    )
+    norm_eps: float = option(1e-5, "RMSNorm epsilon", table="model", unset=_PRESET)
+    rope_theta: float = option(10000.0, "rotary base", table="model", unset=_PRESET)
     moe: MoEConfig | None = None
-    explicit_head_dim: int | None = None
-    qkv_bias: bool = False
-    o_bias: bool = False
-    qk_norm: bool = False
-    tie_embeddings: bool = False
+    explicit_head_dim: int | None = option(
+        None, "width of one attention head when not dim / n_heads", table="model", unset=_PRESET
+    )
+    qkv_bias: bool = option(False, "biases on q, k and v", table="model", unset=_PRESET)
+    o_bias: bool = option(False, "a bias on the attention output", table="model", unset=_PRESET)
+    qk_norm: bool = option(False, "RMSNorm on each head of q and k", table="model", unset=_PRESET)
+    tie_embeddings: bool = option(
+        False, "the output head uses the token embedding's weight", table="model", unset=_PRESET
+    )
     rope_scaling: RopeScaling | None = None
 
     def __post_init__(self) -> None:
@@ -279,16 +308,16 @@ def _field_value(hint: Any, value: Any, where: str) -> Any:
         if type(None) in options:
             return None
         raise ConfigError(f"{where} must not be null")
-    for option in options:
-        if option in (MoEConfig, RopeScaling):
-            return _dataclass_from_dict(option, value, where)
-        if option is bool and isinstance(value, bool):
+    for kind in options:
+        if kind in (MoEConfig, RopeScaling):
+            return _dataclass_from_dict(kind, value, where)
+        if kind is bool and isinstance(value, bool):
             return value
-        if option is int and isinstance(value, int) and not isinstance(value, bool):
+        if kind is int and isinstance(value, int) and not isinstance(value, bool):
             return value
-        if option is float and isinstance(value, int | float) and not isinstance(value, bool):
+        if kind is float and isinstance(value, int | float) and not isinstance(value, bool):
             return float(value)
-        if option is str and isinstance(value, str):
+        if kind is str and isinstance(value, str):
             return value
     names = " or ".join(
         "null" if o is type(None) else getattr(o, "__name__", str(o)) for o in options
@@ -322,14 +351,18 @@ class ParallelConfig:
             repeating them.
     """
 
-    dp_replicate: int = 1
-    dp_shard: int = 1
-    tp: int = 1
-    pp: int = 1
-    cp: int = 1
-    cp_variant: str = "ring"
-    ep: int = 1
-    ep_tp: bool = False
+    dp_replicate: int = option(1, "data-parallel replicas (HSDP)", table="parallel")
+    dp_shard: int = option(1, "FSDP shards", table="parallel", unset="what is left")
+    tp: int = option(1, "tensor-parallel ranks", table="parallel")
+    pp: int = option(1, "pipeline stages", table="parallel")
+    cp: int = option(1, "context parallel: split each sequence", table="parallel")
+    cp_variant: str = option(
+        "ring", "context-parallel attention", table="parallel", choices=CP_VARIANTS
+    )
+    ep: int = option(1, "expert parallel (MoE), carved from --dp-shard", table="parallel")
+    ep_tp: bool = option(
+        False, "with --ep and --tp: split each expert's hidden dim over tp too", table="parallel"
+    )
 
     def __post_init__(self) -> None:
         for name in ("dp_replicate", "dp_shard", "tp", "pp", "cp", "ep"):
@@ -438,41 +471,83 @@ class TrainConfig:
         compile: ``torch.compile`` each block's attention and feed-forward (production mode).
     """
 
-    steps: int = 20
-    global_batch: int = 8
-    seq_len: int = 32
-    optimizer: str = "muon"
-    lr: float = 3e-3
-    muon_lr: float = 0.02
-    weight_decay: float = 0.01
-    warmup_steps: int = 2
-    min_lr_ratio: float = 0.1
-    data: str = "corpus"
-    tokenizer: str | None = None
-    text_field: str = "text"
-    eval_fraction: float = 0.0
-    eval_data: str | None = None
-    eval_every: int = 0
-    eval_batches: int = 4
-    streaming: bool | None = None
-    seed: int = 0
-    deterministic: bool = False
-    checkpoint_every: int = 0
-    log_every: int = 5
-    divergence_threshold: float = 0.5
-    microbatches: int = 1
-    pp_schedule: str = "1f1b"
-    grad_accum: int = 1
-    clip_grad_norm: float = 0.0
-    skip_nonfinite: int = 0
-    ac: str = "none"
-    swap: bool = False
-    offload: str = "none"
-    mixed_precision: str = "fp32"
-    fp8: str = "none"
-    fp8_all_gather: bool = False
-    grad_reduce_dtype: str = "fp32"
-    compile: bool = False
+    steps: int = option(
+        20, "optimizer steps to run (in all, counting those before a resume)", table=_TRAINING
+    )
+    global_batch: int = option(
+        8, "sequences per step over all data-parallel ranks", table=_TRAINING
+    )
+    seq_len: int = option(32, "tokens per sequence", table=_TRAINING)
+    optimizer: str = option(
+        "muon", "Muon on matrices and AdamW on the rest, or AdamW alone", table=_TRAINING,
+        choices=("muon", "adamw"),
+    )  # fmt: skip
+    lr: float = option(3e-3, "AdamW peak lr", table=_TRAINING)
+    muon_lr: float = option(0.02, "Muon peak lr", table=_TRAINING)
+    weight_decay: float = option(0.01, "decoupled weight decay", table=_TRAINING)
+    warmup_steps: int = option(2, "linear warm-up steps before the cosine decay", table=_TRAINING)
+    min_lr_ratio: float = option(0.1, "the cosine decay's floor (x peak lr)", table=_TRAINING)
+    data: str = option(
+        "corpus",
+        "corpus (the hp-* packages' text), synthetic, pydoc (CPython's documentation topics), "
+        "or a local .txt/.md file, folder, JSON Lines or Parquet path",
+        table="data",
+    )
+    tokenizer: str | None = option(
+        None,
+        "a tokenizer.json or a folder holding one (python -m hp_train.data.tokenizer train "
+        "makes one); default: bytes",
+        table="data",
+    )
+    text_field: str = option("text", "the text column of JSON Lines/Parquet", table="data")
+    eval_fraction: float = option(0.0, "share of documents held out (0: none)", table="data")
+    eval_data: str | None = option(None, "a separate local path to evaluate on", table="data")
+    eval_every: int = option(0, "evaluate every N steps (0: never)", table="data")
+    eval_batches: int = option(4, "global batches per evaluation", table="data")
+    streaming: bool | None = option(
+        None, "read the data as a stream (auto: by its size)", table="data",
+        words=(("auto", None), ("on", True), ("off", False)),
+    )  # fmt: skip
+    seed: int = option(0, "parameter init, data order and dropout", table=_TRAINING)
+    deterministic: bool = option(
+        False, "deterministic kernels and one fixed reduction order", table=_TRAINING
+    )
+    checkpoint_every: int = option(0, "save a checkpoint every N steps (0: never)", table="run")
+    log_every: int = option(5, "precision monitoring interval", table=_TRAINING)
+    divergence_threshold: float = option(
+        0.5, "warn when a rank's loss is off the mean by this fraction", table=_TRAINING
+    )
+    microbatches: int = option(
+        1, "pipeline microbatches per step", table="parallel", unset="pp; 1 without pipelining"
+    )
+    pp_schedule: str = option(
+        "1f1b", "the pipeline schedule", table="parallel", choices=PIPELINE_SCHEDULE_NAMES
+    )
+    grad_accum: int = option(1, "micro-steps per optimizer step", table=_TRAINING)
+    clip_grad_norm: float = option(0.0, "max global norm (0: off)", table=_TRAINING)
+    skip_nonfinite: int = option(
+        0,
+        "skip up to N steps whose loss or gradients are NaN/inf (no optimizer step), then "
+        "stop; 0: stop at the first (exit code 3)",
+        table=_TRAINING,
+    )
+    ac: str = option(
+        "none", "activation checkpointing: none, full, selective, budget:<MiB>", table=_TRAINING
+    )
+    swap: bool = option(False, "swap kept activations to host memory", table=_TRAINING)
+    offload: str = option(
+        "none", "what lives in host memory", table=_TRAINING, choices=OFFLOAD_TARGETS
+    )
+    mixed_precision: str = option(
+        "fp32", "bf16: bf16 all-gather and compute over fp32 masters; fp32: everything fp32",
+        table=_TRAINING, choices=MIXED_PRECISIONS,
+    )  # fmt: skip
+    fp8: str = option("none", "FP8 linears", table=_TRAINING, choices=FP8_RECIPES)
+    fp8_all_gather: bool = option(False, "FSDP all-gathers in FP8", table=_TRAINING)
+    grad_reduce_dtype: str = option(
+        "fp32", "gradient wire dtype", table=_TRAINING, choices=MIXED_PRECISIONS
+    )
+    compile: bool = option(False, "torch.compile every block", table=_TRAINING)
 
     def __post_init__(self) -> None:
         for name in ("steps", "global_batch", "seq_len", "log_every", "microbatches"):

@@ -2,7 +2,9 @@
 
 Every command-line option of ``python -m hp_train`` has a key in one table of the file, named
 as the option without its dashes and with underscores (``--global-batch`` is
-``global_batch``), in the table of the option's group::
+``global_batch``), in the table of the option's group. The tables and keys are read off the
+parser's groups, which :mod:`hp_train.config.options` generates from the config dataclasses'
+fields (each field declares its table), so a field's key needs no entry here::
 
     [model]
     model = "small"

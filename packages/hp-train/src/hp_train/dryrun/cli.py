@@ -8,9 +8,9 @@ Examples::
     python -m hp_train.dryrun --reproduce-paper
     python -m hp_train.dryrun --model tiny-moe --dp-shard 2 --tp 2 --rank 1 --print-plan
 
-The flags are the trainer's names (``--ep``, ``--ep-tp``, ``--cp``, ``--cp-variant``,
-``--ac``, ``--swap``, ``--offload``, ``--mixed-precision``, ``--grad-reduce-dtype``, ``--fp8``,
-``--fp8-all-gather``, ``--pp-schedule``); a pair the trainer refuses
+The model, parallel and step flags are the trainer's own options, generated from the same
+config fields (:mod:`hp_train.config.options`; model sizes default to the preset's here,
+``--mixed-precision`` to bf16); a pair the trainer refuses
 (:mod:`hp_train.config.combinations`) is refused with its message. ``--search`` keeps what fits
 ``--memory-limit-gib`` (default: the device preset's memory); ``--reproduce-paper`` prints
 :mod:`~hp_train.dryrun.reproduce`'s report.
@@ -27,18 +27,16 @@ from __future__ import annotations
 import argparse
 import sys
 from dataclasses import replace
+from typing import Any
 
-from hp_train.config.schema import (
-    CP_VARIANTS,
-    FP8_RECIPES,
-    MIXED_PRECISIONS,
-    OFFLOAD_TARGETS,
-    PIPELINE_SCHEDULE_NAMES,
-    ConfigError,
-    ModelConfig,
-    MoEConfig,
-    ParallelConfig,
+from hp_train.config.options import (
+    TABLE_TITLES,
+    CliOption,
+    add_options,
+    config_kwargs,
+    field_options,
 )
+from hp_train.config.schema import ConfigError, ModelConfig, MoEConfig, ParallelConfig, TrainConfig
 from hp_train.dryrun.memory import GIB
 from hp_train.dryrun.planner import dry_run
 from hp_train.dryrun.presets import (
@@ -56,14 +54,21 @@ from hp_train.dryrun.workload import Precision, StepShape, precision_of
 
 __all__ = ["build_parser", "main"]
 
-_MODEL_FIELDS = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim")
-_MOE_FIELDS = {
-    "experts": "n_experts",
-    "top_k": "top_k",
-    "expert_ffn_dim": "expert_ffn_dim",
-    "moe_every": "every",
-    "shared_experts": "n_shared_experts",
-}
+#: The trainer's options the dry run takes besides every model, MoE and parallel option.
+_TRAIN_FIELDS = (
+    "global_batch",
+    "seq_len",
+    "microbatches",
+    "pp_schedule",
+    "ac",
+    "swap",
+    "offload",
+    "optimizer",
+    "mixed_precision",
+    "grad_reduce_dtype",
+    "fp8",
+    "fp8_all_gather",
+)
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -75,85 +80,92 @@ def _ints(text: str) -> tuple[int, ...]:
         ) from None
 
 
+def _shared_options() -> tuple[CliOption, ...]:
+    """The trainer's options (:mod:`hp_train.config.options`) as the dry run takes them: model
+    sizes default to the preset's, and a few mean or default to something else here."""
+    preset = "the preset's"
+    changed: dict[str, dict[str, Any]] = {
+        "global_batch": {"default": None, "unset": preset},
+        "seq_len": {"default": None, "unset": preset},
+        "microbatches": {
+            "default": 1,
+            "unset": None,
+            "help": "pipeline microbatches with --pp > 1, gradient-accumulation steps without",
+        },
+        "swap": {
+            "help": "the blocks' kept activations in host memory (with --ac none or selective); "
+            "with --search, each swappable policy is tried with and without it"
+        },
+        "mixed_precision": {"default": "bf16", "aliases": ("--precision",)},
+    }
+    shared = []
+    for opt in field_options(ModelConfig, MoEConfig, ParallelConfig, TrainConfig):
+        if opt.owner in (ModelConfig, MoEConfig):
+            shared.append(replace(opt, default=None, unset=preset))
+        elif opt.owner is ParallelConfig:
+            shared.append(opt)
+        elif opt.field in _TRAIN_FIELDS:
+            shared.append(replace(opt, **changed.get(opt.field, {})))
+    return tuple(shared)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    """The command line's argument parser."""
+    """The command line's argument parser: the trainer's model, parallel and step options
+    (:func:`_shared_options`) and the dry run's own."""
     ap = argparse.ArgumentParser(
         prog="hp-dryrun",
         description="Predict per-rank memory, communication and step time of a training run "
         "without starting processes, or search for the fastest layout that fits.",
     )
-    ap.add_argument("--model", default="tiny", help=f"model preset: {sorted(MODEL_PRESETS)}")
-    for name in _MODEL_FIELDS:
-        ap.add_argument(f"--{name.replace('_', '-')}", type=int, help=f"override {name}")
-    for flag in _MOE_FIELDS:
-        ap.add_argument(f"--{flag.replace('_', '-')}", type=int, help=f"override MoE {flag}")
+    options = _shared_options()
+    groups = {
+        t: ap.add_argument_group(TABLE_TITLES[t]) for t in dict.fromkeys(o.table for o in options)
+    }
+    groups["model"].add_argument(
+        "--model", default="tiny", help=f"model preset: {sorted(MODEL_PRESETS)}"
+    )
+    add_options(groups, options)
+    _add_prediction_flags(ap)
+    _add_search_flags(ap)
+    return ap
+
+
+def _add_prediction_flags(ap: argparse.ArgumentParser) -> None:
     ap.add_argument(
         "--topology",
         default=None,
         help="single_host[:N], cluster:HxR or ascend_supernode[:K] (default: one host of the "
         "ranks the degrees give)",
     )
-    ap.add_argument("--dp-replicate", type=int, default=1)
-    ap.add_argument("--dp-shard", type=int, default=None, help="default: every rank left")
-    ap.add_argument("--tp", type=int, default=1)
-    ap.add_argument("--pp", type=int, default=1, help="pipeline stages (hp-mpmd's runtime)")
-    ap.add_argument("--pp-schedule", choices=PIPELINE_SCHEDULE_NAMES, default="1f1b")
-    ap.add_argument(
-        "--ep", type=int, default=1, help="expert-parallel ranks, carved from --dp-shard"
-    )
-    ap.add_argument(
-        "--ep-tp", action="store_true", help="split each expert's hidden dim over --tp too"
-    )
-    ap.add_argument("--cp", type=int, default=1, help="context-parallel ranks per sequence")
-    ap.add_argument("--cp-variant", choices=CP_VARIANTS, default="ring")
     ap.add_argument(
         "--expert-imbalance",
         type=float,
         default=1.0,
         help="rows an expert-parallel rank receives over rows it sends (1: balanced router)",
     )
-    ap.add_argument("--global-batch", type=int, default=None, help="default: the preset's")
-    ap.add_argument("--seq-len", type=int, default=None, help="default: the preset's")
-    ap.add_argument(
-        "--microbatches",
-        type=int,
-        default=1,
-        help="pipeline microbatches with --pp > 1, gradient-accumulation steps without",
-    )
-    ap.add_argument(
-        "--ac",
-        default="none",
-        help="activation checkpointing: none, full, selective or budget:<MiB>",
-    )
     ap.add_argument(
         "--recompute", action="store_true", help="the same as --ac full (older spelling)"
-    )
-    ap.add_argument(
-        "--swap",
-        action="store_true",
-        help="the blocks' kept activations in host memory (with --ac none or selective); with "
-        "--search, each swappable policy is tried with and without it",
-    )
-    ap.add_argument("--offload", choices=OFFLOAD_TARGETS, default="none")
-    ap.add_argument("--optimizer", choices=("muon", "adamw"), default="muon")
-    ap.add_argument(
-        "--mixed-precision",
-        "--precision",
-        dest="precision",
-        choices=MIXED_PRECISIONS,
-        default="bf16",
-        help="bf16: bf16 all-gather and compute over fp32 masters; fp32: everything fp32",
-    )
-    ap.add_argument("--grad-reduce-dtype", choices=MIXED_PRECISIONS, default="fp32")
-    ap.add_argument("--fp8", choices=FP8_RECIPES, default="none", help="FP8 block linears")
-    ap.add_argument(
-        "--fp8-all-gather", action="store_true", help="FSDP all-gathers e4m3 parameters"
     )
     ap.add_argument("--peak-tflops", type=float, default=None, help="device peak per rank")
     ap.add_argument("--efficiency", type=float, default=None, help="achieved fraction of peak")
     ap.add_argument("--muon-bucket-mb", type=float, default=32.0)
     ap.add_argument("--rank", type=int, default=0, help="the rank per-rank figures are for")
     ap.add_argument("--layers", action="store_true", help="print activations by layer")
+    ap.add_argument(
+        "--reproduce-paper",
+        action="store_true",
+        help="the 505B MoE on the 768-die supernode: the best configurations found beside the "
+        "paper's figures, and the same model under modeled PyTorch FSDP2 and Megatron DDP",
+    )
+    ap.add_argument(
+        "--print-plan",
+        action="store_true",
+        help="print the resolved parallel plan of --rank (shapes, placements, flat slots, "
+        "optimizer groups, collectives) and exit",
+    )
+
+
+def _add_search_flags(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--search", action="store_true", help="search every layout of the world")
     ap.add_argument(
         "--memory-limit-gib",
@@ -179,30 +191,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="AC,AC,...",
         help="checkpointing policies the search tries",
     )
-    ap.add_argument(
-        "--reproduce-paper",
-        action="store_true",
-        help="the 505B MoE on the 768-die supernode: the best configurations found beside the "
-        "paper's figures, and the same model under modeled PyTorch FSDP2 and Megatron DDP",
-    )
-    ap.add_argument(
-        "--print-plan",
-        action="store_true",
-        help="print the resolved parallel plan of --rank (shapes, placements, flat slots, "
-        "optimizer groups, collectives) and exit",
-    )
-    return ap
 
 
 def _model(args: argparse.Namespace) -> tuple[str, ModelConfig, int, int]:
     preset = model_preset(args.model)
     model = preset.model
-    changes = {f: getattr(args, f) for f in _MODEL_FIELDS if getattr(args, f) is not None}
-    moe_changes = {
-        field: getattr(args, flag)
-        for flag, field in _MOE_FIELDS.items()
-        if getattr(args, flag) is not None
-    }
+    options = _shared_options()
+    changes = config_kwargs(options, args, ModelConfig)
+    moe_changes = config_kwargs(options, args, MoEConfig)
     if moe_changes:
         moe = replace(model.moe, **moe_changes) if model.moe else MoEConfig(**moe_changes)
         changes["moe"] = moe
@@ -216,7 +212,7 @@ def _model(args: argparse.Namespace) -> tuple[str, ModelConfig, int, int]:
 
 
 def _precision(args: argparse.Namespace) -> Precision:
-    return precision_of(args.precision, args.grad_reduce_dtype)
+    return precision_of(args.mixed_precision, args.grad_reduce_dtype)
 
 
 def _run(args: argparse.Namespace) -> str:
