@@ -19,8 +19,8 @@ from hp_layout.region import Box, box_intersection, box_numel
 from hp_muon.plan import (
     MatrixTensor,
     MuonPlan,
+    MuonPlanError,
     Piece,
-    PlanError,
     matrix_boxes,
     newton_schulz_cost,
     plan_muon_step,
@@ -372,18 +372,18 @@ def test_matrix_boxes_cover_the_tensor_once() -> None:
     ],
 )
 def test_plan_errors(tensor: MatrixTensor, message: str) -> None:
-    with pytest.raises(PlanError, match=message):
+    with pytest.raises(MuonPlanError, match=message):
         plan_muon_step([tensor], bucket_numel=100)
 
 
 def test_bucket_numel_must_be_positive() -> None:
-    with pytest.raises(PlanError, match="bucket_numel must be positive"):
+    with pytest.raises(MuonPlanError, match="bucket_numel must be positive"):
         plan_muon_step([], bucket_numel=0)
 
 
 def test_rank_program_names_ranks_outside_the_group() -> None:
     plan = plan_muon_step(_family("row_col", 4), bucket_numel=100)
-    with pytest.raises(PlanError, match=r"ranks \[2, 3\] hold Muon parameters"):
+    with pytest.raises(MuonPlanError, match=r"ranks \[2, 3\] hold Muon parameters"):
         rank_program(plan, 0, (0, 1))
 
 

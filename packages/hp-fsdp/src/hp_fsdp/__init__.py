@@ -1,9 +1,10 @@
 """hp_fsdp: topology-aware fully sharded data parallel with zero-copy flat buffers."""
 
 from hp_fsdp.api import FSDPModule, fully_shard
+from hp_fsdp.call_plan import plan_fully_shard
 from hp_fsdp.clip import clip_grad_norm_, total_grad_norm
 from hp_fsdp.compat import UnshardHandle, register_fsdp_forward_method
-from hp_fsdp.group_plan import GroupPlan, ParamSpec, plan_group
+from hp_fsdp.group_plan import GroupPlan, ParamSpec, plan_group, spec_from_plan
 from hp_fsdp.policy import (
     CPUOffloadPolicy,
     LowPrecisionCommPolicy,
@@ -35,9 +36,11 @@ __all__ = [
     "fully_shard",
     "get_model_state_dict",
     "get_optimizer_state_dict",
+    "plan_fully_shard",
     "plan_group",
     "register_fsdp_forward_method",
     "set_model_state_dict",
     "set_optimizer_state_dict",
+    "spec_from_plan",
     "total_grad_norm",
 ]

@@ -39,11 +39,11 @@ from hp_fsdp._lowp_comm import Deferred, WireCodec, all_gather_records, reduce_s
 from hp_fsdp._mesh import FSDPMesh
 from hp_fsdp._purpose import collective_purpose
 from hp_fsdp._rows import as_torch_dtensor, copy_in, copy_out, local_shape, pack_rows
-from hp_fsdp.group_plan import GroupPlan, plan_group, spec_of, torch_dtype
+from hp_fsdp.group_plan import GroupPlan, torch_dtype
 from hp_fsdp.policy import CPUOffloadPolicy, LowPrecisionCommPolicy, MixedPrecisionPolicy
 from hp_layout import FlatBufferLayout, Layout, ReduceOp
 
-__all__ = ["Alias", "FSDPParam", "FSDPParamGroup", "ShardedState", "plan_params"]
+__all__ = ["Alias", "FSDPParam", "FSDPParamGroup", "ShardedState"]
 
 
 class ShardedState(enum.Enum):
@@ -120,29 +120,6 @@ class FSDPParam:
 _TORCH_OPS = {ReduceOp.SUM: dist.ReduceOp.SUM, ReduceOp.MAX: dist.ReduceOp.MAX}
 
 _Param = tuple[nn.Module, str, str, nn.Parameter]
-
-
-def plan_params(
-    params: Sequence[_Param],
-    fsdp: FSDPMesh,
-    policy: MixedPrecisionPolicy,
-    label: str,
-    per_param: bool = False,
-) -> GroupPlan:
-    """The plan of the group of ``params`` (pure: reads shapes, layouts and dtypes only).
-
-    Postcondition: ``plan.fqns`` names each of ``params`` once (see :func:`plan_group`).
-    """
-    return plan_group(
-        [spec_of(fqn, param) for _, _, fqn, param in params],
-        fsdp.mesh.mesh,
-        fsdp.shard_axis,
-        fsdp.replicate_axis,
-        param_dtype=policy.param_dtype,
-        reduce_dtype=policy.reduce_dtype,
-        label=label,
-        per_param=per_param,
-    )
 
 
 def _in_plan_order(params: Sequence[_Param], plan: GroupPlan) -> list[_Param]:

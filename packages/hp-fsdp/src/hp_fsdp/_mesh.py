@@ -20,7 +20,7 @@ import torch.distributed as dist
 from hp_dtensor import DeviceMesh
 from hp_layout import Mesh, Topology
 
-__all__ = ["FSDPMesh", "as_hp_mesh", "default_torch_mesh", "resolve_mesh"]
+__all__ = ["FSDPMesh", "as_hp_mesh", "default_torch_mesh", "fsdp_axes", "resolve_mesh"]
 
 
 @dataclass(frozen=True)
@@ -100,6 +100,23 @@ def default_torch_mesh(device_type: str) -> Any:
         return init_device_mesh(device_type, (dist.get_world_size(),))
 
 
+def fsdp_axes(grid: Mesh, shown: object = None) -> tuple[str, str | None]:
+    """``(shard axis, replicate axis)`` of an FSDP mesh's rank grid: a 1-d mesh's axis shards
+    (no replicate axis); a 2-d mesh is ``(replicate, shard)``.
+
+    Raises:
+        ValueError: a mesh of neither 1 nor 2 dimensions (``shown`` names it, default
+            ``grid``).
+    """
+    if grid.ndim == 1:
+        return grid.axis_names[0], None
+    if grid.ndim == 2:
+        replicate, shard = grid.axis_names
+        return shard, replicate
+    shown = grid if shown is None else shown
+    raise ValueError(f"fully_shard expects a 1D or 2D DeviceMesh but got {shown!r}")
+
+
 def resolve_mesh(
     mesh: DeviceMesh | None, topology: Topology | None, device_type: str = "cpu"
 ) -> FSDPMesh:
@@ -126,13 +143,8 @@ def resolve_mesh(
             return FSDPMesh(DeviceMesh(device_type, Mesh((world,), ("shard",))), "shard", None)
         grid = Mesh((world // fast, fast), ("replicate", "shard"))
         return FSDPMesh(DeviceMesh(device_type, grid), "shard", "replicate")
-    if mesh.ndim == 1:
-        resolved = FSDPMesh(mesh, mesh.mesh_dim_names[0], None)
-    elif mesh.ndim == 2:
-        replicate, shard = mesh.mesh_dim_names
-        resolved = FSDPMesh(mesh, shard, replicate)
-    else:
-        raise ValueError(f"fully_shard expects a 1D or 2D DeviceMesh but got {mesh!r}")
+    shard_axis, replicate_axis = fsdp_axes(mesh.mesh, mesh)
+    resolved = FSDPMesh(mesh, shard_axis, replicate_axis)
     if topology is not None and resolved.replicate_axis is not None:
         shard_tier = topology.axis_tier(mesh.mesh, resolved.shard_axis)
         replicate_tier = topology.axis_tier(mesh.mesh, resolved.replicate_axis)

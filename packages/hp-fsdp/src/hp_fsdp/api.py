@@ -10,11 +10,23 @@ from torch import nn
 
 from hp_dtensor import DTensor
 from hp_dtensor.contract import hand_over_grad_reduction, record_flat_slots
-from hp_fsdp._group import Alias, FSDPParam, FSDPParamGroup, plan_params
-from hp_fsdp._mesh import as_hp_mesh, resolve_mesh
+from hp_fsdp._group import FSDPParam, FSDPParamGroup
+from hp_fsdp._mesh import FSDPMesh, as_hp_mesh, resolve_mesh
 from hp_fsdp._state import FSDPState, attach_fsdp_state, fsdp_state
+from hp_fsdp.call_plan import (
+    OWNER_ATTR,
+    CallParams,
+    Managed,
+    check_param_layout,
+    collect_call,
+    members_of,
+    plan_parts,
+)
 from hp_fsdp.compat import REFUSED_METHODS, UnshardHandle, refusal
+from hp_fsdp.group_plan import GroupPlan
+from hp_fsdp.plan_check import check_group_plans
 from hp_fsdp.policy import (
+    CPUOffloadPolicy,
     LowPrecisionCommPolicy,
     MixedPrecisionPolicy,
     PrefetchPolicy,
@@ -26,9 +38,6 @@ from hp_kernels.precision import warn_if_bf16_is_slow
 from hp_layout import Topology
 
 __all__ = ["FSDPModule", "fully_shard"]
-
-# Set on the original parameters a group took over, to refuse sharing across groups.
-_OWNER = "_hp_fsdp_owner"
 
 
 class FSDPModule:
@@ -193,71 +202,6 @@ def _fsdp_class(cls: type) -> type:
     return _CLASSES[cls]
 
 
-_Managed = tuple[nn.Module, str, str, nn.Parameter]
-
-
-def _managed(
-    module: nn.Module, member: int, seen: set[int], aliases: dict[int, list[Alias]]
-) -> list[_Managed]:
-    """Parameters of ``module`` (member ``member`` of the call) not owned by a nested
-    fully_shard call, in module order, each once: a parameter object already in ``seen``
-    (which grows), registered again by another module or name (tied weights, a shared
-    module), is added to ``aliases[id(param)]`` instead, so the group shards it once and
-    registers the same objects at every place."""
-    out: list[_Managed] = []
-    places: set[tuple[int, str]] = set()
-
-    def visit(prefix: str, m: nn.Module) -> None:
-        if m is not module and fsdp_state(m) is not None:
-            return
-        for name, param in m._parameters.items():
-            if param is None or (id(m), name) in places:
-                continue  # a module registered twice is visited twice
-            places.add((id(m), name))
-            if id(param) in seen:
-                aliases.setdefault(id(param), []).append(Alias(m, name, f"{prefix}{name}", member))
-                continue
-            seen.add(id(param))
-            out.append((m, name, f"{prefix}{name}", param))
-        for child_name, child in m._modules.items():
-            if child is not None:
-                visit(f"{prefix}{child_name}.", child)
-
-    visit("", module)
-    return out
-
-
-def _members(module: nn.Module | Iterable[nn.Module]) -> list[nn.Module]:
-    """The modules one fully_shard call shards as one group.
-
-    Raises:
-        TypeError: something other than a module or modules.
-        ValueError: none, a repeated one, one inside another, or one already sharded.
-    """
-    members = [module] if isinstance(module, nn.Module) else list(module)
-    if not members:
-        raise ValueError("fully_shard got an empty list of modules")
-    for m in members:
-        if not isinstance(m, nn.Module):
-            raise TypeError(f"fully_shard takes modules, got {type(m).__name__}")
-        if fsdp_state(m) is not None:
-            raise ValueError(
-                f"{type(m).__name__} is already fully_shard'ed; apply fully_shard once per module"
-            )
-    for i, a in enumerate(members):
-        for j, b in enumerate(members):
-            if i != j and any(sub is a for sub in b.modules()):
-                raise ValueError(
-                    f"fully_shard got module {i} ({type(a).__name__}) inside module {j} "
-                    f"({type(b).__name__}); pass modules that do not contain each other"
-                )
-    return members
-
-
-def _owner_label(members: Sequence[nn.Module]) -> str:
-    return "+".join(type(m).__name__ for m in members)
-
-
 def fully_shard(
     module: nn.Module | Iterable[nn.Module],
     *,
@@ -271,6 +215,7 @@ def fully_shard(
     topology: Topology | None = None,
     comm_policy: LowPrecisionCommPolicy | None = None,
     param_layout: str = "flat",
+    plan: GroupPlan | Sequence[GroupPlan] | None = None,
 ) -> Any:
     """Shard ``module``'s parameters (those not owned by nested calls) over the mesh.
 
@@ -309,35 +254,44 @@ def fully_shard(
             ``param.full_tensor()``, torch's state-dict and clipping functions work on them);
             it costs one copy out of the all-gather and one into the reduce-scatter per group
             and step, as FSDP2. Not with tensor parallelism or a ``comm_policy`` yet.
+        plan: the group plan(s) a planner made for this call (:func:`plan_fully_shard`, one
+            per storage dtype); checked against what the call plans, every field but ``owner``,
+            before anything is allocated: a ``ValueError`` names the first difference.
 
     Returns:
         ``module`` (the list, for a list).
     """
     _refuse_unsupported(reshard_after_forward, shard_placement_fn, ignored_params, dp_mesh_dims)
-    reshard = True if reshard_after_forward is None else reshard_after_forward
-    if param_layout not in ("flat", "per_param"):
-        raise ValueError(
-            f"fully_shard: param_layout must be 'flat' or 'per_param', got {param_layout!r}"
-        )
-    members = _members(module)
-    policy = as_mixed_precision(mp_policy)
-    offload = as_offload(offload_policy)
-    owner = _owner_label(members)
-    seen: set[int] = set()
-    aliases: dict[int, list[Alias]] = {}
-    params: list[_Managed] = []
-    member_of: list[int] = []
-    for index, member in enumerate(members):
-        found = _managed(member, index, seen, aliases)
-        if len(members) > 1:
-            # Unique names in the group's plan: the member's index, then the name in it.
-            found = [(m, name, f"{index}.{fqn}", param) for m, name, fqn, param in found]
-        params += found
-        member_of += [index] * len(found)
-    _check_unowned(params, owner)
-    _check_shardable(params, param_layout == "per_param")
-    device_type = _device_type(params)
-    fsdp = resolve_mesh(as_hp_mesh(mesh), topology, device_type)
+    check_param_layout(param_layout)
+    members = members_of(module)
+    policy, offload = as_mixed_precision(mp_policy), as_offload(offload_policy)
+    per_param = param_layout == "per_param"
+    call = collect_call(members, lambda m: fsdp_state(m) is not None, per_param)
+    fsdp = _fsdp_mesh(call, mesh, topology, policy, offload, comm_policy)
+    grid, shard, replicate = fsdp.mesh.mesh, fsdp.shard_axis, fsdp.replicate_axis
+    parts = plan_parts(call, grid, shard, replicate, policy, per_param)
+    if plan is not None:  # before anything is allocated or changed
+        check_group_plans(call.owner, [p for p, _ in parts], plan)
+    groups = _allocate(call, parts, fsdp, policy, comm_policy, offload)
+    _attach(call, groups, policy, reshard_after_forward)
+    return module
+
+
+def _fsdp_mesh(
+    call: CallParams,
+    mesh: Any,
+    topology: Topology | None,
+    policy: MixedPrecisionPolicy,
+    offload: CPUOffloadPolicy | None,
+    comm_policy: LowPrecisionCommPolicy | None,
+) -> FSDPMesh:
+    """The call's FSDP mesh (``resolve_mesh``), checked against its policies.
+
+    Raises:
+        ValueError: pinned offload on a CPU mesh; a replicate-axis reduce dtype without one.
+    """
+    owner = call.owner
+    fsdp = resolve_mesh(as_hp_mesh(mesh), topology, _device_type(call.params))
     if policy.param_dtype == torch.bfloat16 and fsdp.mesh.device_type == "cpu":
         warn_if_bf16_is_slow("cpu", "MixedPrecisionPolicy(param_dtype=torch.bfloat16)")
     if offload is not None and offload.pin_memory and fsdp.mesh.device_type == "cpu":
@@ -356,47 +310,68 @@ def fully_shard(
             f"{comm_policy.replicate_reduce_dtype} needs a 2-d (replicate, shard) mesh, got "
             f"{fsdp.mesh!r}; use shard_reduce_dtype for the gradient reduction of a 1-d mesh"
         )
+    return fsdp
+
+
+def _allocate(
+    call: CallParams,
+    parts: Sequence[tuple[GroupPlan, list[int]]],
+    fsdp: FSDPMesh,
+    policy: MixedPrecisionPolicy,
+    comm_policy: LowPrecisionCommPolicy | None,
+    offload: CPUOffloadPolicy | None,
+) -> list[FSDPParamGroup]:
+    """Allocate one group per planned part and take the parameters over (marked as this
+    call's, their tensor-parallel gradient reduction handed over to the group)."""
+    params, owner = call.params, call.owner
     groups = [
         FSDPParamGroup(
-            plan_params(
-                [params[i] for i in part], fsdp, policy, owner, param_layout == "per_param"
-            ),
+            plan,
             [params[i] for i in part],
             fsdp,
             policy,
             owner,
             comm_policy,
             offload,
-            [member_of[i] for i in part],
-            aliases,
+            [call.member_of[i] for i in part],
+            call.aliases,
         )
-        for part in _by_storage_dtype(params, policy, owner)
+        for plan, part in parts
     ]
-    if len(members) > 1:
+    if len(call.members) > 1:
         for group in groups:
             for p in group.params:
                 p.fqn = p.fqn.split(".", 1)[1]  # relative to its member, as for one module
     for _, _, _, param in params:
-        setattr(param, _OWNER, owner)
+        setattr(param, OWNER_ATTR, owner)
         # This group's reduce-scatter reduces the plan's axes too (group_plan's tail).
         hand_over_grad_reduction(param)
+    return groups
+
+
+def _attach(
+    call: CallParams,
+    groups: list[FSDPParamGroup],
+    policy: MixedPrecisionPolicy,
+    reshard_after_forward: bool | None,
+) -> None:
+    """Give every member the call's state, its hooks, the FSDPModule methods and its slots."""
     input_dtype = policy.param_dtype if policy.cast_forward_inputs else None
     state = FSDPState(
-        members,
+        call.members,
         groups,
-        reshard,
+        True if reshard_after_forward is None else reshard_after_forward,
         policy.output_dtype,
         input_dtype,
         auto_reshard_after_forward=reshard_after_forward is None,
     )
-    for member in members:
+    for member in call.members:
         attach_fsdp_state(member, state)
         member.register_forward_pre_hook(state.pre_forward, prepend=True, with_kwargs=True)
         member.register_forward_hook(state.post_forward)
         register_state_dict_hooks(member)
         member.__class__ = _fsdp_class(type(member))
         _record_slots(member)
-    return module
 
 
 def _state_of(module: nn.Module) -> FSDPState | None:
@@ -436,78 +411,13 @@ def _refuse_unsupported(
             )
 
 
-def _check_unowned(params: Sequence[_Managed], owner: str) -> None:
-    for _, _, fqn, param in params:
-        earlier = getattr(param, _OWNER, None)
-        if earlier is not None:
-            raise ValueError(
-                f"parameter {fqn!r} of {owner} is already sharded by the fully_shard group of "
-                f"{earlier}; a parameter shared by modules (tied weights) must be sharded by "
-                "one call that covers all of them: fully_shard their common parent, or pass "
-                "them together, fully_shard([module_a, module_b])"
-            )
-
-
-def _check_shardable(params: Sequence[_Managed], per_param: bool) -> None:
-    """FSDP2's restrictions on a parameter, with its exception types.
-
-    Raises:
-        ValueError: a 0-d parameter in the per-parameter layout (no dim 0 to shard; the flat
-            layout packs it into the flat buffer like any other).
-        NotImplementedError: a non-contiguous parameter (``channels_last``, a transposed
-            view): sharding would silently hand back a contiguous one.
-    """
-    for _, _, fqn, param in params:
-        local = param.to_local() if isinstance(param, DTensor) else param
-        if per_param and param.ndim == 0:
-            raise ValueError(
-                "fully_shard doesn't support scalar parameters. "
-                f"Change {fqn} to a 1D tensor with numel equal to 1 (or use "
-                "param_layout='flat', which packs 0-d parameters)."
-            )
-        if not local.is_contiguous():
-            raise NotImplementedError(
-                f"FSDP does not support non-contiguous parameters yet: {fqn} has shape "
-                f"{tuple(local.shape)} and stride {local.stride()}; make it contiguous before "
-                "fully_shard (param.data = param.data.contiguous())"
-            )
-
-
-def _device_type(params: Sequence[_Managed]) -> str:
+def _device_type(params: Sequence[Managed]) -> str:
     """The device type of the default mesh: the parameters' (CPU for meta ones)."""
     for _, _, _, param in params:
         local = param.to_local() if isinstance(param, DTensor) else param
         if not local.is_meta:
             return local.device.type
     return "cpu"
-
-
-def _by_storage_dtype(
-    params: Sequence[_Managed], policy: MixedPrecisionPolicy, owner: str
-) -> list[list[int]]:
-    """Indices of ``params`` per storage dtype, in order of first appearance: one flat buffer
-    each. Several storage dtypes need a ``param_dtype`` (all of them compute in it), unless the
-    parameters of all but one are frozen (``requires_grad=False``, e.g. FP8 weights beside
-    trainable fp32 ones): as FSDP2, only the trainable parameters must share a dtype; frozen
-    ones compute in their own.
-
-    Raises:
-        ValueError: trainable parameters of several storage dtypes without ``param_dtype``.
-    """
-    parts: dict[torch.dtype, list[int]] = {}
-    for index, (_, _, _, param) in enumerate(params):
-        parts.setdefault(param.dtype, []).append(index)
-    trainable = {
-        dtype for dtype, ix in parts.items() if any(params[i][3].requires_grad for i in ix)
-    }
-    if len(trainable) > 1 and policy.param_dtype is None:
-        example = {str(dtype): params[ix[0]][2] for dtype, ix in parts.items()}
-        raise ValueError(
-            f"fully_shard({owner!r}): parameters of several dtypes in one group without a "
-            f"MixedPrecisionPolicy ({example}); give param_dtype (one flat buffer per storage "
-            "dtype, all computing in it), or shard the modules separately"
-        )
-    return list(parts.values())
 
 
 def _record_slots(module: nn.Module) -> None:

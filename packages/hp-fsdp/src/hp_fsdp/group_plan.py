@@ -22,6 +22,7 @@ import torch
 
 from hp_dtensor import DTensor, layout_of
 from hp_dtensor.contract import FlatSlot, grad_reduction_of
+from hp_dtensor.parallel import ParamPlan
 from hp_layout import (
     FlatBufferLayout,
     Layout,
@@ -39,6 +40,7 @@ __all__ = [
     "RowSlot",
     "dtype_name",
     "plan_group",
+    "spec_from_plan",
     "spec_of",
     "torch_dtype",
 ]
@@ -275,8 +277,24 @@ def spec_of(fqn: str, param: torch.Tensor) -> ParamSpec:
         shape = tuple(param.to_local().shape)
         return ParamSpec(fqn, shape, dtype_name(param.dtype), param.dist_layout, axes)
     annotated = layout_of(param)
-    base = annotated if annotated.mesh.size > 1 else None
-    return ParamSpec(fqn, tuple(param.shape), dtype_name(param.dtype), base, axes)
+    return ParamSpec(fqn, tuple(param.shape), dtype_name(param.dtype), _base(annotated), axes)
+
+
+def spec_from_plan(param: ParamPlan, rank: int) -> ParamSpec:
+    """What planning reads of a parameter, from its entry in a resolved tensor-parallel plan
+    (``hp_dtensor.parallel.resolve``, pure) instead of from the parallelized parameter: the
+    same spec :func:`spec_of` reads off the parameter ``parallelize_module`` makes of it on
+    ``rank`` (its local shape there, its layout, its gradient reduction). For a planner whose
+    meta model is not parallelized (no process group); see ``plan_fully_shard(specs=...)``."""
+    axes = param.reduction.axes if param.reduction is not None else ()
+    base = _base(param.layout)
+    shape = param.local_shape(rank) if base is not None else param.global_shape
+    return ParamSpec(param.fqn, shape, param.dtype, base, axes)
+
+
+def _base(layout: Layout) -> Layout | None:
+    """A parameter's layout before FSDP: None for a whole one (a single-rank layout)."""
+    return layout if layout.mesh.size > 1 else None
 
 
 def plan_group(

@@ -15,7 +15,8 @@ from hp_muon.newton_schulz import (
     orthogonalize_counted,
     orthogonalize_many,
 )
-from hp_muon.plan import MatrixTensor, MuonPlan, PlanError, plan_muon_step
+from hp_muon.plan import MatrixTensor, MuonPlan, MuonPlanError, plan_muon_step
+from hp_muon.step_plan import MuonGroupPlan, MuonStepPlan, plan_muon
 
 __version__ = "0.1.0"
 
@@ -26,10 +27,12 @@ __all__ = [
     "ChainedOptimizer",
     "MatrixTensor",
     "Muon",
+    "MuonGroupPlan",
     "MuonPlan",
+    "MuonPlanError",
+    "MuonStepPlan",
     "MuonStepStats",
     "ParamSplit",
-    "PlanError",
     "__version__",
     "adjusted_lr",
     "check_muon_params",
@@ -40,6 +43,7 @@ __all__ = [
     "orthogonalize_batch",
     "orthogonalize_counted",
     "orthogonalize_many",
+    "plan_muon",
     "plan_muon_step",
     "split_params",
 ]

@@ -238,7 +238,9 @@ def muon_with_adamw(
     """Muon (``muon`` keyword arguments) on :func:`split_params`'s Muon parameters and
     ``torch.optim.AdamW`` (``adamw`` keyword arguments) on the rest, chained.
 
-    ``muon_factory`` defaults to :class:`hp_muon.Muon`.
+    ``muon_factory`` defaults to :class:`hp_muon.Muon`. A planner's step plan goes in
+    ``muon``: ``muon={"plan": hp_muon.plan_muon(...)}`` (checked at the first step, see
+    :class:`hp_muon.Muon`); plan the Muon part of the split, in its order.
 
     Raises:
         ValueError: the split gives Muon no parameters, or one whose global shape has fewer

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from hp_muon.plan import BucketProgram, MuonPlan, Piece, RankProgram
+from hp_muon.plan import BucketProgram, MatrixJob, MuonPlan, Piece, RankProgram
 
 __all__ = ["ExchangeStats", "Orthogonalizer", "piece_view", "run_program"]
 
@@ -92,6 +92,29 @@ class _Pending:
         return self.recv
 
 
+def _gathered(
+    bucket: BucketProgram,
+    jobs: Sequence[MatrixJob],
+    inputs: Sequence[torch.Tensor],
+    recv: torch.Tensor,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> dict[int, torch.Tensor]:
+    """The whole matrices this rank owns in ``bucket``: its own pieces of them (from
+    ``inputs``) and the pieces received in the gather (``recv``), each copied into place."""
+    matrices = {j: torch.empty(jobs[j].shape, dtype=dtype, device=device) for j in bucket.owned}
+    for j, piece in bucket.own_sources:
+        _matrix_view(matrices[j], piece).copy_(
+            piece_view(inputs[jobs[j].tensor], piece).reshape(
+                piece.rows[1] - piece.rows[0], piece.cols[1] - piece.cols[0]
+            )
+        )
+    for r in bucket.gather_recvs:
+        view = _matrix_view(matrices[r.job], r.piece)
+        view.copy_(recv[r.offset : r.offset + r.piece.numel].view(view.shape))
+    return matrices
+
+
 def run_program(
     program: RankProgram,
     plan: MuonPlan,
@@ -138,16 +161,7 @@ def run_program(
         assert pending is not None
         recv = pending.wait()
         gathers[k] = None
-        matrices = {j: torch.empty(jobs[j].shape, dtype=dtype, device=device) for j in bucket.owned}
-        for j, piece in bucket.own_sources:
-            _matrix_view(matrices[j], piece).copy_(
-                piece_view(inputs[jobs[j].tensor], piece).reshape(
-                    piece.rows[1] - piece.rows[0], piece.cols[1] - piece.cols[0]
-                )
-            )
-        for r in bucket.gather_recvs:
-            view = _matrix_view(matrices[r.job], r.piece)
-            view.copy_(recv[r.offset : r.offset + r.piece.numel].view(view.shape))
+        matrices = _gathered(bucket, jobs, inputs, recv, dtype, device)
         results = dict(
             zip(
                 bucket.owned,

@@ -34,7 +34,9 @@ from hp_muon.checks import check_muon_params
 from hp_muon.coefficients import KELLER, Coefficients, CoefficientSpec, coefficient_schedule
 from hp_muon.exchange import ExchangeStats, piece_view, run_program
 from hp_muon.newton_schulz import default_dtype, orthogonalize_counted
-from hp_muon.plan import MatrixTensor, MuonPlan, RankProgram, plan_muon_step, rank_program
+from hp_muon.plan import MatrixTensor, MuonPlan, RankProgram, rank_program
+from hp_muon.plan_check import check_muon_plan
+from hp_muon.step_plan import MuonStepPlan, bucket_numel, plan_muon
 from hp_muon.tensors import global_shape, like_param, local_data, local_grad, planning_layout
 
 __all__ = ["Muon", "MuonStepStats", "adjusted_lr"]
@@ -91,6 +93,19 @@ class MuonStepStats:
 _Settings = tuple[tuple[Coefficients, ...], float, torch.dtype | None]
 
 
+@dataclass(frozen=True)
+class _Found:
+    """A parameter with a gradient at this step, before its momentum is updated."""
+
+    param: torch.Tensor
+    grad: torch.Tensor  # its local gradient
+    index: int  # its position among every group's parameters
+    group: dict[str, Any]
+    settings: _Settings
+    name: str
+    spec: MatrixTensor
+
+
 @dataclass
 class _Entry:
     param: torch.Tensor
@@ -104,8 +119,8 @@ class _Entry:
 
 @dataclass(frozen=True)
 class _Prepared:
-    plan: MuonPlan
-    program: RankProgram
+    plan: MuonStepPlan
+    programs: tuple[RankProgram, ...]  # this rank's part of each group's plan
 
 
 def _scalar(value: float | torch.Tensor) -> float | torch.Tensor:
@@ -182,6 +197,14 @@ class Muon(Optimizer):
             ``torch.optim.Muon``'s on every machine (bit-equal to it on one device);
             ``torch.float32`` runs the iteration in fp32 (its input and result still travel in
             bf16, the dtype torch's have).
+        plan: the step plan a planner made (:func:`hp_muon.plan_muon` on the parameters'
+            layouts, this rank, the process group's ranks and ``bucket_cap_mb``). Checked at
+            the first step, before any state changes, against what Muon plans: the plan covers
+            the parameters that have a gradient then, and the process group's ranks and this
+            rank are read then (a sharder may also still re-lay parameters between
+            construction and the first step). A difference raises ``ValueError`` naming the
+            rank group and the first difference (a matrix's owner, its pieces, the buckets,
+            the bucket size) with both values. None: not checked.
 
     Raises:
         ValueError: as ``torch.optim.Muon`` for a bad ``lr``, ``momentum``, ``weight_decay`` or
@@ -220,6 +243,7 @@ class Muon(Optimizer):
         bucket_cap_mb: float = 32.0,
         fuse_shapes: bool | None = None,
         ns_dtype: torch.dtype | None = None,
+        plan: MuonStepPlan | None = None,
     ) -> None:
         if isinstance(lr, torch.Tensor) and lr.numel() != 1:
             raise ValueError(f"Tensor lr must be 1-element, got {lr.numel()} elements")
@@ -234,8 +258,7 @@ class Muon(Optimizer):
                 f"Adjust learning rate function {adjust_lr_fn} is not supported; use one of "
                 f"{_ADJUST_LR_FNS} or None"
             )
-        if not bucket_cap_mb > 0:
-            raise ValueError(f"bucket_cap_mb must be positive, got {bucket_cap_mb}")
+        bucket_numel(bucket_cap_mb)  # checked here, at construction
         defaults: dict[str, Any] = {
             "lr": lr,
             "weight_decay": weight_decay,
@@ -251,9 +274,12 @@ class Muon(Optimizer):
         self._process_group = process_group
         self._replicate_group = replicate_group
         self._replicas: Mesh | None = None
-        self._bucket_numel = max(1, int(bucket_cap_mb * 2**20) // 2)
+        self._bucket_cap_mb = bucket_cap_mb
         self._fuse = fuse_shapes
         self._prepared: dict[tuple[Any, ...], _Prepared] = {}
+        self._given_plan = plan
+        self._plan_checked = False
+        self._last_plan: MuonStepPlan | None = None
         self.last_step_stats: MuonStepStats | None = None
         self.newton_schulz_runs = 0
         super().__init__(params, defaults)
@@ -295,16 +321,21 @@ class Muon(Optimizer):
             self._replicas = Mesh((len(ranks),), ("replicate",), ranks)
         return self._replicas
 
-    def _collect(self) -> list[_Entry]:
+    def _with_grads(self) -> list[_Found]:
+        """The parameters with a gradient, in order, with what planning reads of them.
+
+        Raises:
+            RuntimeError: a complex parameter or a sparse gradient (as torch).
+            ValueError: a gradient laid out unlike its parameter.
+        """
         replicas = self._replica_mesh()
-        entries: list[_Entry] = []
+        found: list[_Found] = []
         index = 0
         for group in self.param_groups:
             schedule = coefficient_schedule(group["ns_coefficients"], group["ns_steps"])
             settings: _Settings = (schedule, float(group["eps"]), group.get("ns_dtype"))
-            momentum, nesterov = group["momentum"], group["nesterov"]
-            with_grad: list[tuple[int, torch.Tensor, torch.Tensor]] = []
-            for p in group["params"]:
+            names = group.get("param_names")
+            for position, p in enumerate(group["params"]):
                 index += 1
                 if p.grad is None:
                     continue
@@ -316,48 +347,77 @@ class Muon(Optimizer):
                     raise RuntimeError(
                         f"Muon does not support sparse gradients (parameter {index - 1})"
                     )
-                with_grad.append((index - 1, p, local_grad(p, index - 1)))
-            for i, p, grad in with_grad:
-                state = self.state[p]
-                if _MOMENTUM not in state:
-                    state[_MOMENTUM] = like_param(p, torch.zeros_like(grad))
-                buf = local_data(state[_MOMENTUM])
-                if buf.shape != grad.shape:
-                    raise ValueError(
-                        f"parameter {i}: momentum buffer of local shape {tuple(buf.shape)} does "
-                        f"not match its local gradient {tuple(grad.shape)} (state loaded for "
-                        "another layout? load optimizer state through a sharded state dict)"
-                    )
-                buf.lerp_(grad, 1 - momentum)
-                update = grad.lerp(buf, momentum) if nesterov else buf
-                entries.append(
-                    _Entry(
-                        param=p,
-                        update=update.bfloat16().reshape(-1),
-                        spec=MatrixTensor(
-                            planning_layout(p, replicas),
-                            _row_blocks(group.get("row_blocks"), global_shape(p)),
-                        ),
-                        settings=settings,
-                        lr=_scalar(group["lr"]),
-                        weight_decay=float(group["weight_decay"]),
-                        adjust_lr_fn=group["adjust_lr_fn"],
-                    )
+                grad = local_grad(p, index - 1)
+                name = str(names[position]) if names else ""
+                spec = MatrixTensor(
+                    planning_layout(p, replicas),
+                    _row_blocks(group.get("row_blocks"), global_shape(p)),
                 )
+                found.append(_Found(p, grad, index - 1, group, settings, name, spec))
+        return found
+
+    def _entries(self, found: Sequence[_Found]) -> list[_Entry]:
+        """Update each parameter's momentum; its Newton-Schulz input (bf16, flat)."""
+        entries: list[_Entry] = []
+        for f in found:
+            group, p, grad, i = f.group, f.param, f.grad, f.index
+            momentum, nesterov = group["momentum"], group["nesterov"]
+            state = self.state[p]
+            if _MOMENTUM not in state:
+                state[_MOMENTUM] = like_param(p, torch.zeros_like(grad))
+            buf = local_data(state[_MOMENTUM])
+            if buf.shape != grad.shape:
+                raise ValueError(
+                    f"parameter {i}: momentum buffer of local shape {tuple(buf.shape)} does "
+                    f"not match its local gradient {tuple(grad.shape)} (state loaded for "
+                    "another layout? load optimizer state through a sharded state dict)"
+                )
+            buf.lerp_(grad, 1 - momentum)
+            update = grad.lerp(buf, momentum) if nesterov else buf
+            entries.append(
+                _Entry(
+                    param=p,
+                    update=update.bfloat16().reshape(-1),
+                    spec=f.spec,
+                    settings=f.settings,
+                    lr=_scalar(group["lr"]),
+                    weight_decay=float(group["weight_decay"]),
+                    adjust_lr_fn=group["adjust_lr_fn"],
+                )
+            )
         return entries
 
     def _prepare(
-        self, specs: Sequence[MatrixTensor], rank: int, group_ranks: tuple[int, ...], bucket: int
+        self, found: Sequence[_Found], rank: int, group: dist.ProcessGroup | None
     ) -> _Prepared:
-        key = (tuple(specs), rank, group_ranks, bucket)
+        """The step plan (:func:`hp_muon.plan_muon`, cached per layouts) and this rank's
+        programs; at the first step, checked against the plan given to the constructor."""
+        group_ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else None
+        key = (tuple(f.spec for f in found), rank, group_ranks, self._bucket_cap_mb)
         prepared = self._prepared.get(key)
         if prepared is None:
-            plan = plan_muon_step(specs, bucket_numel=bucket)
-            prepared = _Prepared(plan, rank_program(plan, rank, group_ranks))
+            plan = plan_muon(
+                [(f.name or f"parameter {f.index}", f.spec) for f in found],
+                bucket_cap_mb=self._bucket_cap_mb,
+                group_ranks=group_ranks,
+                rank=rank,
+            )
+            programs = tuple(rank_program(g.plan, rank, g.ranks) for g in plan.groups)
+            prepared = _Prepared(plan, programs)
             if len(self._prepared) > 8:  # layouts changed (resharding): forget old plans
                 self._prepared.clear()
             self._prepared[key] = prepared
+        if self._given_plan is not None and not self._plan_checked:
+            check_muon_plan(prepared.plan, self._given_plan)
+            self._plan_checked = True
+        self._last_plan = prepared.plan
         return prepared
+
+    def planned(self) -> MuonStepPlan | None:
+        """The step plan of the last :meth:`step` (what :func:`hp_muon.plan_muon` returns for
+        the parameters that had gradients, this rank and the process group), None before the
+        first step."""
+        return self._last_plan
 
     def _orthogonalizer(
         self, plan: MuonPlan, entries: Sequence[_Entry], runs: list[int]
@@ -392,54 +452,22 @@ class Muon(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        entries = self._collect()
+        found = self._with_grads()
         me = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-        spread = [e for e in entries if e.spec.layout.mesh.size > 1]
-        local = [e for e in entries if e.spec.layout.mesh.size == 1]
+        spread = any(f.spec.layout.mesh.size > 1 for f in found)
+        group = (self._process_group or dist.group.WORLD) if spread else None
+        prepared = self._prepare(found, me, group)  # checked before any state changes
+        entries = self._entries(found)
         outputs: dict[int, torch.Tensor] = {
             id(e): torch.empty(e.update.numel(), dtype=torch.bfloat16, device=e.update.device)
             for e in entries
         }
-        stats: list[ExchangeStats] = []
         runs = [0]
-        prepared_by_entries: list[tuple[Sequence[_Entry], _Prepared]] = []
-
-        def exchange(
-            group_entries: Sequence[_Entry],
-            group_ranks: tuple[int, ...],
-            bucket_numel: int,
-            group: dist.ProcessGroup | None,
-            while_first_gather: Callable[[], None] | None = None,
-        ) -> None:
-            prepared = self._prepare([e.spec for e in group_entries], me, group_ranks, bucket_numel)
-            prepared_by_entries.append((group_entries, prepared))
-            stats.append(
-                run_program(
-                    prepared.program,
-                    prepared.plan,
-                    [e.update for e in group_entries],
-                    [outputs[id(e)] for e in group_entries],
-                    self._orthogonalizer(prepared.plan, group_entries, runs),
-                    group=group,
-                    while_first_gather=while_first_gather,
-                )
-            )
-
-        def run_local() -> None:
-            # Single-rank layouts: one plan on this rank alone, one bucket, no collective.
-            if local:
-                exchange(local, (me,), 2**62, None)
-
-        if spread:
-            group = self._process_group or dist.group.WORLD
-            group_ranks = tuple(dist.get_process_group_ranks(group))
-            exchange(spread, group_ranks, self._bucket_numel, group, run_local)
-        else:
-            run_local()
-        for group_entries, prep in prepared_by_entries:
-            self._apply(group_entries, prep.plan, outputs, me)
+        stats = self._exchange(prepared, entries, outputs, group, runs)
+        for g in prepared.plan.groups:
+            self._apply([entries[i] for i in g.indices], g.plan, outputs, me)
         self.last_step_stats = MuonStepStats(
-            matrices=sum(len(p.plan.jobs) for _, p in prepared_by_entries),
+            matrices=sum(len(g.plan.jobs) for g in prepared.plan.groups),
             orthogonalized=sum(s.orthogonalized for s in stats),
             newton_schulz_runs=runs[0],
             elements_sent=sum(s.elements_sent for s in stats),
@@ -448,6 +476,46 @@ class Muon(Optimizer):
         )
         self.newton_schulz_runs += runs[0]
         return loss
+
+    def _exchange(
+        self,
+        prepared: _Prepared,
+        entries: Sequence[_Entry],
+        outputs: dict[int, torch.Tensor],
+        group: dist.ProcessGroup | None,
+        runs: list[int],
+    ) -> list[ExchangeStats]:
+        """Orthogonalize every group's matrices into ``outputs``: the exchanged group over
+        ``group``, the single-rank one while its first gather is in flight."""
+        stats: list[ExchangeStats] = []
+        groups = prepared.plan.groups
+
+        def run(k: int, while_first_gather: Callable[[], None] | None = None) -> None:
+            g = groups[k]
+            chosen = [entries[i] for i in g.indices]
+            stats.append(
+                run_program(
+                    prepared.programs[k],
+                    g.plan,
+                    [e.update for e in chosen],
+                    [outputs[id(e)] for e in chosen],
+                    self._orthogonalizer(g.plan, chosen, runs),
+                    group=None if g.local else group,
+                    while_first_gather=while_first_gather,
+                )
+            )
+
+        def run_local() -> None:
+            for k, g in enumerate(groups):
+                if g.local:
+                    run(k)
+
+        spread = [k for k, g in enumerate(groups) if not g.local]
+        if spread:
+            run(spread[0], run_local)
+        else:
+            run_local()
+        return stats
 
     def _apply(
         self, entries: Sequence[_Entry], plan: MuonPlan, outputs: dict[int, torch.Tensor], me: int

@@ -34,8 +34,8 @@ __all__ = [
     "MatrixJob",
     "MatrixTensor",
     "MuonPlan",
+    "MuonPlanError",
     "Piece",
-    "PlanError",
     "RankProgram",
     "Transfer",
     "matrix_boxes",
@@ -45,7 +45,7 @@ __all__ = [
 ]
 
 
-class PlanError(ValueError):
+class MuonPlanError(ValueError):
     """A parameter cannot be planned (its layout or its row blocks do not fit Muon)."""
 
 
@@ -188,12 +188,12 @@ def matrix_boxes(shape: Sequence[int], row_blocks: Sequence[int] | None = None) 
     leading dim and the full column range; there are ``prod(shape[:-2]) * len(row_blocks)``.
 
     Raises:
-        PlanError: ``shape`` has fewer than 2 dims, or ``row_blocks`` has a non-positive size
+        MuonPlanError: ``shape`` has fewer than 2 dims, or ``row_blocks`` has a non-positive size
             or does not sum to ``shape[-2]``.
     """
     dims = tuple(int(s) for s in shape)
     if len(dims) < 2:
-        raise PlanError(
+        raise MuonPlanError(
             f"Muon orthogonalizes matrices; a parameter of shape {dims} has fewer than 2 dims "
             "(optimize it with AdamW, see hp_muon.split_params)"
         )
@@ -203,7 +203,7 @@ def matrix_boxes(shape: Sequence[int], row_blocks: Sequence[int] | None = None) 
     else:
         blocks = tuple(int(b) for b in row_blocks)
     if any(b <= 0 for b in blocks) or sum(blocks) != rows:
-        raise PlanError(
+        raise MuonPlanError(
             f"row blocks {blocks} must be positive sizes summing to the {rows} rows of each "
             f"matrix of a parameter of shape {dims}"
         )
@@ -263,7 +263,7 @@ def _pieces(layout: Layout, rank: int, box: Box) -> list[Piece]:
 
 def _check_layout(layout: Layout, where: str) -> None:
     if any(isinstance(p, Partial) for p in layout.placements):
-        raise PlanError(
+        raise MuonPlanError(
             f"{where}: layout {layout!r} has a Partial placement; Muon needs the reduced "
             "gradient laid out like its parameter (reduce it before the step)"
         )
@@ -284,11 +284,11 @@ def plan_muon_step(tensors: Sequence[MatrixTensor], *, bucket_numel: int) -> Muo
     The plan depends only on the arguments (every rank computes the same one).
 
     Raises:
-        PlanError: a layout has a Partial placement or fewer than 2 dims, or its row blocks
+        MuonPlanError: a layout has a Partial placement or fewer than 2 dims, or its row blocks
             do not fit.
     """
     if bucket_numel <= 0:
-        raise PlanError(f"bucket_numel must be positive, got {bucket_numel}")
+        raise MuonPlanError(f"bucket_numel must be positive, got {bucket_numel}")
     boxes: list[tuple[int, int, Box]] = []
     for t, spec in enumerate(tensors):
         _check_layout(spec.layout, f"parameter {t}")
@@ -440,12 +440,12 @@ def rank_program(plan: MuonPlan, rank: int, group_ranks: Sequence[int]) -> RankP
     exactly, in the same order, the pieces the other receives from it.
 
     Raises:
-        PlanError: a rank of the plan is not in ``group_ranks``.
+        MuonPlanError: a rank of the plan is not in ``group_ranks``.
     """
     index = {r: i for i, r in enumerate(group_ranks)}
     missing = [r for r in plan.ranks if r not in index]
     if missing:
-        raise PlanError(
+        raise MuonPlanError(
             f"ranks {missing} hold Muon parameters but are not in the process group (ranks "
             f"{list(group_ranks)}); pass a process_group covering every parameter's mesh"
         )

@@ -10,13 +10,13 @@ offers it, i.e. for every group without tensor-parallel parameters.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar, overload
 
 from torch import nn
 
 from hp_dtensor import DeviceMesh, DTensor
-from hp_fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy
+from hp_fsdp import FSDPModule, GroupPlan, MixedPrecisionPolicy, OffloadPolicy
 from hp_fsdp import fully_shard as hp_fully_shard
 from hp_fsdp.group_plan import spec_of
 from hyper_parallel.errors import not_offered
@@ -72,6 +72,7 @@ def fully_shard(
     comm_fusion: bool = False,
     comm_fusion_zero_copy: bool | None = None,
     sharded_accumulated_grad: bool = False,
+    plan: GroupPlan | Sequence[GroupPlan] | None = None,
 ) -> _M: ...
 
 
@@ -89,6 +90,7 @@ def fully_shard(
     comm_fusion: bool = False,
     comm_fusion_zero_copy: bool | None = None,
     sharded_accumulated_grad: bool = False,
+    plan: GroupPlan | Sequence[GroupPlan] | None = None,
 ) -> list[_M]: ...
 
 
@@ -111,6 +113,7 @@ def fully_shard(
     comm_fusion: bool = False,
     comm_fusion_zero_copy: bool | None = None,
     sharded_accumulated_grad: bool = False,
+    plan: GroupPlan | Sequence[GroupPlan] | None = None,
 ) -> Any:
     """Shard ``module``'s parameters over ``mesh`` (1-d: shard; 2-d: replicate x shard, HSDP).
 
@@ -124,7 +127,9 @@ def fully_shard(
       runs one all-gather and one reduce-scatter per group on one flat buffer (the
       per-parameter layout copies each parameter's rows out of it and into it, as FSDP2);
     * ``shard_placement_fn``, ``ignored_params``, ``replicate_params``,
-      ``sharded_accumulated_grad``: not offered (the error says what to use).
+      ``sharded_accumulated_grad``: not offered (the error says what to use);
+    * ``plan`` (hp-fsdp's, not upstream's): the group plan(s) a planner made for the call
+      (``hp_fsdp.plan_fully_shard``), checked before anything is allocated.
 
     The sharded parameters are what upstream and torch FSDP2 hand out: torch DTensors of each
     parameter's global shape, ``Shard(0)`` over the mesh (``Replicate`` on HSDP's replicate
@@ -143,6 +148,48 @@ def fully_shard(
 
     Returns:
         ``module`` (the list, for a list: its modules are sharded as one group).
+    """
+    _refuse_not_offered(
+        shard_placement_fn, ignored_params, replicate_params, sharded_accumulated_grad
+    )
+    del comm_fusion, comm_fusion_zero_copy  # always fused and in place here
+    modules = _modules(module)
+    dtensor_params = any(
+        isinstance(p, DTensor) for m in modules for p in m.parameters(recurse=True)
+    )
+    if mesh is None and dtensor_params:
+        raise ValueError(
+            "fully_shard: the module holds DTensor parameters (shard_module / "
+            "parallelize_module(mode='validation')); pass their data-parallel sub-mesh, e.g. "
+            "fully_shard(model, mesh=mesh['dp'])"
+        )
+    hp_fully_shard(
+        module,
+        mesh=mesh,
+        reshard_after_forward=reshard_after_forward,
+        mp_policy=mp_policy,
+        offload_policy=offload_policy,
+        param_layout=_param_layout(modules),
+        plan=plan,
+    )
+    if dtensor_params:
+        for sharded in modules:
+            # Upstream sums DTensor parameters' gradients (reduce_op_type "sum"): the loss of a
+            # DTensor model is already the global value.
+            sharded.set_gradient_divide_factor(1.0)  # type: ignore[operator]
+    return module
+
+
+def _refuse_not_offered(
+    shard_placement_fn: object,
+    ignored_params: set[nn.Parameter] | None,
+    replicate_params: set[nn.Parameter] | None,
+    sharded_accumulated_grad: bool,
+) -> None:
+    """Upstream arguments hyper_parallel names but does not offer.
+
+    Raises:
+        NotOfferedError: one of them is set (the message says what to use instead).
     """
     if shard_placement_fn is not None:
         raise not_offered(
@@ -164,28 +211,3 @@ def fully_shard(
             "hp-fsdp's set_requires_all_reduce(last) reduce-scatters every microbatch and "
             "all-reduces once per step",
         )
-    del comm_fusion, comm_fusion_zero_copy  # always fused and in place here
-    modules = _modules(module)
-    dtensor_params = any(
-        isinstance(p, DTensor) for m in modules for p in m.parameters(recurse=True)
-    )
-    if mesh is None and dtensor_params:
-        raise ValueError(
-            "fully_shard: the module holds DTensor parameters (shard_module / "
-            "parallelize_module(mode='validation')); pass their data-parallel sub-mesh, e.g. "
-            "fully_shard(model, mesh=mesh['dp'])"
-        )
-    hp_fully_shard(
-        module,
-        mesh=mesh,
-        reshard_after_forward=reshard_after_forward,
-        mp_policy=mp_policy,
-        offload_policy=offload_policy,
-        param_layout=_param_layout(modules),
-    )
-    if dtensor_params:
-        for sharded in modules:
-            # Upstream sums DTensor parameters' gradients (reduce_op_type "sum"): the loss of a
-            # DTensor model is already the global value.
-            sharded.set_gradient_divide_factor(1.0)  # type: ignore[operator]
-    return module
