@@ -82,22 +82,24 @@ def test_every_parameter_in_one_call_per_fsdp_mesh_with_the_buffer_sizes_of_the_
     assert plan.to_json() == _plan(dims).to_json()
     (stage,) = plan.stages
     shapes = {n: tuple(p.shape) for n, p in _meta_model().named_parameters()}
-    meshes = {g.plan.mesh for g in stage.fsdp}
+    meshes = {g.mesh for g in stage.fsdp}
     assert len(meshes) == dims.tp
     shards = dims.dp_shard
     for mesh in meshes:
-        calls = [g for g in stage.fsdp if g.plan.mesh == mesh]
+        calls = [g for g in stage.fsdp if g.mesh == mesh]
         assert [g.unit for g in calls] == ["layers.0", "layers.1", ""]
-        names = [f"{g.unit}.{f}" if g.unit else f for g in calls for f in g.plan.fqns]
+        assert all(len(g.plans) == 1 for g in calls)  # one dtype: one buffer per call
+        names = [f"{g.unit}.{f}" if g.unit else f for g in calls for f in g.plans[0].fqns]
         assert sorted(names) == sorted(shapes)
         for g in calls:
+            (group,) = g.plans
             prefix = f"{g.unit}." if g.unit else ""
-            numel = sum(_local_numel(prefix + f, shapes[prefix + f], dims.tp) for f in g.plan.fqns)
-            assert numel <= g.plan.flat.padded_numel
+            numel = sum(_local_numel(prefix + f, shapes[prefix + f], dims.tp) for f in group.fqns)
+            assert numel <= group.flat.padded_numel
             # 16-byte alignment of fp32 (4 elements) per parameter, then whole chunks.
-            assert g.plan.flat.padded_numel - numel < 4 * len(g.plan.fqns) + shards * 4
-            assert g.plan.flat.padded_numel % shards == 0
-            assert g.plan.chunk_numel * shards == g.plan.flat.padded_numel
+            assert group.flat.padded_numel - numel < 4 * len(group.fqns) + shards * 4
+            assert group.flat.padded_numel % shards == 0
+            assert group.chunk_numel * shards == group.flat.padded_numel
     groups = {p.fqn: p.optimizer_group for p in stage.parallel.params}
     assert groups["layers.0.attn.q_proj.weight"] == "muon"
     assert groups["tok_embeddings.weight"] == groups["norm.weight"] == "adamw"
@@ -147,9 +149,9 @@ def test_the_executors_record_what_the_plan_says_on_every_rank(dims: JobDims) ->
         rank = got["rank"]
         want = {}
         for g in stage.fsdp:
-            if rank in g.plan.mesh:
+            if rank in g.mesh:
                 prefix = f"{g.unit}." if g.unit else ""
-                want.update({prefix + n: s for n, s in g.plan.flat_slots().items()})
+                want.update({prefix + n: s for p in g.plans for n, s in p.flat_slots().items()})
         assert got["slots"] == want, rank
         if dims.tp > 1:
             assert got["layouts"] == {p.fqn: (p.layout, p.reduction) for p in stage.parallel.params}
@@ -185,12 +187,13 @@ def test_a_hugging_face_model_plans_without_processes() -> None:
     )
     (stage,) = plan.stages
     names = {n for n, _ in model.named_parameters()}  # the tied head under its first name
-    for mesh in {g.plan.mesh for g in stage.fsdp}:
+    for mesh in {g.mesh for g in stage.fsdp}:
         held = [
             f"{g.unit}.{f}" if g.unit else f
             for g in stage.fsdp
-            if g.plan.mesh == mesh
-            for f in g.plan.fqns
+            if g.mesh == mesh
+            for p in g.plans
+            for f in p.fqns
         ]
         assert sorted(held) == sorted(names)
     q = stage.parallel.param("model.layers.0.self_attn.q_proj.weight")

@@ -15,7 +15,15 @@ from hp_planner.inputs import (
     PlanInputError,
     TrainingPolicy,
 )
-from hp_planner.job import ContextPlan, ExpertPlan, FsdpGroup, JobPlan, StagePlan, to_jsonable
+from hp_planner.job import (
+    ContextPlan,
+    ExpertPlan,
+    FsdpGroup,
+    JobPlan,
+    MuonView,
+    StagePlan,
+    to_jsonable,
+)
 from hp_planner.meshes import StageMeshes, job_grid, stage_meshes
 from hp_planner.plan_job import plan_job
 
@@ -27,6 +35,7 @@ __all__ = [
     "JobDims",
     "JobPlan",
     "ModelParallelism",
+    "MuonView",
     "PlanInputError",
     "StageMeshes",
     "StagePlan",

@@ -3,11 +3,12 @@
 The calls are the ones a trainer makes, in order: one per MoE module under expert
 parallelism (over the expert FSDP meshes: the ranks holding the same experts), one per unit
 (``ModelParallelism.fsdp_units``), then the stage's root, which takes every parameter no
-earlier call owns. A parameter's planning inputs are what ``hp_fsdp`` reads from the
-parameter once the model is laid out: its tensor-parallel layout and gradient reduction when
-a plan was applied (``tp > 1``: the local shape on the mesh's ranks; ``tp == 1``: no plan is
-applied and the parameter is whole), its expert-parallel layout for an expert module's
-parameters. hp-fsdp packs (:func:`hp_fsdp.plan_group`); nothing here restates its rules.
+earlier call owns. Each is :func:`hp_fsdp.plan_fully_shard` of the call on the meta model, the
+one planner ``fully_shard`` itself runs (parameter selection, nested units, dtypes, packing):
+nothing here restates its rules. What a parameter looks like once laid out comes from the
+resolved plans (:func:`hp_fsdp.spec_from_plan`): its tensor-parallel layout and gradient
+reduction when a plan is applied (``tp > 1``; with ``tp == 1`` none is and the parameter is
+whole), its expert-parallel layout for an expert module's parameters.
 """
 
 from __future__ import annotations
@@ -18,65 +19,65 @@ import torch
 from torch import nn
 
 from hp_dtensor.parallel import ParallelPlan
-from hp_fsdp import GroupPlan, ParamSpec, plan_group
-from hp_fsdp.group_plan import dtype_name, torch_dtype
+from hp_fsdp import GroupPlan, MixedPrecisionPolicy, ParamSpec, plan_fully_shard, spec_from_plan
+from hp_fsdp.group_plan import torch_dtype
 from hp_layout import Mesh
 from hp_planner.inputs import TrainingPolicy
 from hp_planner.job import ExpertPlan, FsdpGroup
-from hp_planner.meshes import REPLICATE, StageMeshes
+from hp_planner.meshes import StageMeshes
 
 __all__ = ["plan_fsdp_groups"]
 
 
-def _params_of(model: nn.Module, unit: str, owned: set[str]) -> list[tuple[str, nn.Parameter]]:
-    """``unit``'s parameters no earlier call owns, by full name (``named_parameters`` order,
-    a tied parameter under its first name)."""
-    module = model.get_submodule(unit)
-    prefix = f"{unit}." if unit else ""
-    return [(prefix + n, p) for n, p in module.named_parameters() if prefix + n not in owned]
-
-
-def _spec(
-    name: str, relative: str, param: nn.Parameter, plan: ParallelPlan | None, rank: int
-) -> ParamSpec:
-    """What hp-fsdp reads of parameter ``name`` on ``rank`` (module docstring); ``plan``: the
-    applied plan holding it under ``relative``, None when none is applied."""
-    dtype = dtype_name(param.dtype)
-    if plan is None:
-        return ParamSpec(relative, tuple(param.shape), dtype)
-    planned = plan.param(name)
-    axes = planned.reduction.axes if planned.reduction is not None else ()
-    layout = planned.layout
-    return ParamSpec(relative, layout.local_shape(rank), dtype, layout, axes)
-
-
-def _group(
-    unit: str,
-    params: Sequence[tuple[str, nn.Parameter]],
-    plan: ParallelPlan | None,
-    plan_names: dict[str, str],
-    mesh: Mesh,
-    shard_axis: str,
-    training: TrainingPolicy,
-) -> GroupPlan:
-    rank = mesh.ranks[0]
-    prefix = f"{unit}." if unit else ""
-    specs = [
-        _spec(plan_names.get(name, name), name[len(prefix) :], p, plan, rank) for name, p in params
-    ]
-    return plan_group(
-        specs,
-        mesh,
-        shard_axis,
-        REPLICATE if REPLICATE in mesh.axis_names and mesh.axis_size(REPLICATE) > 1 else None,
-        param_dtype=_dtype(training.param_dtype),
-        reduce_dtype=_dtype(training.reduce_dtype),
-        owner=unit,
+def _policy(training: TrainingPolicy) -> MixedPrecisionPolicy | None:
+    if training.param_dtype is None and training.reduce_dtype is None:
+        return None
+    return MixedPrecisionPolicy(
+        param_dtype=_dtype(training.param_dtype), reduce_dtype=_dtype(training.reduce_dtype)
     )
 
 
 def _dtype(name: str | None) -> torch.dtype | None:
     return None if name is None else torch_dtype(name)
+
+
+def _specs(
+    module: nn.Module, plan: ParallelPlan | None, rank: int
+) -> dict[nn.Parameter, ParamSpec] | None:
+    """How ``module``'s parameters look on ``rank`` once ``plan`` (resolved on ``module``)
+    is applied; None when no plan is applied (the parameters are whole)."""
+    if plan is None:
+        return None
+    return {p: spec_from_plan(plan.param(name), rank) for name, p in module.named_parameters()}
+
+
+def _owned(plans: tuple[GroupPlan, ...], unit: str) -> tuple[GroupPlan, ...]:
+    """``plans`` with the owner ``fully_shard`` records once the root is sharded: the unit's
+    name in the stage model (``plan_fully_shard`` leaves it empty; ``plan=`` ignores it)."""
+    return tuple(plan.with_owner(unit) for plan in plans)
+
+
+def _calls(
+    model: nn.Module,
+    mesh: Mesh,
+    units: Sequence[str],
+    nested: Sequence[str],
+    specs: dict[nn.Parameter, ParamSpec] | None,
+    training: TrainingPolicy,
+) -> list[FsdpGroup]:
+    """The units' and the root's calls on one FSDP mesh, in order (a call managing no
+    parameter is left out, as ``fully_shard`` makes no group for it)."""
+    done = [model.get_submodule(n) for n in nested]
+    groups = []
+    for unit in [*units, ""]:
+        module = model.get_submodule(unit)
+        plans = plan_fully_shard(
+            module, mesh, mp_policy=_policy(training), nested=done, specs=specs
+        )
+        done.append(module)
+        if plans:
+            groups.append(FsdpGroup(unit, mesh, _owned(plans, unit)))
+    return groups
 
 
 def plan_fsdp_groups(
@@ -93,39 +94,18 @@ def plan_fsdp_groups(
     ``tp`` is the stage's tensor-parallel plan when one is applied (``tp > 1``), else None.
 
     Postconditions: every parameter of ``model`` is in exactly one call per FSDP mesh of its
-    kind; each plan is ``hp_fsdp.plan_group`` of the call's parameters on the mesh's first
-    rank.
+    kind; each call's plans are ``hp_fsdp.plan_fully_shard`` of it on that mesh.
     """
     groups: list[FsdpGroup] = []
-    owned: set[str] = set()
-    expert_params: dict[str, list[tuple[str, nn.Parameter]]] = {}
-    for expert in experts:
-        expert_params[expert.module] = _params_of(model, expert.module, owned)
-        owned.update(name for name, _ in expert_params[expert.module])
+    policy = _policy(training)
     for mesh in meshes.expert_fsdp_meshes():
         for expert in experts:
-            prefix = f"{expert.module}."
-            names = {name: name[len(prefix) :] for name, _ in expert_params[expert.module]}
-            plan = _group(
-                expert.module,
-                expert_params[expert.module],
-                expert.plan,
-                names,
-                mesh,
-                "expert_shard",
-                training,
-            )
-            groups.append(FsdpGroup(expert.module, plan))
-    calls: list[tuple[str, list[tuple[str, nn.Parameter]]]] = []
-    for unit in [*units, ""]:
-        params = _params_of(model, unit, owned)
-        owned.update(name for name, _ in params)
-        if params or unit == "":
-            calls.append((unit, params))
+            module = model.get_submodule(expert.module)
+            specs = _specs(module, expert.plan, mesh.ranks[0])
+            plans = plan_fully_shard(module, mesh, mp_policy=policy, specs=specs)
+            groups.append(FsdpGroup(expert.module, mesh, _owned(plans, expert.module)))
+    nested = [e.module for e in experts]
     for mesh in meshes.fsdp_meshes():
-        for unit, params in calls:
-            if not params:
-                continue
-            plan = _group(unit, params, tp, {}, mesh, meshes.shard_axis, training)
-            groups.append(FsdpGroup(unit, plan))
+        specs = _specs(model, tp, mesh.ranks[0])
+        groups += _calls(model, mesh, units, nested, specs, training)
     return tuple(groups)

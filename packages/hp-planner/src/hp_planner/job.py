@@ -17,14 +17,24 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields, is_dataclass
 from typing import Any
 
+from hp_dtensor.contract import FlatSlot
 from hp_dtensor.parallel import ParallelPlan
 from hp_fsdp import GroupPlan
 from hp_layout import Layout, Mesh, Topology
 from hp_mpmd import SchedulePlan
+from hp_muon import MuonStepPlan
 from hp_planner.inputs import JobDims, TrainingPolicy
 from hp_planner.meshes import StageMeshes
 
-__all__ = ["ContextPlan", "ExpertPlan", "FsdpGroup", "JobPlan", "StagePlan", "to_jsonable"]
+__all__ = [
+    "ContextPlan",
+    "ExpertPlan",
+    "FsdpGroup",
+    "JobPlan",
+    "MuonView",
+    "StagePlan",
+    "to_jsonable",
+]
 
 
 @dataclass(frozen=True)
@@ -33,11 +43,19 @@ class FsdpGroup:
 
     Attributes:
         unit: the name of the module it is called on in the stage model (``""``: the root).
-        plan: hp-fsdp's plan of the call on that mesh (``plan.mesh``).
+        mesh: the FSDP mesh (1-d shard, or 2-d replicate and shard).
+        plans: hp-fsdp's plans of the call on that mesh, one per storage dtype
+            (``hp_fsdp.plan_fully_shard``; ``fully_shard(..., plan=plans)`` checks them).
     """
 
     unit: str
-    plan: GroupPlan
+    mesh: Mesh
+    plans: tuple[GroupPlan, ...]
+
+    def flat_slots(self) -> dict[str, FlatSlot]:
+        """Every parameter's slot, by its name in the stage model."""
+        prefix = f"{self.unit}." if self.unit else ""
+        return {prefix + n: s for plan in self.plans for n, s in plan.flat_slots().items()}
 
 
 @dataclass(frozen=True)
@@ -70,6 +88,20 @@ class ContextPlan:
 
 
 @dataclass(frozen=True)
+class MuonView:
+    """The Muon step the ranks of one FSDP mesh plan (they hold the same layouts).
+
+    Attributes:
+        ranks: the FSDP mesh's ranks.
+        plan: ``hp_muon.plan_muon`` of the stage's Muon parameters as those ranks hold them
+            (``hp_muon.Muon(..., plan=)`` checks it at the first step).
+    """
+
+    ranks: tuple[int, ...]
+    plan: MuonStepPlan
+
+
+@dataclass(frozen=True)
 class StagePlan:
     """One pipeline stage's plan (the whole job without pipelining).
 
@@ -83,6 +115,7 @@ class StagePlan:
         context: context parallelism (``cp > 1``), else None.
         fsdp: every ``fully_shard`` call on every FSDP mesh of the stage: per mesh (in rank
             order), the expert units (over their own meshes), then the units, then the root.
+        muon: the Muon step of every FSDP mesh (``()`` with AdamW alone).
         activation: the activation policy and the modules it applies to.
         offload: what lives on the host.
     """
@@ -93,6 +126,7 @@ class StagePlan:
     experts: tuple[ExpertPlan, ...]
     context: ContextPlan | None
     fsdp: tuple[FsdpGroup, ...]
+    muon: tuple[MuonView, ...]
     activation: tuple[str, tuple[str, ...]]
     offload: str
 
@@ -101,18 +135,46 @@ class StagePlan:
         """The stage's ranks, ascending."""
         return tuple(sorted(self.meshes.stage.ranks))
 
-    def group_plan(self, unit: str, rank: int) -> GroupPlan:
-        """The plan of the ``fully_shard`` call on ``unit`` seen by ``rank``.
+    def group_plans(self, unit: str, rank: int) -> tuple[GroupPlan, ...]:
+        """The plans of the ``fully_shard`` call on ``unit`` seen by ``rank``.
 
         Raises:
             KeyError: no call on ``unit`` holds ``rank``.
         """
         for group in self.fsdp:
-            if group.unit == unit and rank in group.plan.mesh:
-                return group.plan
+            if group.unit == unit and rank in group.mesh:
+                return group.plans
         raise KeyError(
             f"stage {self.index} has no fully_shard call on {unit!r} holding rank {rank}"
         )
+
+    def flat_slots(self, rank: int) -> dict[str, FlatSlot]:
+        """Every parameter's FSDP slot on ``rank``, by its name in the stage model."""
+        slots: dict[str, FlatSlot] = {}
+        for group in self.fsdp:
+            if rank in group.mesh:
+                slots.update(group.flat_slots())
+        return slots
+
+    def muon_plan(self, rank: int) -> MuonStepPlan | None:
+        """The Muon step plan of ``rank`` (None with AdamW alone)."""
+        for view in self.muon:
+            if rank in view.ranks:
+                return view.plan
+        return None
+
+    def layouts(self, rank: int) -> dict[str, Layout]:
+        """Every parameter's layout on ``rank`` once sharded (FSDP over its tensor- or
+        expert-parallel layout), by its name in the stage model."""
+        out: dict[str, Layout] = {}
+        for group in self.fsdp:
+            if rank in group.mesh:
+                prefix = f"{group.unit}." if group.unit else ""
+                for plan in group.plans:
+                    out.update(
+                        {prefix + n: lay for n, lay in zip(plan.fqns, plan.layouts, strict=True)}
+                    )
+        return out
 
     def expert_plan(self, module: str) -> ParallelPlan:
         """The expert-parallel plan of MoE module ``module``.

@@ -24,6 +24,7 @@ group.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 from torch import nn
 
@@ -32,10 +33,10 @@ from hp_dtensor.parallel.plan import match_modules
 from hp_layout import Topology
 from hp_mpmd import SchedulePlan
 from hp_mpmd.schedules import gpipe, one_f_one_b
-from hp_muon import split_params
+from hp_muon import plan_muon, split_params
 from hp_planner.fsdp_groups import plan_fsdp_groups
 from hp_planner.inputs import JobDims, ModelParallelism, PlanInputError, TrainingPolicy
-from hp_planner.job import ContextPlan, ExpertPlan, JobPlan, StagePlan
+from hp_planner.job import ContextPlan, ExpertPlan, JobPlan, MuonView, StagePlan
 from hp_planner.meshes import REPLICATE, StageMeshes, job_grid, stage_meshes
 
 __all__ = ["plan_job"]
@@ -151,12 +152,31 @@ def _expert_plans(
 
 
 def _optimizer_groups(model: nn.Module, training: TrainingPolicy) -> dict[str, str]:
+    """Each trainable parameter's optimizer, in ``named_parameters`` order."""
     if training.optimizer == "adamw":
         return {name: "adamw" for name, p in model.named_parameters() if p.requires_grad}
     split = split_params(model, adamw_patterns=training.adamw_patterns)
-    groups = {name: "muon" for name, _ in split.muon}
-    groups.update({name: "adamw" for name, _ in split.adamw})
+    groups = {name: "adamw" for name, _ in split.adamw}
+    groups.update({name: "muon" for name, _ in split.muon})
     return groups
+
+
+def _muon_views(
+    meshes: StageMeshes, stage: StagePlan, groups: dict[str, str], world: int
+) -> tuple[MuonView, ...]:
+    """The Muon step of each FSDP mesh's ranks: ``hp_muon.plan_muon`` of the Muon parameters
+    (in the order ``hp_muon.split_params`` gives them to Muon) with their sharded layouts, its
+    exchanges over the default process group (every rank of the job)."""
+    names = [name for name, group in groups.items() if group == "muon"]
+    if not names:
+        return ()
+    views = []
+    for mesh in meshes.fsdp_meshes():
+        layouts = stage.layouts(mesh.ranks[0])
+        params = [(name, layouts[name]) for name in names]
+        plan = plan_muon(params, group_ranks=range(world), rank=mesh.ranks[0])
+        views.append(MuonView(mesh.ranks, plan))
+    return tuple(views)
 
 
 def _plan_stage(
@@ -178,12 +198,13 @@ def _plan_stage(
     first = min(meshes.stage.ranks)
     slots = {}
     for group in fsdp:
-        if first in group.plan.mesh:
-            prefix = f"{group.unit}." if group.unit else ""
-            slots.update({prefix + n: s for n, s in group.plan.flat_slots().items()})
-    parallel = tp.with_flat_slots(slots).with_optimizer_groups(_optimizer_groups(model, training))
+        if first in group.mesh:
+            slots.update(group.flat_slots())
+    groups = _optimizer_groups(model, training)
+    parallel = tp.with_flat_slots(slots).with_optimizer_groups(groups)
     activation = (training.activation, units if training.activation != "none" else ())
-    return StagePlan(k, meshes, parallel, experts, context, fsdp, activation, training.offload)
+    stage = StagePlan(k, meshes, parallel, experts, context, fsdp, (), activation, training.offload)
+    return replace(stage, muon=_muon_views(meshes, stage, groups, dims.world_size))
 
 
 def _schedule(dims: JobDims, training: TrainingPolicy) -> SchedulePlan | None:

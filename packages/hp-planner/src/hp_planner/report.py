@@ -24,16 +24,15 @@ def stage_table(stage: StagePlan) -> str:
         f"fully_shard calls holding rank {first} (hp-fsdp's plans; every FSDP mesh's are in "
         "plan.json):",
     ]
-    for group in stage.fsdp:
-        if first not in group.plan.mesh:
-            continue
-        plan = group.plan
-        lines.append(
-            f"  {group.unit or '<root>'}: {len(plan.fqns)} params, buffer "
-            f"{plan.flat.padded_numel} x {plan.storage_dtype} in chunks of {plan.chunk_numel} "
-            f"over ranks {list(plan.mesh.ranks)}"
-            + (f", tail all-reduced over {plan.extra_reduce}" if plan.extra_reduce else "")
-        )
+    lines.extend(
+        f"  {group.unit or '<root>'}: {len(plan.fqns)} params, buffer "
+        f"{plan.flat.padded_numel} x {plan.storage_dtype} in chunks of {plan.chunk_numel} "
+        f"over ranks {list(group.mesh.ranks)}"
+        + (f", tail all-reduced over {plan.extra_reduce}" if plan.extra_reduce else "")
+        for group in stage.fsdp
+        if first in group.mesh
+        for plan in group.plans
+    )
     lines.extend(
         f"expert parallel: {expert.module} over {expert.plan.mesh.axis_names} "
         f"{list(expert.plan.mesh.shape)}"

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
-from hp_muon import muon_with_adamw, split_params
+from hp_muon import MuonStepPlan, muon_with_adamw, split_params
 from hp_train.config.schema import TrainConfig
 
 __all__ = ["ROUTER_PATTERNS", "build_optimizer", "build_schedule", "lr_factor"]
@@ -18,10 +18,13 @@ ROUTER_PATTERNS: tuple[str, ...] = ("*.router.*",)
 ADAMW_BETAS = (0.9, 0.95)
 
 
-def build_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
+def build_optimizer(
+    model: nn.Module, config: TrainConfig, *, muon_plan: MuonStepPlan | None = None
+) -> torch.optim.Optimizer:
     """Muon (``match_rms_adamw`` lr adjustment, so both share the weight decay scale) on the
     block matrices and expert stacks; AdamW on embeddings, norms, routers and the LM head.
-    ``config.optimizer == "adamw"``: AdamW on everything."""
+    ``config.optimizer == "adamw"``: AdamW on everything. ``muon_plan``: the run's planned
+    Muon step (hp-planner's), which Muon checks its own against at the first step."""
     adamw = {"lr": config.lr, "weight_decay": config.weight_decay, "betas": ADAMW_BETAS}
     optimizer: torch.optim.Optimizer
     if config.optimizer == "adamw":
@@ -33,6 +36,8 @@ def build_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.Optimi
             "weight_decay": config.weight_decay,
             "adjust_lr_fn": "match_rms_adamw",
         }
+        if muon_plan is not None:
+            muon["plan"] = muon_plan
         optimizer = muon_with_adamw(model, muon=muon, adamw=adamw, split=split)
     # The schedule scales each group's peak: record it in the group itself, so that it is
     # there before (and whatever) a checkpoint's groups restore.

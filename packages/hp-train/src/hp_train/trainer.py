@@ -271,7 +271,8 @@ class Trainer:
         _write_pid(self.out, self.runtime.rank)
         self.model = self._build_model()
         self.pipeline = self._build_pipeline()
-        self.optimizer = build_optimizer(self.model, self.config)
+        muon_plan = self.job.stage_of(self.runtime.rank).muon_plan(self.runtime.rank)
+        self.optimizer = build_optimizer(self.model, self.config, muon_plan=muon_plan)
         check_applied(self.job, self.model, self.optimizer, self.layout, self.runtime.rank)
         write_plan(self.out / PLAN_FILE, self.job, self.runtime.rank)
         self.stage_of = (
@@ -316,7 +317,8 @@ class Trainer:
             # keeps its stage.
             stage = self.layout.pipeline_mesh.mesh.coordinate(self.runtime.rank)[0]
             keep_stage(model, stage, stage_boundaries(self.model_config, self.parallel.pp))
-        parallelize(model, self.layout, config=self.config)
+        planned = self.job.stage_of(self.runtime.rank)
+        parallelize(model, self.layout, config=self.config, plan=planned)
         if self.options.init_from is not None and not self._will_resume():
             from hp_train.checkpoint.hf import load_hf_weights
 

@@ -35,12 +35,13 @@ from hp_dtensor.parallel import (
 from hp_dtensor.parallel.plan import Boundary, PlanError
 from hp_fsdp import CPUOffloadPolicy, fully_shard
 from hp_layout import Mesh, Placement, Replicate, Shard
+from hp_planner import StagePlan
 from hp_train.config.schema import ConfigError, ModelConfig, ParallelConfig, TrainConfig
 from hp_train.model.llama import TiedHead, Transformer
 from hp_train.parallel.activations import apply_activation_policy
 from hp_train.parallel.compiled import compile_blocks
 from hp_train.parallel.context import apply_context_parallel
-from hp_train.parallel.expert import apply_expert_parallel, seed_aux_loss_once, shard_experts
+from hp_train.parallel.expert import apply_expert_parallel, moe_layers, seed_aux_loss_once
 from hp_train.parallel.precision import convert_blocks_to_float8, fsdp_precision
 
 __all__ = [
@@ -309,6 +310,7 @@ def parallelize(
     *,
     mode: str = "production",
     config: TrainConfig | None = None,
+    plan: StagePlan | None = None,
     **fsdp: Any,
 ) -> Transformer:
     """Lay ``model`` out for ``layout`` with ``config``'s techniques, in this order: FP8
@@ -317,7 +319,8 @@ def parallelize(
     experts and the MoE's replicated parts in groups of their own) and on the root, with
     ``config``'s precision, offload and the gradient divide factor of its accumulation.
     ``fsdp`` adds ``fully_shard`` arguments. Without ``config``: ``TrainConfig()``'s (none of
-    them)."""
+    them). With the run's stage ``plan`` (hp-planner's), every ``fully_shard`` call takes its
+    planned groups (``plan=``) and refuses to allocate anything else."""
     config = TrainConfig() if config is None else config
     if config.fp8 != "none":
         convert_blocks_to_float8(model, config.fp8)
@@ -337,19 +340,38 @@ def parallelize(
         )
     elif layout.tp_size > 1:
         seed_aux_loss_once(model, layout.mesh)
-    blocks = list(model.layers.values())
-    apply_activation_policy(blocks, config)
+    blocks = dict(model.layers.items())
+    apply_activation_policy(list(blocks.values()), config)
     if config.compile:
-        compile_blocks(blocks)
+        compile_blocks(list(blocks.values()))
+    _shard(model, blocks, layout, config, plan, fsdp)
+    return model
+
+
+def _shard(
+    model: Transformer,
+    blocks: dict[str, nn.Module],
+    layout: Layout3D,
+    config: TrainConfig,
+    plan: StagePlan | None,
+    fsdp: dict[str, Any],
+) -> None:
+    """FSDP on the MoE layers (expert parallelism), every block, then the root."""
     options = {**fsdp_precision(config, replicated=layout.dp_mesh.ndim == 2), **fsdp}
     if config.offload in ("params", "both"):
         options["offload_policy"] = CPUOffloadPolicy(pin_memory=layout.mesh.device_type != "cpu")
-    divide = layout.dp_mesh.mesh.size * config.grad_accum
+    rank = dist.get_rank()
+
+    def planned(unit: str) -> dict[str, Any]:
+        return {} if plan is None else {"plan": plan.group_plans(unit, rank)}
+
     if layout.expert_dp_mesh is not None:
-        shard_experts(model, layout.expert_dp_mesh, **options)
-    for block in blocks:
-        fully_shard(block, mesh=layout.dp_mesh, **options)
-    fully_shard(model, mesh=layout.dp_mesh, **options)
+        for index, moe in moe_layers(model).items():
+            unit = f"layers.{index}.ffn"
+            fully_shard(moe, mesh=layout.expert_dp_mesh, **options, **planned(unit))
+    for index, block in blocks.items():
+        fully_shard(block, mesh=layout.dp_mesh, **options, **planned(f"layers.{index}"))
+    fully_shard(model, mesh=layout.dp_mesh, **options, **planned(""))
     if config.grad_accum > 1:
+        divide = layout.dp_mesh.mesh.size * config.grad_accum
         model.set_gradient_divide_factor(float(divide))  # type: ignore[operator]
-    return model

@@ -72,15 +72,6 @@ def _first_difference(what: str, applied: dict[str, Any], planned: dict[str, Any
             )
 
 
-def _planned_slots(stage: StagePlan, rank: int) -> dict[str, Any]:
-    slots: dict[str, Any] = {}
-    for group in stage.fsdp:
-        if rank in group.plan.mesh:
-            prefix = f"{group.unit}." if group.unit else ""
-            slots.update({prefix + n: s for n, s in group.plan.flat_slots().items()})
-    return slots
-
-
 def _check_meshes(stage: StagePlan, layout: Layout3D, rank: int) -> None:
     planned = stage.meshes
     context = planned.context.submesh(["cp"], rank) if planned.context is not None else None
@@ -108,7 +99,7 @@ def check_applied(
     _first_difference(
         "FSDP slot",
         {p.fqn: p.flat for p in applied.params if p.flat is not None},
-        _planned_slots(stage, rank),
+        stage.flat_slots(rank),
     )
     if job.dims.tp > 1:
         _first_difference(
