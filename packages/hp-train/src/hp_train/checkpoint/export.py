@@ -1,6 +1,6 @@
-"""``python -m hp_train.checkpoint.export --checkpoint DIR --out HF_DIR``: an hp-train checkpoint
-as a
-Hugging Face folder (``config.json`` + ``model.safetensors``) ``transformers`` loads.
+"""``python -m hp_train.checkpoint.export --checkpoint DIR --out HF_DIR``: the command line of
+the one exporter, :func:`hp_train.checkpoint.hf.export_hf` (an hp-train checkpoint as a Hugging
+Face folder, ``config.json`` + ``model.safetensors``, that ``transformers`` loads).
 
 ``DIR`` is a checkpoint step folder (``<out>/checkpoints/step_000100``), whose
 ``hp_train_config.json`` holds the model (``{"model": ModelConfig.to_dict()}``); given the
@@ -16,10 +16,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-import torch
-
 from hp_train.checkpoint.dcp import latest_checkpoint
-from hp_train.checkpoint.hf import WeightsMismatchError, export_hf
+from hp_train.checkpoint.hf import EXPORT_DTYPES, WeightsMismatchError, export_hf
 from hp_train.config.schema import ConfigError, ModelConfig
 
 __all__ = ["CONFIG_NAME", "DTYPES", "main", "model_config_of", "step_folder"]
@@ -27,8 +25,8 @@ __all__ = ["CONFIG_NAME", "DTYPES", "main", "model_config_of", "step_folder"]
 #: The file of a checkpoint step folder that holds its run's model configuration.
 CONFIG_NAME = "hp_train_config.json"
 
-#: ``--dtype`` choices.
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+#: ``--dtype`` choices: the exporter's own dtypes, by name.
+DTYPES = {str(dtype).removeprefix("torch."): dtype for dtype in EXPORT_DTYPES}
 
 
 def step_folder(path: Path) -> tuple[Path, bool]:
