@@ -106,6 +106,89 @@ def _kv(model: ModelConfig) -> int:
     return model.n_kv_heads * model.head_dim
 
 
+@dataclass(frozen=True)
+class _FeedForward:
+    """What a block's feed-forward keeps, per token of this rank.
+
+    Attributes:
+        full: elements autograd keeps, in the compute dtype.
+        selective: elements ``selective`` keeps, in the compute dtype.
+        indices: bytes of the routing's int64 indices (0 for a dense block).
+        per_call: bytes kept once per call whatever the tokens (the balance loss's).
+        full_vectors: bytes per token of each of its small per-token tensors under ``none``
+            (each one tensor the swapper judges by its size).
+        selective_vectors: the same under ``selective``.
+    """
+
+    full: float
+    selective: float
+    indices: float = 0.0
+    per_call: int = 0
+    full_vectors: tuple[float, ...] = ()
+    selective_vectors: tuple[float, ...] = ()
+
+
+def _feed_forward(
+    model: ModelConfig, index: int, tp: int, compute_bytes: int, ep_tp: bool
+) -> _FeedForward:
+    """What block ``index``'s feed-forward keeps (module doc): a dense SwiGLU's hidden
+    activations (``selective``: ``w1``/``w3``'s and ``w2``'s outputs), or an MoE layer's."""
+    d, moe = model.dim, model.moe
+    if moe is None or not moe.is_moe_layer(index):
+        return _FeedForward(full=4 * model.ffn_dim / tp, selective=2 * model.ffn_dim / tp + d)
+    fe = moe.expert_ffn_dim / (tp if ep_tp and tp > 1 else 1)
+    shared = moe.n_shared_experts * moe.expert_ffn_dim
+    k, experts = moe.top_k, moe.n_experts
+    # Router scores, and per routed slot its gate weight, gathered input, expert
+    # activations and output.
+    ffn = experts + k * (2 * d + 4 * fe + 1) + 4 * shared
+    sel = experts + k * (2 * fe + d) + (2 * shared + d if shared else 0)
+    # The routing's int64 indices, one per slot each: the top-k choice, the order of the
+    # slots by expert and its inverse.
+    indices = 3 * k * 8
+    # The balance loss keeps each expert's share of the routed slots (once per call).
+    per_call = experts * compute_bytes if moe.aux_loss_weight > 0 else 0
+    return _FeedForward(
+        full=ffn,
+        selective=sel,
+        indices=indices,
+        per_call=per_call,
+        full_vectors=(experts * compute_bytes, k * compute_bytes, k * 8, k * 8, k * 8),
+        selective_vectors=(experts * compute_bytes,),
+    )
+
+
+def _context(
+    model: ModelConfig, seq_len: int, tp: int, compute_bytes: int, cp: int, cp_variant: str
+) -> float:
+    """Bytes per token of this rank the context-parallel attention keeps (module doc)."""
+    q, heads = _q(model), model.n_heads / tp
+    if cp > 1 and cp_variant == "ring":
+        return (cp - 1) * 2 * q / tp * 4 + heads * seq_len / 2 * 2 * 4
+    if cp > 1:
+        return 4 * q / tp * compute_bytes
+    return 0.0
+
+
+def _unswapped(
+    tokens: int,
+    full_vectors: list[float],
+    selective_vectors: list[float],
+    per_call: int,
+    input_bytes: int,
+    swap_min_bytes: int,
+) -> tuple[int, int]:
+    """The bytes a swapper of threshold ``swap_min_bytes`` leaves on the device under
+    ``none`` and under ``selective`` (which keeps the block's ``input_bytes`` there too):
+    the tensors below the threshold."""
+    small = [int(tokens * w) for w in full_vectors]
+    full_unswapped = sum(b for b in [*small, per_call] if b < swap_min_bytes)
+    small = [int(tokens * w) for w in selective_vectors]
+    selective_unswapped = sum(b for b in small if b < swap_min_bytes)
+    selective_unswapped += input_bytes
+    return full_unswapped, selective_unswapped
+
+
 def block_activations(
     model: ModelConfig,
     index: int,
@@ -133,56 +216,31 @@ def block_activations(
     # Reciprocal RMS per token, in the compute dtype (RMSNorm computes in its input's): the
     # two block norms' and, with q/k norms, one per query and key head.
     rms = [1.0, 1.0] + ([heads, model.n_kv_heads / tp] if model.qk_norm else [])
+    ff = _feed_forward(model, index, tp, compute_bytes, ep_tp)
     sel = (q + 2 * kv) / tp + q / tp + d
+    sel += ff.selective
     sel_fp32 = heads
-    moe = model.moe
     fp32 = scores
-    # The small per-token tensors, in bytes per token: each is one tensor the swapper judges
-    # by its size.
-    full_vectors = [w * compute_bytes for w in rms] + [scores * 4]
-    selective_vectors = [heads * 4]
-    indices = 0.0
-    per_call = 0
-    if moe is not None and moe.is_moe_layer(index):
-        fe = moe.expert_ffn_dim / (tp if ep_tp and tp > 1 else 1)
-        shared = moe.n_shared_experts * moe.expert_ffn_dim
-        k, experts = moe.top_k, moe.n_experts
-        # Router scores, and per routed slot its gate weight, gathered input, expert
-        # activations and output.
-        ffn = experts + k * (2 * d + 4 * fe + 1) + 4 * shared
-        sel += experts + k * (2 * fe + d) + (2 * shared + d if shared else 0)
-        # The routing's int64 indices, one per slot each: the top-k choice, the order of the
-        # slots by expert and its inverse.
-        indices = 3 * k * 8
-        # The balance loss keeps each expert's share of the routed slots (once per call).
-        per_call = experts * compute_bytes if moe.aux_loss_weight > 0 else 0
-        full_vectors += [experts * compute_bytes, k * compute_bytes, k * 8, k * 8, k * 8]
-        selective_vectors.append(experts * compute_bytes)
-    else:
-        ffn = 4 * model.ffn_dim / tp
-        sel += 2 * model.ffn_dim / tp + d
-    context = 0.0
-    if cp > 1 and cp_variant == "ring":
-        context = (cp - 1) * 2 * q / tp * 4 + heads * seq_len / 2 * 2 * 4
-    elif cp > 1:
-        context = 4 * q / tp * compute_bytes
+    context = _context(model, seq_len, tp, compute_bytes, cp, cp_variant)
     full = (
-        tokens * ((6 * d + attn + ffn + sum(rms)) * compute_bytes + fp32 * 4 + indices + context)
-        + per_call
+        tokens
+        * ((6 * d + attn + ff.full + sum(rms)) * compute_bytes + fp32 * 4 + ff.indices + context)
+        + ff.per_call
     )
     selective = tokens * ((sel + d) * compute_bytes + sel_fp32 * 4 + context)
-
+    input_bytes = int(tokens * d * compute_bytes)
     full_unswapped = selective_unswapped = 0
     if swap_min_bytes is not None:
-        small = [int(tokens * w) for w in full_vectors]
-        full_unswapped = sum(b for b in [*small, per_call] if b < swap_min_bytes)
-        small = [int(tokens * w) for w in selective_vectors]
-        selective_unswapped = sum(b for b in small if b < swap_min_bytes)
-        selective_unswapped += int(tokens * d * compute_bytes)
+        # The small per-token tensors, in bytes per token.
+        full_vectors = [w * compute_bytes for w in rms] + [scores * 4, *ff.full_vectors]
+        selective_vectors = [heads * 4, *ff.selective_vectors]
+        full_unswapped, selective_unswapped = _unswapped(
+            tokens, full_vectors, selective_vectors, ff.per_call, input_bytes, swap_min_bytes
+        )
     return BlockActivations(
         full=int(full),
         selective=int(min(full, selective)),
-        input=int(tokens * d * compute_bytes),
+        input=input_bytes,
         context=int(tokens * context),
         full_unswapped=full_unswapped,
         selective_unswapped=selective_unswapped,

@@ -222,6 +222,90 @@ def block_kept(
     return kept_activations(acts, shape.ac, shape.ac_budget_bytes, swap=shape.swap)
 
 
+@dataclass(frozen=True)
+class _Saved:
+    """The activations a rank's stage saves per microbatch (module doc).
+
+    Attributes:
+        by_layer: ``(layer, bytes)`` each block keeps on the device, in forward order, then
+            the head's.
+        swapped: each block's bytes in host memory.
+        transient: the largest block's activations rebuilt while it is recomputed.
+        first_freed: the head's and the last block's (freed before the first
+            reduce-scatter).
+        fetched: the two largest swapped blocks' (on the device at once in backward).
+    """
+
+    by_layer: tuple[tuple[str, int], ...]
+    swapped: tuple[int, ...]
+    transient: int
+    first_freed: int
+    fetched: int
+
+
+def _saved(
+    model: ModelConfig,
+    groups: tuple[GroupSpec, ...],
+    shape: StepShape,
+    parallel: ParallelConfig,
+    microbatch_tokens: int,
+    head: bool,
+) -> _Saved:
+    """What the blocks of ``groups`` (and the head when ``head``) save for
+    ``microbatch_tokens`` tokens under ``shape``'s policy and swap (:func:`block_kept`)."""
+    by_layer: list[tuple[str, int]] = []
+    swapped: list[int] = []
+    transient = 0
+    for g in groups:
+        if g.block is None or g.is_experts:
+            continue
+        kept = block_kept(model, g.block, microbatch_tokens, shape, parallel)
+        transient = max(transient, kept.transient)
+        by_layer.append((g.name, kept.on_device))
+        swapped.append(kept.swapped)
+    if head:
+        by_layer.append(("head", head_activation_bytes(model, microbatch_tokens, shape.precision)))
+    blocks = [b for name, b in by_layer if name != "head"]
+    first_freed = (by_layer[-1][1] if head else 0) + (blocks[-1] if blocks else 0)
+    fetched = sum(sorted(swapped)[-2:])
+    return _Saved(tuple(by_layer), tuple(swapped), transient, first_freed, fetched)
+
+
+def _buffers(
+    groups: tuple[GroupSpec, ...], shape: StepShape, chunks: int
+) -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
+    """FSDP's buffers on the rank (module doc): those of the parameters (from forward to
+    backward), then those of the gradients (backward only); ``chunks``: the elements of the
+    rank's chunks (what Megatron DDP holds whole)."""
+    prec = shape.precision
+    units = _units(groups)
+    root = [g.flat.padded_numel for g in groups if g.is_root]
+    largest = max(units, default=0)
+    buffers: list[tuple[str, int]] = []
+    if shape.runtime == "megatron_ddp":
+        # Replicated parameters: the compute-dtype copy the model runs on, no gathers.
+        if prec.compute != prec.param:
+            buffers.append(("compute-dtype params", chunks * prec.compute))
+        root, largest = [], 0
+    elif shape.runtime == "torch_fsdp2" and largest:
+        buffers.append(("copy-out buffers", largest * prec.compute))
+    gradient_buffers: list[tuple[str, int]] = []
+    if root:
+        buffers.append(("root unsharded params", root[0] * prec.compute))
+        gradient_buffers.append(("root unsharded grads", root[0] * prec.compute))
+    if largest:
+        gathered = 2 if shape.prefetch else 1
+        buffers.append(("block unsharded params", gathered * largest * prec.compute))
+        if shape.fp8_all_gather:
+            # The records of every rank (each rank's padding and last partial block aside).
+            wire = fp8_record_bytes(largest)
+            buffers.append(("fp8 all-gather wire", gathered * wire))
+        gradient_buffers.append(("block unsharded grads", 2 * largest * prec.compute))
+        if prec.reduce != prec.compute:
+            gradient_buffers.append(("reduce-scatter cast", largest * prec.reduce))
+    return buffers, gradient_buffers
+
+
 def memory_breakdown(
     model: ModelConfig,
     groups: tuple[GroupSpec, ...],
@@ -249,48 +333,8 @@ def memory_breakdown(
     muon_state = momentum * prec.optimizer
     # AdamW's two moments, and its 4-byte step counter per parameter it steps.
     optimizer = moments * prec.optimizer + 4 * adamw_params + muon_state
-    by_layer: list[tuple[str, int]] = []
-    swapped: list[int] = []
-    transient = 0
-    for g in groups:
-        if g.block is None or g.is_experts:
-            continue
-        kept = block_kept(model, g.block, microbatch_tokens, shape, parallel)
-        transient = max(transient, kept.transient)
-        by_layer.append((g.name, kept.on_device))
-        swapped.append(kept.swapped)
-    if head:
-        by_layer.append(("head", head_activation_bytes(model, microbatch_tokens, prec)))
-    activations = in_flight * sum(b for _, b in by_layer) + transient
-    blocks = [b for name, b in by_layer if name != "head"]
-    first_freed = (by_layer[-1][1] if head else 0) + (blocks[-1] if blocks else 0)
-    fetched = sum(sorted(swapped)[-2:])
-    loss_gradient = loss_gradient_bytes(model, microbatch_tokens) if head else 0
-    units = _units(groups)
-    root = [g.flat.padded_numel for g in groups if g.is_root]
-    largest = max(units, default=0)
-    buffers: list[tuple[str, int]] = []
-    if shape.runtime == "megatron_ddp":
-        # Replicated parameters: the compute-dtype copy the model runs on, no gathers.
-        if prec.compute != prec.param:
-            buffers.append(("compute-dtype params", chunks * prec.compute))
-        root, largest = [], 0
-    elif shape.runtime == "torch_fsdp2" and largest:
-        buffers.append(("copy-out buffers", largest * prec.compute))
-    gradient_buffers: list[tuple[str, int]] = []
-    if root:
-        buffers.append(("root unsharded params", root[0] * prec.compute))
-        gradient_buffers.append(("root unsharded grads", root[0] * prec.compute))
-    if largest:
-        gathered = 2 if shape.prefetch else 1
-        buffers.append(("block unsharded params", gathered * largest * prec.compute))
-        if shape.fp8_all_gather:
-            # The records of every rank (each rank's padding and last partial block aside).
-            wire = fp8_record_bytes(largest)
-            buffers.append(("fp8 all-gather wire", gathered * wire))
-        gradient_buffers.append(("block unsharded grads", 2 * largest * prec.compute))
-        if prec.reduce != prec.compute:
-            gradient_buffers.append(("reduce-scatter cast", largest * prec.reduce))
+    saved = _saved(model, groups, shape, parallel, microbatch_tokens, head)
+    buffers, gradient_buffers = _buffers(groups, shape, chunks)
     params_on_device = shape.offload not in ("params", "both")
     optimizer_on_device = params_on_device and shape.offload != "optimizer"
     return MemoryBreakdown(
@@ -298,15 +342,15 @@ def memory_breakdown(
         gradients=chunks * prec.reduce if params_on_device else 0,
         optimizer=optimizer if optimizer_on_device else 0,
         muon_state=muon_state if optimizer_on_device else 0,
-        activations=activations,
-        activations_by_layer=tuple(by_layer),
+        activations=in_flight * sum(b for _, b in saved.by_layer) + saved.transient,
+        activations_by_layer=saved.by_layer,
         buffers=(*buffers, *gradient_buffers),
         parameter_buffers=len(buffers),
-        transient=transient,
-        loss_gradient=loss_gradient,
-        first_freed=first_freed,
+        transient=saved.transient,
+        loss_gradient=loss_gradient_bytes(model, microbatch_tokens) if head else 0,
+        first_freed=saved.first_freed,
         host=(0 if params_on_device else chunks * (prec.param + prec.reduce))
         + (0 if optimizer_on_device else optimizer),
-        fetched=fetched,
-        swapped=in_flight * sum(swapped),
+        fetched=saved.fetched,
+        swapped=in_flight * sum(saved.swapped),
     )

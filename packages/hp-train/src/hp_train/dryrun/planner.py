@@ -35,7 +35,7 @@ modeled baselines are other runtimes).
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from hp_layout import Collective, Topology
@@ -71,6 +71,7 @@ from hp_train.dryrun.shapes import (
 )
 from hp_train.dryrun.timeline import simulate
 from hp_train.dryrun.workload import (
+    Precision,
     StepShape,
     attention_forward_flops,
     block_forward_flops,
@@ -288,41 +289,48 @@ def _muon_traffic(
     return traffic
 
 
-def _stage(
+@dataclass(frozen=True)
+class _StageCompute:
+    """Seconds of one microbatch's compute on a stage: per block (keyed by block index), the
+    head's and the whole microbatch's.
+
+    Attributes:
+        forward: each block's forward (its linears ``fp8_speedup`` times faster under FP8).
+        attention: the part of ``forward`` before an MoE layer's experts (its attention).
+        recompute: the share of each block's forward run again in backward.
+        swap: seconds one way of each block's swapped activations over the host link.
+        head: the head's forward (0 off the last stage).
+        microbatch: forward, backward (twice the forward) and recomputation of a microbatch.
+    """
+
+    forward: Mapping[int, float]
+    attention: Mapping[int, float]
+    recompute: Mapping[int, float]
+    swap: Mapping[int, float]
+    head: float
+    microbatch: float
+
+    @property
+    def forward_total(self) -> float:
+        """The blocks' and the head's forward."""
+        return sum(self.forward.values()) + self.head
+
+
+def _stage_compute(
     model: ModelConfig,
-    grid: RankGrid,
     shape: StepShape,
     device: Device,
-    stage: int,
-    rank: int,
-    microbatch_size: int,
-    muon_exact: bool | None,
-) -> StageResult:
-    p = grid.parallel
-    pp, m = p.pp, shape.microbatches
-    coord = grid.coordinate(rank)
-    layers = stage_layers(model, pp, stage)
-    first, last = stage == 0, stage == pp - 1
-    prec = shape.precision
-    ddp = shape.runtime == "megatron_ddp"
-    fsdp2 = shape.runtime == "torch_fsdp2"
-    groups = fsdp_groups(
-        model,
-        1 if ddp else p.dp_shard * p.cp,
-        p.tp,
-        tp_coordinate=coord["tp"],
-        param_bytes=prec.param,
-        layers=layers,
-        embedding=first,
-        head=last,
-        ep=p.ep,
-        ep_tp=p.ep_tp,
-    )
-    tokens = microbatch_size * shape.seq_len // p.cp
-    act = tokens * model.dim * prec.compute
+    p: ParallelConfig,
+    blocks: Sequence[int],
+    tokens: int,
+    *,
+    last: bool,
+) -> _StageCompute:
+    """FLOPs over the device's throughput of ``tokens`` tokens through ``blocks`` (and the
+    head when ``last``), what each block recomputes under ``shape``'s policy and what it swaps.
+    The attention scores' FLOPs are never FP8."""
     flops = device.flops
     speed = device.fp8_speedup if shape.fp8 != "none" else 1.0
-    blocks = sorted({g.block for g in groups if g.block is not None})
     fwd: dict[int, float] = {}
     attention: dict[int, float] = {}
     recompute_share: dict[int, float] = {}
@@ -347,103 +355,179 @@ def _stage(
         swap[b] = kept.swapped / device.host_bandwidth
     head_fwd = head_forward_flops(model, p.tp) * tokens / flops if last else 0.0
     mb_compute = 3 * (sum(fwd.values()) + head_fwd) + sum(redo.values())
-    recomputes = shape.ac != "none"
+    return _StageCompute(fwd, attention, recompute_share, swap, head_fwd, mb_compute)
 
+
+@dataclass(frozen=True)
+class _GroupCosts:
+    """One FSDP group's collectives per step and its ``fully_shard`` state.
+
+    Attributes:
+        records: its collectives in the order the stage lists them (None: nothing moves).
+        unit: its state with the seconds of those collectives (its forward compute is
+            filled in by :func:`_unit_tree`).
+        copies: torch FSDP2's copy-in and copy-out seconds per microbatch around its
+            all-gather and reduce-scatter (None under the other runtimes).
+    """
+
+    records: tuple[CollectiveRecord | None, ...]
+    unit: Unit
+    copies: tuple[float, float] | None = None
+
+
+def _ddp_group_costs(
+    g: GroupSpec, grid: RankGrid, prec: Precision, tail: CollectiveRecord | None
+) -> _GroupCosts:
+    """Megatron DDP's gradient all-reduce of group ``g``, once per step over every
+    data-parallel rank holding its parameters (after the tensor-parallel ``tail``)."""
+    padded = g.flat.padded_numel
+    axis = "expert_dp" if g.is_experts else "dp"
+    reduce = grid.record(
+        "ddp_all_reduce", Collective.ALL_REDUCE, "backward", axis, padded * prec.reduce
+    )
+    unit = Unit(
+        g.name,
+        (0.0,),
+        replicate=reduce.time if reduce else 0.0,
+        chunk_bytes=padded * prec.reduce,
+        replicate_tier=reduce.tier if reduce else "",
+    )
+    return _GroupCosts((tail, reduce), unit)
+
+
+def _fsdp_group_costs(
+    g: GroupSpec,
+    grid: RankGrid,
+    shape: StepShape,
+    device: Device,
+    tail: CollectiveRecord | None,
+) -> _GroupCosts:
+    """FSDP's collectives of group ``g`` per step: its all-gather in forward, again in
+    backward (not the root's), its reduce-scatter, and the replicas' all-reduce (once per
+    step; torch FSDP2: once per microbatch), after the tensor-parallel ``tail``."""
+    prec, m = shape.precision, shape.microbatches
+    fsdp2 = shape.runtime == "torch_fsdp2"
+    padded, chunk = g.flat.padded_numel, g.flat.chunk_numel
+    # What the all-gather moves: each rank's FP8 record (data, then scales), or the shards.
+    gathered = (
+        padded // chunk * fp8_record_bytes(chunk)
+        if shape.fp8_all_gather and chunk
+        else padded * prec.compute
+    )
+    axis = "expert_shard" if g.is_experts else "dp_shard"
+    gather = grid.record("fsdp_all_gather", Collective.ALL_GATHER, "forward", axis, gathered, m)
+    regather = (
+        None
+        if g.is_root
+        else grid.record("fsdp_all_gather", Collective.ALL_GATHER, "backward", axis, gathered, m)
+    )
+    scatter = grid.record(
+        "fsdp_reduce_scatter", Collective.REDUCE_SCATTER, "backward", axis, padded * prec.reduce, m
+    )
+    reduce = grid.record(
+        "hsdp_all_reduce",
+        Collective.ALL_REDUCE,
+        "backward",
+        "dp_replicate",
+        chunk * prec.reduce,
+        m if fsdp2 else 1,
+    )
+    gather_copy = scatter_copy = 0.0
+    if fsdp2:
+        # Copy-in and copy-out around each collective, on the compute stream.
+        move = 2 * (padded + chunk) / device.memory_bandwidth
+        gather_copy = move * prec.compute if gather else 0.0
+        scatter_copy = move * prec.reduce if scatter else 0.0
+    unit = Unit(
+        g.name,
+        (0.0,),
+        gather=gather.time if gather else 0.0,
+        regather=regather.time if regather else 0.0,
+        scatter=scatter.time if scatter else 0.0,
+        replicate=reduce.time if reduce else 0.0,
+        chunk_bytes=chunk * prec.reduce,
+        tier=scatter.tier if scatter else (gather.tier if gather else ""),
+        replicate_tier=reduce.tier if reduce else "",
+        gather_copy=gather_copy,
+        scatter_copy=scatter_copy,
+    )
+    copies = (gather_copy, scatter_copy) if fsdp2 else None
+    return _GroupCosts((tail, gather, regather, scatter, reduce), unit, copies)
+
+
+@dataclass(frozen=True)
+class _FsdpCosts:
+    """The data-parallel collectives of a stage's groups.
+
+    Attributes:
+        records: every group's (:attr:`_GroupCosts.records`), in group order.
+        units: each group's ``fully_shard`` state, by group name.
+        overhead: seconds per step of torch FSDP2's copies around the collectives (the
+            copy-in before a block's forward all-gather counted again for its backward one).
+    """
+
+    records: tuple[CollectiveRecord | None, ...]
+    units: Mapping[str, Unit]
+    overhead: float
+
+
+def _fsdp_costs(
+    groups: tuple[GroupSpec, ...], grid: RankGrid, shape: StepShape, device: Device
+) -> _FsdpCosts:
+    """Each group's tensor-parallel tail all-reduce and its data-parallel collectives under
+    ``shape``'s runtime (Megatron DDP: :func:`_ddp_group_costs`, else
+    :func:`_fsdp_group_costs`)."""
+    prec, m = shape.precision, shape.microbatches
     records: list[CollectiveRecord | None] = []
-    fsdp_units: dict[str, Unit] = {}
+    units: dict[str, Unit] = {}
     copies: dict[int | None, tuple[float, float]] = {}
     for g in groups:
-        padded, chunk = g.flat.padded_numel, g.flat.chunk_numel
-        # What the all-gather moves: each rank's FP8 record (data, then scales), or the shards.
-        gathered = (
-            padded // chunk * fp8_record_bytes(chunk)
-            if shape.fp8_all_gather and chunk
-            else padded * prec.compute
-        )
-        unit = g.block
         tail = grid.record(
             g.tail_axis,
             Collective.ALL_REDUCE,
             "backward",
             g.tail_axis,
-            (padded - g.extra_start) * prec.compute,
+            (g.flat.padded_numel - g.extra_start) * prec.compute,
             m,
         )
-        records.append(tail)
-        if ddp:
-            axis = "expert_dp" if g.is_experts else "dp"
-            reduce = grid.record(
-                "ddp_all_reduce", Collective.ALL_REDUCE, "backward", axis, padded * prec.reduce
-            )
-            records.append(reduce)
-            fsdp_units[g.name] = Unit(
-                g.name,
-                (0.0,),
-                replicate=reduce.time if reduce else 0.0,
-                chunk_bytes=padded * prec.reduce,
-                replicate_tier=reduce.tier if reduce else "",
-            )
-            continue
-        axis = "expert_shard" if g.is_experts else "dp_shard"
-        gather = grid.record("fsdp_all_gather", Collective.ALL_GATHER, "forward", axis, gathered, m)
-        regather = (
-            None
-            if g.is_root
-            else grid.record(
-                "fsdp_all_gather",
-                Collective.ALL_GATHER,
-                "backward",
-                axis,
-                gathered,
-                m,
-            )
-        )
-        scatter = grid.record(
-            "fsdp_reduce_scatter",
-            Collective.REDUCE_SCATTER,
-            "backward",
-            axis,
-            padded * prec.reduce,
-            m,
-        )
-        reduce = grid.record(
-            "hsdp_all_reduce",
-            Collective.ALL_REDUCE,
-            "backward",
-            "dp_replicate",
-            chunk * prec.reduce,
-            m if fsdp2 else 1,
-        )
-        records += [gather, regather, scatter, reduce]
-        gather_copy = scatter_copy = 0.0
-        if fsdp2:
-            # Copy-in and copy-out around each collective, on the compute stream.
-            move = 2 * (padded + chunk) / device.memory_bandwidth
-            gather_copy = move * prec.compute if gather else 0.0
-            scatter_copy = move * prec.reduce if scatter else 0.0
-            c_ag, c_rs = copies.get(unit, (0.0, 0.0))
-            copies[unit] = (c_ag + gather_copy, c_rs + scatter_copy)
-        fsdp_units[g.name] = Unit(
-            g.name,
-            (0.0,),
-            gather=gather.time if gather else 0.0,
-            regather=regather.time if regather else 0.0,
-            scatter=scatter.time if scatter else 0.0,
-            replicate=reduce.time if reduce else 0.0,
-            chunk_bytes=chunk * prec.reduce,
-            tier=scatter.tier if scatter else (gather.tier if gather else ""),
-            replicate_tier=reduce.tier if reduce else "",
-            gather_copy=gather_copy,
-            scatter_copy=scatter_copy,
-        )
-    # Per microbatch, by phase and collective: the blocks' activation collectives (again in
-    # the recomputed forward), the embedding's, and the head's of the logits.
+        if shape.runtime == "megatron_ddp":
+            costs = _ddp_group_costs(g, grid, prec, tail)
+        else:
+            costs = _fsdp_group_costs(g, grid, shape, device, tail)
+        records += costs.records
+        units[g.name] = costs.unit
+        if costs.copies is not None:
+            c_ag, c_rs = copies.get(g.block, (0.0, 0.0))
+            copies[g.block] = (c_ag + costs.copies[0], c_rs + costs.copies[1])
+    overhead = m * sum(a + b for a, b in copies.values())
+    # A block's copy-in again before its backward all-gather (the root has none).
+    overhead += m * sum(c[0] for u, c in copies.items() if u is not None)
+    return _FsdpCosts(tuple(records), units, overhead)
+
+
+def _tp_pp_records(
+    model: ModelConfig,
+    grid: RankGrid,
+    shape: StepShape,
+    blocks: Sequence[int],
+    tokens: int,
+    *,
+    first: bool,
+    last: bool,
+) -> list[CollectiveRecord | None]:
+    """The step's tensor-parallel activation collectives, each of one microbatch's
+    activation, by phase and collective: the blocks' (again in the recomputed forward), the
+    embedding's and the head's of the logits (on the ``first`` and the ``last`` stage); then
+    the pipeline sends."""
+    prec, m = shape.precision, shape.microbatches
+    act = tokens * model.dim * prec.compute
     block_calls: dict[tuple[str, str], int] = {}
     for b in blocks:
         forward, backward = tp_collectives(model, f"layers.{b}")
         for phase, kinds in (("forward", forward), ("backward", backward)):
             for kind in kinds:
                 block_calls[phase, kind] = block_calls.get((phase, kind), 0) + 1
+    recomputes = shape.ac != "none"
     phases = ("forward", "backward", "recompute") if recomputes else ("forward", "backward")
     tp_records = [
         grid.record("tp", Collective(kind), phase, "tp", act, n * m)
@@ -458,13 +542,30 @@ def _stage(
         forward, backward = tp_collectives(model, unit_name)
         for phase, kinds in (("forward", forward), ("backward", backward)):
             tp_records += [grid.record("tp", Collective(k), phase, "tp", nbytes, m) for k in kinds]
-    if pp > 1:
+    if grid.parallel.pp > 1:
         if not last:
             tp_records.append(grid.record("pp", Collective.SEND_RECV, "forward", "pp", act, m))
         if not first:
             tp_records.append(grid.record("pp", Collective.SEND_RECV, "backward", "pp", act, m))
+    return tp_records
+
+
+def _model_parallel_records(
+    model: ModelConfig,
+    grid: RankGrid,
+    shape: StepShape,
+    blocks: Sequence[int],
+    tokens: int,
+    *,
+    first: bool,
+    last: bool,
+) -> list[CollectiveRecord | None]:
+    """The stage's critical-path collectives of a step: tensor-parallel and pipeline
+    (:func:`_tp_pp_records`), then expert- and context-parallel."""
+    prec, m = shape.precision, shape.microbatches
+    recomputes = shape.ac != "none"
     moe_layers = sum(1 for b in blocks if model.moe is not None and model.moe.is_moe_layer(b))
-    records += tp_records
+    records = _tp_pp_records(model, grid, shape, blocks, tokens, first=first, last=last)
     records += expert_records(
         model,
         grid,
@@ -478,23 +579,59 @@ def _stage(
     records += context_records(
         model, grid, len(blocks), tokens, prec.compute, microbatches=m, recompute=recomputes
     )
+    return records
 
+
+def _stage_muon(
+    groups: tuple[GroupSpec, ...],
+    p: ParallelConfig,
+    shape: StepShape,
+    stage: int,
+    rank: int,
+    muon_exact: bool | None,
+) -> MuonTraffic:
+    """Muon's exchange over the stage's ranks (none under AdamW); estimated, never planned,
+    with expert parallelism."""
     stage_parallel = ParallelConfig(p.dp_replicate, p.dp_shard * p.cp, p.tp, 1)
     stage_rank = rank - stage * stage_parallel.world_size
-    if shape.optimizer == "muon":
-        muon = _muon_traffic(
-            groups,
-            stage_parallel,
-            stage_rank,
-            shape.muon_bucket_mb,
-            False if p.ep > 1 else muon_exact,
-        )
-    else:
-        muon = MuonTraffic("none", 0, 0, 0, 0, 0, 0, 0.0)
-    if muon.calls:
-        records.append(_muon_record(grid, muon))
+    if shape.optimizer != "muon":
+        return MuonTraffic("none", 0, 0, 0, 0, 0, 0, 0.0)
+    return _muon_traffic(
+        groups,
+        stage_parallel,
+        stage_rank,
+        shape.muon_bucket_mb,
+        False if p.ep > 1 else muon_exact,
+    )
 
-    tree = _unit_tree(fsdp_units, blocks, fwd, attention, recompute_share, swap, head_fwd)
+
+@dataclass(frozen=True)
+class _Exposure:
+    """What of a stage's communication the compute does not hide.
+
+    Attributes:
+        forward: seconds of one microbatch's forward, compute and exposed communication.
+        microbatch: exposed seconds per microbatch (swap waits included).
+        swap: the part of ``microbatch`` that waits for activation swap copies.
+        step: exposed seconds once per step (the last microbatch's replicas' all-reduce).
+        by_kind: ``(kind, seconds)`` exposed per step.
+    """
+
+    forward: float
+    microbatch: float
+    swap: float
+    step: float
+    by_kind: tuple[tuple[str, float], ...]
+
+
+def _exposure(
+    tree: Unit, shape: StepShape, forward_compute: float, done: Sequence[CollectiveRecord]
+) -> _Exposure:
+    """The FSDP collectives of ``tree`` simulated in the runtime's order beside its compute
+    (``forward_compute``: seconds of one microbatch's forward), the critical-path kinds of
+    ``done`` added whole."""
+    m = shape.microbatches
+    fsdp2 = shape.runtime == "torch_fsdp2"
     program = functools.partial(
         microbatch_program,
         tree,
@@ -506,8 +643,6 @@ def _stage(
     regular = simulate(program(all_reduce=fsdp2))
     replicated = any(u.replicate for u in tree.preorder())
     last_mb = simulate(program(all_reduce=True)) if replicated and not fsdp2 else regular
-    forward_compute = sum(fwd.values()) + head_fwd
-    done = [r for r in records if r is not None]
 
     def per_mb(kind: str, phase: str | None = None) -> float:
         return sum(r.total_time for r in done if r.kind == kind and phase in (None, r.phase)) / m
@@ -516,13 +651,80 @@ def _stage(
     fwd_exposed = regular.mark(FORWARD_END) - forward_compute
     fwd_exposed += sum(per_mb(k, "forward") for k in critical)
     mb_exposed = regular.makespan - regular.compute + sum(per_mb(k) for k in critical)
-    swap_exposed = regular.exposed_of(SWAP_KIND)
     muon_time = sum(r.total_time for r in done if r.kind == "muon")
     exposed = (
         *((k, (m - 1) * regular.exposed_of(k) + last_mb.exposed_of(k)) for k in _FSDP),
         *((k, m * per_mb(k)) for k in critical),
         ("muon", muon_time),
     )
+    return _Exposure(
+        forward=forward_compute + fwd_exposed,
+        microbatch=mb_exposed,
+        swap=regular.exposed_of(SWAP_KIND),
+        step=last_mb.makespan - regular.makespan,
+        by_kind=exposed,
+    )
+
+
+def _rank_groups(
+    model: ModelConfig,
+    shape: StepShape,
+    p: ParallelConfig,
+    tp_coordinate: int,
+    layers: tuple[int, int],
+    *,
+    first: bool,
+    last: bool,
+) -> tuple[GroupSpec, ...]:
+    """The FSDP groups of the stage's blocks ``layers`` (the embedding on the ``first``, the
+    head on the ``last``) at a rank's tensor-parallel coordinate, sharded over
+    ``dp_shard x cp`` (Megatron DDP: whole)."""
+    return fsdp_groups(
+        model,
+        1 if shape.runtime == "megatron_ddp" else p.dp_shard * p.cp,
+        p.tp,
+        tp_coordinate=tp_coordinate,
+        param_bytes=shape.precision.param,
+        layers=layers,
+        embedding=first,
+        head=last,
+        ep=p.ep,
+        ep_tp=p.ep_tp,
+    )
+
+
+def _stage(
+    model: ModelConfig,
+    grid: RankGrid,
+    shape: StepShape,
+    device: Device,
+    stage: int,
+    rank: int,
+    microbatch_size: int,
+    muon_exact: bool | None,
+) -> StageResult:
+    """Pipeline stage ``stage`` seen from ``rank``: its FSDP groups, compute, collectives
+    (data-parallel, model-parallel, Muon's), their exposure under the runtime's order, its
+    memory and host transfers."""
+    p = grid.parallel
+    coord = grid.coordinate(rank)
+    layers = stage_layers(model, p.pp, stage)
+    first, last = stage == 0, stage == p.pp - 1
+    groups = _rank_groups(model, shape, p, coord["tp"], layers, first=first, last=last)
+    tokens = microbatch_size * shape.seq_len // p.cp
+    blocks = sorted({g.block for g in groups if g.block is not None})
+    compute = _stage_compute(model, shape, device, p, blocks, tokens, last=last)
+    fsdp = _fsdp_costs(groups, grid, shape, device)
+    records = [
+        *fsdp.records,
+        *_model_parallel_records(model, grid, shape, blocks, tokens, first=first, last=last),
+    ]
+    muon = _stage_muon(groups, p, shape, stage, rank, muon_exact)
+    if muon.calls:
+        records.append(_muon_record(grid, muon))
+    tree = _unit_tree(fsdp.units, blocks, compute)
+    done = tuple(r for r in records if r is not None)
+    exposure = _exposure(tree, shape, compute.forward_total, done)
     memory = memory_breakdown(
         model,
         groups,
@@ -530,44 +732,35 @@ def _stage(
         shard_coordinates=(coord["fsdp"], coord["expert_shard"]),
         parallel=p,
         microbatch_tokens=tokens,
-        in_flight=in_flight(shape.pp_schedule, pp, m, stage),
+        in_flight=in_flight(shape.pp_schedule, p.pp, shape.microbatches, stage),
         head=last,
     )
-    offload = _offload_time(groups, shape, memory, device)
     return StageResult(
         stage=stage,
         rank=rank,
         layers=layers,
         groups=groups,
         memory=memory,
-        records=tuple(done),
+        records=done,
         muon=muon,
-        microbatch_compute=mb_compute,
-        microbatch_exposed=mb_exposed,
-        exposed_by_kind=exposed,
-        microbatch_forward=sum(fwd.values()) + head_fwd + fwd_exposed,
-        offload_time=offload,
-        step_exposed=last_mb.makespan - regular.makespan,
-        microbatch_swap_exposed=swap_exposed,
+        microbatch_compute=compute.microbatch,
+        microbatch_exposed=exposure.microbatch,
+        exposed_by_kind=exposure.by_kind,
+        microbatch_forward=exposure.forward,
+        offload_time=_offload_time(groups, shape, memory, device),
+        step_exposed=exposure.step,
+        microbatch_swap_exposed=exposure.swap,
         fsdp_units=tree,
-        fsdp_overhead=m * sum(a + b for a, b in copies.values())
-        + m * sum(c[0] for u, c in copies.items() if u is not None),
+        fsdp_overhead=fsdp.overhead,
     )
 
 
-def _unit_tree(
-    units: dict[str, Unit],
-    blocks: Sequence[int],
-    forward: dict[int, float],
-    attention: dict[int, float],
-    recompute: dict[int, float],
-    swap: dict[int, float],
-    head_forward: float,
-) -> Unit:
+def _unit_tree(units: Mapping[str, Unit], blocks: Sequence[int], compute: _StageCompute) -> Unit:
     """The stage's ``fully_shard`` states as :class:`Unit` s with their forward compute: the
     root (the embedding's compute taken as zero, the head's last) around the blocks, an MoE
     layer's expert group inside its block (the block's attention before it), each block with
     the seconds its swapped activations take to copy one way."""
+    forward, attention = compute.forward, compute.attention
     children = []
     for b in blocks:
         name = f"layers.{b}"
@@ -578,9 +771,9 @@ def _unit_tree(
         else:
             experts = replace(experts, forward=(forward[b] - attention[b],))
             block = replace(block, forward=(attention[b], 0.0), children=(experts,))
-        children.append(replace(block, recompute=recompute[b], swap=swap[b]))
+        children.append(replace(block, recompute=compute.recompute[b], swap=compute.swap[b]))
     root = units.get("root", Unit("root", (0.0,)))
-    return replace(root, forward=(0.0,) * len(children) + (head_forward,), children=tuple(children))
+    return replace(root, forward=(0.0,) * len(children) + (compute.head,), children=tuple(children))
 
 
 def _offload_time(
@@ -692,40 +885,13 @@ def dry_run(
     coord = grid.coordinate(rank)
     stage_size = parallel.world_size // parallel.pp
     inner = rank - coord["pp"] * stage_size
-    if all_stages:
-        chosen: Sequence[int] = range(parallel.pp)
-    else:
-        sizes = [stage_layers(model, parallel.pp, s) for s in range(parallel.pp)]
-        most = max(stop - start for start, stop in sizes)
-        largest = {s for s, (start, stop) in enumerate(sizes) if stop - start == most}
-        chosen = sorted({0, min(1, parallel.pp - 1), parallel.pp - 1} | largest)
     stages = tuple(
         _stage(model, grid, shape, dev, s, s * stage_size + inner, microbatch_size, muon_exact)
-        for s in chosen
+        for s in _evaluated_stages(model, parallel, all_stages)
     )
     slowest = max(stages, key=lambda s: s.microbatch_time)
     biggest = max(stages, key=lambda s: s.memory.total)
-    m, pp = shape.microbatches, parallel.pp
-    fsdp_comm = sum(r.total_time for r in slowest.records if r.kind in _FSDP)
-    fsdp_comm += slowest.fsdp_overhead
-    exposed = dict(slowest.exposed_by_kind)
-    bubble = 0.0
-    if pp > 1:
-        forward = slowest.microbatch_forward
-        timing = pipeline_timing(
-            shape.pp_schedule, pp, m, forward, slowest.microbatch_time - forward, 0.0
-        )
-        bubble = timing.bubble
-    time = StepTime(
-        compute=m * slowest.microbatch_compute,
-        exposed_comm=m * (slowest.microbatch_exposed - slowest.microbatch_swap_exposed)
-        + slowest.step_exposed,
-        bubble=bubble,
-        optimizer=max(exposed_of(s, "muon") + s.muon.ns_flops / dev.flops for s in stages),
-        fsdp_comm=fsdp_comm,
-        fsdp_exposed=sum(exposed[k] for k in _FSDP),
-        offload=max(s.offload_time for s in stages) + m * slowest.microbatch_swap_exposed,
-    )
+    time = _step_time(stages, slowest, shape, parallel.pp, dev)
     notes = _notes(model, parallel, shape, dev, {s.muon.source for s in stages})
     return DryRun(
         model_name=model_name,
@@ -741,6 +907,53 @@ def dry_run(
         kinds=_summaries(slowest),
         time=time,
         notes=tuple(notes),
+    )
+
+
+def _evaluated_stages(
+    model: ModelConfig, parallel: ParallelConfig, all_stages: bool
+) -> Sequence[int]:
+    """Every pipeline stage, or (``all_stages=False``) the first, second and last and those
+    holding the most blocks (:func:`dry_run`)."""
+    if all_stages:
+        return range(parallel.pp)
+    sizes = [stage_layers(model, parallel.pp, s) for s in range(parallel.pp)]
+    most = max(stop - start for start, stop in sizes)
+    largest = {s for s, (start, stop) in enumerate(sizes) if stop - start == most}
+    return sorted({0, min(1, parallel.pp - 1), parallel.pp - 1} | largest)
+
+
+def _step_time(
+    stages: tuple[StageResult, ...],
+    slowest: StageResult,
+    shape: StepShape,
+    pp: int,
+    device: Device,
+) -> StepTime:
+    """The step time: compute, exposed communication and FSDP's figures of ``slowest`` (the
+    stage with the longest microbatch), the pipeline bubble with every stage at its
+    microbatch times, and the optimizer's and host transfers' time of the stage of
+    ``stages`` that takes longest for each."""
+    m = shape.microbatches
+    fsdp_comm = sum(r.total_time for r in slowest.records if r.kind in _FSDP)
+    fsdp_comm += slowest.fsdp_overhead
+    exposed = dict(slowest.exposed_by_kind)
+    bubble = 0.0
+    if pp > 1:
+        forward = slowest.microbatch_forward
+        timing = pipeline_timing(
+            shape.pp_schedule, pp, m, forward, slowest.microbatch_time - forward, 0.0
+        )
+        bubble = timing.bubble
+    return StepTime(
+        compute=m * slowest.microbatch_compute,
+        exposed_comm=m * (slowest.microbatch_exposed - slowest.microbatch_swap_exposed)
+        + slowest.step_exposed,
+        bubble=bubble,
+        optimizer=max(exposed_of(s, "muon") + s.muon.ns_flops / device.flops for s in stages),
+        fsdp_comm=fsdp_comm,
+        fsdp_exposed=sum(exposed[k] for k in _FSDP),
+        offload=max(s.offload_time for s in stages) + m * slowest.microbatch_swap_exposed,
     )
 
 
