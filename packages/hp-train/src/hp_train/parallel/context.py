@@ -12,12 +12,15 @@ token means FSDP's averaging takes is the global token mean of the batch.
 
 from __future__ import annotations
 
-import types
-
 import torch
 
 from hp_dtensor import DeviceMesh
-from hp_dtensor.parallel import ContextParallel, local_positions, shard_sequence
+from hp_dtensor.parallel import (
+    ContextParallel,
+    local_positions,
+    parallelize_module,
+    shard_sequence,
+)
 from hp_train.data.loader import Batch
 from hp_train.model.llama import Transformer
 
@@ -29,15 +32,19 @@ CP_AXIS = "cp"
 
 def apply_context_parallel(model: Transformer, cp_mesh: DeviceMesh, variant: str) -> None:
     """Replace every block's attention core by ``variant``'s context-parallel attention over
-    ``cp_mesh`` (1-d, axis ``cp``), zigzag-balanced, in production mode."""
+    ``cp_mesh`` (1-d, axis ``cp``), zigzag-balanced: hp-dtensor's production executor applies
+    the :class:`~hp_dtensor.parallel.ContextParallel` style to each core (parameter-free; no
+    data axis: FSDP reduces over those)."""
     style = ContextParallel(variant=variant, balanced=True)
-    coordinate = cp_mesh.get_local_rank(CP_AXIS)
-    for index, block in model.layers.items():
-        core = block.get_submodule("attn.core")
-        plan = style.lower(core, f"layers.{index}.attn.core")
-        forward = style.production_forward(core, plan, cp_mesh, coordinate)
-        assert forward is not None  # ContextParallel always replaces the forward
-        object.__setattr__(core, "forward", types.MethodType(forward, core))
+    for block in model.layers.values():
+        parallelize_module(
+            block.get_submodule("attn.core"),
+            cp_mesh,
+            {"": style},
+            mode="production",
+            tp_axis=CP_AXIS,
+            dp_axes=(),
+        )
 
 
 class ShardedBatch:
