@@ -18,9 +18,9 @@ error unless both trainers saw the same tokens at every step.
 What runs is each trainer's own loop, configured through its own API:
 
 * hp-train: :func:`hp_train.trainer.train` (what ``python -m hp_train`` runs) of the command
-  line :func:`hp_train.config.cli.parse` reads from ``--data pydoc --tokenizer DIR --eval-fraction 0.1
-  --optimizer adamw --dp-shard 2`` and the sizes above; the rotary base is set to torchtitan's
-  500,000 (hp-train's command line has no flag for it). The loss of every step is the global
+  line :func:`hp_train.config.cli.parse` reads from ``--data pydoc --tokenizer DIR
+  --eval-fraction 0.1 --optimizer adamw --dp-shard 2`` and the sizes above; the rotary base
+  is set to torchtitan's 500,000. The loss of every step is the global
   mean its ``Summary`` returns; learning rates and step times come from its ``metrics.jsonl``
   (``step_time_s``: batch, forward, loss, backward, optimizer step, zero_grad and the loss
   all-reduce). Its monitoring (gradient norms, per-layer update norms) runs on step 0 and the
@@ -80,8 +80,9 @@ so and exits 0.
 Run: ``nox -s bench -- train_text_vs_torchtitan.py`` (or, in the dev venv,
 ``OMP_NUM_THREADS=1 PYTHONDONTWRITEBYTECODE= python benchmarks/train_text_vs_torchtitan.py``).
 ``--steps N`` changes the number of steps (default 60, at least ``WARMUP + 3``);
-``--plot FILE.png`` also draws both loss curves (:func:`hp_train.observe.plot.write_curves`). About 5
-minutes on 2 busy cores (80 steps took 7 minutes under a load of 4 and 13 under a load of 8).
+``--plot FILE.png`` also draws both loss curves (:func:`hp_train.observe.plot.write_curves`).
+About 5 minutes on 2 busy cores (80 steps took 7 minutes under a load of 4 and 13 under a load
+of 8).
 """
 
 from __future__ import annotations
@@ -251,8 +252,8 @@ def text_components(args: list[str]) -> tuple[Any, Any]:
 
     The dataloader's ``i``-th batch (``i`` from 0; its checkpoint state) on data-parallel rank
     ``r`` of ``n`` is ``({"input": inputs}, targets)`` of ``TrainData.batch(i, global_batch,
-    r, n)`` of :func:`hp_train.data.loader.build_data` for ``args``' data, tokenizer, ``seq_len`` and
-    seed: the tokens hp-train's trainer takes at step ``i``.
+    r, n)`` of :func:`hp_train.data.loader.build_data` for ``args``' data, tokenizer,
+    ``seq_len`` and seed: the tokens hp-train's trainer takes at step ``i``.
 
     Raises (when built): ValueError where torchtitan's batch shape, step count or tokenizer
     vocabulary is not the one ``args`` give.
@@ -508,7 +509,8 @@ def _print_report(runs: dict[str, dict[str, Any]], summary: dict[str, Any], step
         f"{t} {'/'.join(f'{m:.0f}' for m in summary[t]['start_mib'])}" for t in TRAINERS
     )
     print(
-        f"peak RSS = ru_maxrss of each rank's process (hp_train.observe.metrics.peak_memory_bytes); "
+        "peak RSS = ru_maxrss of each rank's process "
+        "(hp_train.observe.metrics.peak_memory_bytes); "
         f"at the trainer's start (MiB, rank 0/1): {starts}"
     )
     print(f"\n{'step':>5} {'torchtitan':>11} {'hp-train':>10} {'hp - tt':>9}")

@@ -185,9 +185,7 @@ def _param_keys(plan: dict[str, Any]) -> list[tuple[Any, ...]]:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize(
-    ("flags", "world"), LAYOUTS, ids=IDS
-)
+@pytest.mark.parametrize(("flags", "world"), LAYOUTS, ids=IDS)
 def test_plan_json_is_the_printed_plan(
     flags: list[str], world: int, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
