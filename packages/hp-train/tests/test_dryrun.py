@@ -27,6 +27,8 @@ from hp_train.dryrun import (
     topology_preset,
 )
 from hp_train.dryrun.cli import main
+from hp_train.dryrun.muon_traffic import job_muon_step, planned_traffic
+from hp_train.dryrun.shapes import job_plan
 from hp_train.model.llama import Transformer
 from hp_train.optim import ROUTER_PATTERNS
 
@@ -106,7 +108,8 @@ def test_muon_bytes_from_real_plan_match_analytic_average() -> None:
     model = MODEL_PRESETS["tiny"].model
     parallel = ParallelConfig(2, 2, 1, 1)
     groups = fsdp_groups(model, 2, 1)
-    exact = [muon_traffic(groups, parallel, rank=r, exact=True) for r in range(4)]
+    plan = job_plan(model, parallel, ranks=frozenset(range(4)), muon=True)
+    exact = [planned_traffic(job_muon_step(plan, r, 32.0), r, 2) for r in range(4)]
     analytic = muon_traffic(groups, parallel, exact=False)
     average = sum(t.sent_bytes for t in exact) / 4
     assert exact[0].source == "plan"

@@ -25,7 +25,7 @@ from hp_planner.job import (
     to_jsonable,
 )
 from hp_planner.meshes import StageMeshes, job_grid, stage_meshes
-from hp_planner.plan_job import plan_job
+from hp_planner.plan_job import plan_job, plan_schedule
 
 __all__ = [
     "CP_VARIANTS",
@@ -42,6 +42,7 @@ __all__ = [
     "TrainingPolicy",
     "job_grid",
     "plan_job",
+    "plan_schedule",
     "stage_meshes",
     "to_jsonable",
 ]

@@ -23,8 +23,9 @@ group.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import replace
+from typing import ClassVar
 
 from torch import nn
 
@@ -39,7 +40,7 @@ from hp_planner.inputs import JobDims, ModelParallelism, PlanInputError, Trainin
 from hp_planner.job import ContextPlan, ExpertPlan, JobPlan, MuonView, StagePlan
 from hp_planner.meshes import REPLICATE, StageMeshes, job_grid, stage_meshes
 
-__all__ = ["plan_job"]
+__all__ = ["plan_job", "plan_schedule"]
 
 _SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b}
 
@@ -50,6 +51,9 @@ def plan_job(
     parallelism: ModelParallelism,
     training: TrainingPolicy,
     topology: Topology | None = None,
+    *,
+    ranks: Collection[int] | None = None,
+    muon: bool = True,
 ) -> JobPlan:
     """The :class:`~hp_planner.JobPlan` of a job (module docstring).
 
@@ -61,11 +65,21 @@ def plan_job(
         parallelism: which modules take which style.
         training: the optimizer split, precision, activation/offload and schedule.
         topology: recorded with the plan (the pricing reads it), or None.
+        ranks: plan the ``fully_shard`` calls and the Muon steps only on the FSDP meshes
+            (and expert FSDP meshes) holding one of these ranks; None plans every mesh. A
+            reader that needs a few ranks' view of a large job (the dry run prices one rank
+            per tensor-parallel coordinate) saves planning every mesh: the plan of a mesh
+            does not depend on which others are planned. Every stage's first rank must be
+            among them (its slots fill ``StagePlan.parallel``).
+        muon: False leaves ``StagePlan.muon`` empty even under Muon (the optimizer groups
+            are still split): for a reader that prices Muon's exchange analytically where
+            ``hp_muon.plan_muon`` of every matrix against every rank would take hours.
 
     Raises:
         PlanInputError: the number of stage models is not ``pp``; a pattern of
             ``parallelism`` names no module of any stage; ``ep > 1`` with no expert module or
-            no expert style; ``cp > 1`` with no context module; ``ep > 1`` with ``cp > 1``.
+            no expert style; ``cp > 1`` with no context module; ``ep > 1`` with ``cp > 1``;
+            ``ranks`` missing a stage's first rank.
         hp_dtensor.parallel.PlanError: a style cannot shard the module it names.
     """
     models = [stages] if isinstance(stages, nn.Module) else list(stages)
@@ -76,19 +90,51 @@ def plan_job(
             f"ep={dims.ep} with cp={dims.cp} is not planned: the expert mesh is carved from "
             "dp_shard alone; use one of them"
         )
-    _check_patterns(models, parallelism, dims)
+    match = _Matcher()
+    _check_patterns(models, parallelism, dims, match)
+    held = None if ranks is None else frozenset(ranks)
     planned = tuple(
-        _plan_stage(k, model, dims, parallelism, training) for k, model in enumerate(models)
+        _plan_stage(k, model, dims, parallelism, training, held, muon, match)
+        for k, model in enumerate(models)
     )
-    return JobPlan(dims, training, job_grid(dims), planned, _schedule(dims, training), topology)
+    return JobPlan(dims, training, job_grid(dims), planned, plan_schedule(dims, training), topology)
 
 
-def _matched(models: Sequence[nn.Module], pattern: str) -> bool:
-    return any(match_modules(m, pattern) for m in models)
+class _Matcher:
+    """``hp_dtensor.parallel.plan.match_modules``, each (module tree, pattern) asked once.
+
+    A pattern is checked, then read again per stage, and a model with thousands of modules
+    and one expert pattern per MoE layer makes these scans the planning's largest cost. What
+    ``match_modules`` returns depends on the tree's module names alone, so the answers are
+    kept by those names (one scan of the tree per model per :func:`plan_job` call), shared by
+    later calls on trees with the same names (a pricing that plans one model many times).
+    """
+
+    _known: ClassVar[dict[tuple[tuple[str, ...], str], list[str]]] = {}
+    _LIMIT: ClassVar[int] = 65536
+
+    def __init__(self) -> None:
+        self._names: dict[int, tuple[str, ...]] = {}
+
+    def __call__(self, model: nn.Module, pattern: str) -> list[str]:
+        names = self._names.get(id(model))
+        if names is None:
+            names = self._names[id(model)] = tuple(n for n, _ in model.named_modules())
+        key = (names, pattern)
+        hits = self._known.get(key)
+        if hits is None:
+            if len(self._known) >= self._LIMIT:
+                self._known.clear()
+            hits = self._known[key] = match_modules(model, pattern)
+        return list(hits)
+
+
+def _matched(models: Sequence[nn.Module], pattern: str, match: _Matcher) -> bool:
+    return any(match(m, pattern) for m in models)
 
 
 def _check_patterns(
-    models: Sequence[nn.Module], parallelism: ModelParallelism, dims: JobDims
+    models: Sequence[nn.Module], parallelism: ModelParallelism, dims: JobDims, match: _Matcher
 ) -> None:
     kinds = [("fsdp_units", parallelism.fsdp_units)]
     if dims.tp > 1:
@@ -105,31 +151,35 @@ def _check_patterns(
         kinds.append(("context_modules", parallelism.context_modules))
     for kind, patterns in kinds:
         for pattern in patterns:
-            if not _matched(models, pattern):
+            if not _matched(models, pattern, match):
                 raise PlanInputError(
                     f"{kind} entry {pattern!r} names no module of any stage (patterns match "
                     "one dotted name component per '*', e.g. 'layers.*')"
                 )
 
 
-def _names(model: nn.Module, patterns: Sequence[str]) -> tuple[str, ...]:
+def _names(model: nn.Module, patterns: Sequence[str], match: _Matcher) -> tuple[str, ...]:
     """The modules of ``model`` the ``patterns`` match, in module order, each once."""
-    hits = {name for p in patterns for name in match_modules(model, p)}
+    hits = {name for p in patterns for name in match(model, p)}
     return tuple(name for name, _ in model.named_modules() if name in hits)
 
 
 def _tp_plan(
-    model: nn.Module, meshes: StageMeshes, dims: JobDims, parallelism: ModelParallelism
+    model: nn.Module,
+    meshes: StageMeshes,
+    dims: JobDims,
+    parallelism: ModelParallelism,
+    match: _Matcher,
 ) -> ParallelPlan:
     entries: dict[str, ParallelStyle] = {}
     if dims.tp > 1:
-        entries = {k: s for k, s in parallelism.tp_plan if match_modules(model, k)}
+        entries = {k: s for k, s in parallelism.tp_plan if match(model, k)}
     axes = (REPLICATE, meshes.shard_axis)
     return resolve(model, meshes.stage, entries, mode="production", tp_axis="tp", dp_axes=axes)
 
 
 def _expert_plans(
-    model: nn.Module, meshes: StageMeshes, parallelism: ModelParallelism
+    model: nn.Module, meshes: StageMeshes, parallelism: ModelParallelism, match: _Matcher
 ) -> tuple[ExpertPlan, ...]:
     if meshes.expert is None:
         return ()
@@ -147,7 +197,7 @@ def _expert_plans(
                 dp_axes=(),
             ),
         )
-        for name in _names(model, parallelism.expert_modules)
+        for name in _names(model, parallelism.expert_modules, match)
     )
 
 
@@ -162,7 +212,11 @@ def _optimizer_groups(model: nn.Module, training: TrainingPolicy) -> dict[str, s
 
 
 def _muon_views(
-    meshes: StageMeshes, stage: StagePlan, groups: dict[str, str], world: int
+    meshes: StageMeshes,
+    stage: StagePlan,
+    groups: dict[str, str],
+    world: int,
+    held: frozenset[int] | None,
 ) -> tuple[MuonView, ...]:
     """The Muon step of each FSDP mesh's ranks: ``hp_muon.plan_muon`` of the Muon parameters
     (in the order ``hp_muon.split_params`` gives them to Muon) with their sharded layouts, its
@@ -172,6 +226,8 @@ def _muon_views(
         return ()
     views = []
     for mesh in meshes.fsdp_meshes():
+        if held is not None and held.isdisjoint(mesh.ranks):
+            continue
         layouts = stage.layouts(mesh.ranks[0])
         params = [(name, layouts[name]) for name in names]
         plan = plan_muon(params, group_ranks=range(world), rank=mesh.ranks[0])
@@ -185,17 +241,27 @@ def _plan_stage(
     dims: JobDims,
     parallelism: ModelParallelism,
     training: TrainingPolicy,
+    held: frozenset[int] | None,
+    muon: bool,
+    match: _Matcher,
 ) -> StagePlan:
     meshes = stage_meshes(dims, k)
-    tp = _tp_plan(model, meshes, dims, parallelism)
-    experts = _expert_plans(model, meshes, parallelism)
+    tp = _tp_plan(model, meshes, dims, parallelism, match)
+    experts = _expert_plans(model, meshes, parallelism, match)
     context = None
     if meshes.context is not None:
-        modules = _names(model, parallelism.context_modules)
+        modules = _names(model, parallelism.context_modules, match)
         context = ContextPlan(dims.cp_variant, modules, meshes.context)
-    units = _names(model, parallelism.fsdp_units)
-    fsdp = plan_fsdp_groups(model, meshes, units, tp if dims.tp > 1 else None, experts, training)
+    units = _names(model, parallelism.fsdp_units, match)
     first = min(meshes.stage.ranks)
+    if held is not None and first not in held:
+        raise PlanInputError(
+            f"ranks must hold stage {k}'s first rank {first} (its slots fill the stage's "
+            f"parallel plan), got {sorted(held)[:8]}"
+        )
+    fsdp = plan_fsdp_groups(
+        model, meshes, units, tp if dims.tp > 1 else None, experts, training, held
+    )
     slots = {}
     for group in fsdp:
         if first in group.mesh:
@@ -204,10 +270,16 @@ def _plan_stage(
     parallel = tp.with_flat_slots(slots).with_optimizer_groups(groups)
     activation = (training.activation, units if training.activation != "none" else ())
     stage = StagePlan(k, meshes, parallel, experts, context, fsdp, (), activation, training.offload)
-    return replace(stage, muon=_muon_views(meshes, stage, groups, dims.world_size))
+    if not muon:
+        return stage
+    return replace(stage, muon=_muon_views(meshes, stage, groups, dims.world_size, held))
 
 
-def _schedule(dims: JobDims, training: TrainingPolicy) -> SchedulePlan | None:
+def plan_schedule(dims: JobDims, training: TrainingPolicy) -> SchedulePlan | None:
+    """The pipeline's schedule as :func:`plan_job` records it (``JobPlan.schedule``):
+    ``training.schedule`` over ``dims.pp`` stages and ``training.microbatches``
+    microbatches; None without pipelining. A reader that needs only the schedule (a pricing
+    that varies the microbatches) takes it here without planning the whole job."""
     if dims.pp == 1:
         return None
     return _SCHEDULES[training.schedule](dims.pp, training.microbatches)

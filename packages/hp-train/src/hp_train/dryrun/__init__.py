@@ -1,13 +1,13 @@
 """The dry-run planner: predict a run's memory, communication and step time without processes.
 
-Shapes come from the model built on ``meta`` (:mod:`~hp_train.dryrun.shapes`), tensor
-parallelism from the plan the trainer resolves on it (``hp_dtensor.parallel.resolve`` of
-``hp_train.parallel.parallelize.tp_plan``), FSDP groups from ``hp_layout.plan_flat_buffer``, every
-parameter's layout from both (:func:`predicted_layouts`, what ``layout_of`` reports in the real
-run), the fits check and the model presets from the trainer's, costs from
-``hp_layout.Topology``'s alpha-beta model, Muon traffic from ``hp_muon``'s plan (or
-analytically at scale), compute from a FLOPs model; expert and context parallelism's
-collectives from the runtime's exchanges (:mod:`~hp_train.dryrun.expert_comm`,
+The dry run reads the trainer's :class:`hp_planner.JobPlan` (:func:`job_plan`, cached per
+configuration; :mod:`~hp_train.dryrun.shapes`) and plans nothing itself: shapes, tensor
+parallelism, optimizer groups, the FSDP groups (hp-fsdp's plan of every ``fully_shard`` call),
+every parameter's layout (:func:`predicted_layouts`, what ``layout_of`` reports in the real
+run), Muon's exchange (the JobPlan's Muon step, or analytically at scale) and the pipeline's
+schedule; the fits check and the model presets are the trainer's, costs
+``hp_layout.Topology``'s alpha-beta model, compute from a FLOPs model; expert and context
+parallelism's collectives from the runtime's exchanges (:mod:`~hp_train.dryrun.expert_comm`,
 :mod:`~hp_train.dryrun.context_comm`), checkpointing policies' activations
 (:mod:`~hp_train.dryrun.activation`), the pipeline's bubble from hp-mpmd's plan and simulator
 (:mod:`~hp_train.dryrun.schedule`), the trainer's refused pairs from
@@ -46,6 +46,7 @@ from hp_train.dryrun.shapes import (
     GroupSpec,
     ParamSpec,
     fsdp_groups,
+    job_plan,
     model_parameters,
     parameter_count,
     planned_model,
@@ -91,6 +92,7 @@ __all__ = [
     "dry_run",
     "format_reproduction",
     "fsdp_groups",
+    "job_plan",
     "kept_activations",
     "memory_breakdown",
     "model_parameters",

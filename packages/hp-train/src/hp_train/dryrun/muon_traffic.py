@@ -4,11 +4,13 @@
 to every holder, in bf16, one ``all_to_all_single`` each way per bucket of ``bucket_cap_mb``
 (over the world group), and runs Newton-Schulz (5 steps) on the owner.
 
-*Exact* (small cases): the parameters' FSDP layouts are built exactly as hp_fsdp annotates
-them (:meth:`hp_layout.FlatBufferLayout.layout` over the ``(dp_replicate, dp_shard, tp)``
-mesh, tensor-parallel placement as the base), :func:`hp_muon.plan_muon_step` plans the step
-and :func:`hp_muon.plan.rank_program` gives this rank's sends: ``sent_bytes`` equals what
-``Muon.last_step_stats.bytes_sent`` reports.
+*Exact* (small cases): the trainer's JobPlan's Muon step is read, not planned again
+(:func:`job_muon_step`: ``StagePlan.muon_plan`` of the rank, hp_muon's plan of the stage's
+Muon parameters, in the optimizer's order, with their FSDP layouts; for a bucket size other
+than the 32 MiB the JobPlan plans with, :func:`hp_muon.plan_muon` of the same parameters and
+layouts), and :func:`hp_muon.plan.rank_program` gives this rank's sends
+(:func:`planned_traffic`): ``sent_bytes`` equals what ``Muon.last_step_stats.bytes_sent``
+reports.
 
 *Analytic* (large cases, where planning every matrix against every rank takes too long): a
 matrix of ``N`` elements in ``R`` replicas moves ``N - own`` elements in the gather (from the
@@ -29,17 +31,23 @@ those of every replica the peers of its scatter.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from hp_layout import Layout, Mesh, Replicate, Shard
-from hp_muon.plan import MatrixTensor, newton_schulz_cost, plan_muon_step, rank_program
+from hp_muon import MuonStepPlan, plan_muon
+from hp_muon.plan import newton_schulz_cost, rank_program
+from hp_muon.step_plan import bucket_numel as step_bucket_numel
+from hp_planner import JobPlan
 from hp_train.config.schema import ParallelConfig
+from hp_train.dryrun.presets import DryRunError
 from hp_train.dryrun.shapes import GroupSpec
 
-__all__ = ["EXACT_LIMIT", "MuonTraffic", "muon_traffic"]
+__all__ = ["EXACT_LIMIT", "MuonTraffic", "job_muon_step", "muon_traffic", "planned_traffic"]
 
 EXACT_LIMIT = 20_000
-"""Use the real plan when matrices x ranks is at most this (under a second of planning).
+"""Use the real plan when matrices x ranks is at most this (under a second of planning); above
+it the JobPlan is made without its Muon step (``plan_job(muon=False)``) and the exchange is
+priced analytically.
 
 Measured (one core): llama_8b's 224 matrices take 0.1 s at 8 ranks, 0.7 s at 64 and 5.3 s at
 256; moe_505b's 47,336 matrices at 768 ranks (36M matrix-ranks) would take hours, so large
@@ -92,47 +100,74 @@ def _bucket_count(sizes: list[tuple[int, int]], bucket_numel: int) -> int:
     return buckets
 
 
-def _exact(
-    groups: tuple[GroupSpec, ...],
-    parallel: ParallelConfig,
-    rank: int,
-    bucket_numel: int,
-) -> MuonTraffic:
-    r, s, t = parallel.dp_replicate, parallel.dp_shard, parallel.tp
-    mesh = Mesh((r, s, t), ("dp_replicate", "dp_shard", "tp"))
-    specs: list[MatrixTensor] = []
-    for group in groups:
-        for index, p in enumerate(group.params):
-            if p.optimizer != "muon":
-                continue
-            placements: list[Replicate | Shard] = [Replicate(), Replicate(), Replicate()]
-            if p.tp_dim is not None and t > 1:
-                placements[2] = Shard(p.tp_dim)
-            base = Layout(p.shape, mesh, placements)
-            specs.append(MatrixTensor(group.flat.layout(index, mesh, "dp_shard", base=base)))
-    plan = plan_muon_step(specs, bucket_numel=bucket_numel)
-    program = rank_program(plan, rank, mesh.ranks)
+def job_muon_step(plan: JobPlan, rank: int, bucket_mb: float) -> MuonStepPlan:
+    """The Muon step of ``rank`` in ``plan`` (``StagePlan.muon_plan``), with ``bucket_mb`` MiB
+    buckets.
+
+    The JobPlan plans the step with ``hp_muon.Muon``'s default bucket (32 MiB). For another
+    size, hp_muon's own planner (:func:`hp_muon.plan_muon`) plans the same parameters, in the
+    same order, with the JobPlan's layouts and group, as :func:`hp_planner.plan_job` calls it.
+
+    Raises:
+        DryRunError: ``plan`` has no Muon step for ``rank`` (AdamW alone, or not planned).
+    """
+    stage = plan.stage_of(rank)
+    step = stage.muon_plan(rank)
+    if step is None:
+        raise DryRunError(f"the JobPlan has no Muon step for rank {rank}")
+    size = step_bucket_numel(bucket_mb)
+    if all(group.local or group.bucket_numel == size for group in step.groups):
+        return step
+    named = sorted(
+        (i, n) for group in step.groups for i, n in zip(group.indices, group.names, strict=True)
+    )
+    layouts = stage.layouts(rank)
+    return plan_muon(
+        [(name, layouts[name]) for _, name in named],
+        bucket_cap_mb=bucket_mb,
+        group_ranks=range(plan.dims.world_size),
+        rank=rank,
+    )
+
+
+def planned_traffic(plan: MuonStepPlan, rank: int, shard_block: int) -> MuonTraffic:
+    """``rank``'s Muon exchange in the trainer's JobPlan's Muon step (``StagePlan.muon_plan``
+    of ``rank``: hp_muon's plan of the stage's Muon parameters with their FSDP layouts), read,
+    not planned again: ``sent_bytes`` is what ``Muon.last_step_stats.bytes_sent`` reports.
+
+    ``shard_block`` is the number of consecutive ranks of one replica's ``dp_shard x tp``
+    group (the fast tier): bytes to a peer of the same block count as ``fast_bytes``.
+    """
+    matrices = buckets = calls = load = 0
     sent = nbytes = fast = peers = 0
-    shard_block = s * t
-    for bucket in program.buckets:
-        for exchange, (send, recv) in (
-            (bucket.gather_exchange, bucket.gather_splits),
-            (bucket.scatter_exchange, bucket.scatter_splits),
-        ):
-            if not exchange:
-                continue
-            sent += sum(send)
-            peers += max(1, sum(1 for n in send if n), sum(1 for n in recv if n))
-            nbytes += max(sum(send), sum(recv))
-            fast += sum(
-                n for peer, n in enumerate(send) if peer // shard_block == rank // shard_block
-            )
-    load = plan.load().get(rank, 0)
+    for group in plan.groups:
+        matrices += len(group.plan.jobs)
+        load += group.plan.load().get(rank, 0)
+        if group.local:
+            continue
+        buckets += len(group.plan.buckets)
+        program = rank_program(group.plan, rank, group.ranks)
+        calls += program.collectives
+        for bucket in program.buckets:
+            for exchange, (send, recv) in (
+                (bucket.gather_exchange, bucket.gather_splits),
+                (bucket.scatter_exchange, bucket.scatter_splits),
+            ):
+                if not exchange:
+                    continue
+                sent += sum(send)
+                peers += max(1, sum(1 for n in send if n), sum(1 for n in recv if n))
+                nbytes += max(sum(send), sum(recv))
+                fast += sum(
+                    n
+                    for peer, n in zip(group.ranks, send, strict=True)
+                    if peer // shard_block == rank // shard_block
+                )
     return MuonTraffic(
         source="plan",
-        matrices=len(plan.jobs),
-        buckets=len(plan.buckets),
-        calls=program.collectives,
+        matrices=matrices,
+        buckets=buckets,
+        calls=calls,
         sent_bytes=sent * _BF16,
         nbytes=nbytes * _BF16,
         fast_bytes=fast * _BF16,
@@ -148,6 +183,7 @@ def muon_traffic(
     rank: int = 0,
     bucket_mb: float = 32.0,
     exact: bool | None = None,
+    planned: Callable[[], MuonTraffic] | None = None,
 ) -> MuonTraffic:
     """This rank's Muon traffic for the Muon parameters of ``groups`` (see the module doc).
 
@@ -155,11 +191,16 @@ def muon_traffic(
     ignored) and ``rank`` is a rank of that stage (``0 .. dp x tp - 1``). ``exact=None`` uses
     the real plan when matrices x ranks <= :data:`EXACT_LIMIT` and tensor parallelism splits
     every sharded dim evenly (the layouts then agree on every tensor-parallel rank).
+    ``planned`` reads the exact figures (:func:`planned_traffic` of the JobPlan's Muon step,
+    :func:`job_muon_step`); it is called only when they are used.
+
+    Raises:
+        DryRunError: the exact figures are asked for and ``planned`` is None.
 
     Postconditions: with ``source == "plan"``, ``sent_bytes`` is hp_muon's per-rank count;
     ``fast_bytes <= sent_bytes``; ``calls <= 2 * buckets``.
     """
-    bucket_numel = max(1, int(bucket_mb * 2**20) // _BF16)
+    bucket_numel = step_bucket_numel(bucket_mb)
     muon = [p for g in groups for p in g.params if p.optimizer == "muon"]
     runs = [(p.shape[-2] * p.shape[-1], math.prod(p.shape[:-2])) for p in muon]
     matrices = sum(count for _, count in runs)
@@ -174,7 +215,9 @@ def muon_traffic(
     if exact is None:
         exact = even and matrices * world <= EXACT_LIMIT
     if exact:
-        return _exact(groups, parallel, rank, bucket_numel)
+        if planned is None:
+            raise DryRunError("muon_traffic: the exact figures need the JobPlan's Muon step")
+        return planned()
     r, st = parallel.dp_replicate, parallel.dp_shard * parallel.tp
     gather = scatter = 0.0
     ns_cost = 0.0

@@ -35,7 +35,7 @@ modeled baselines are other runtimes).
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from hp_layout import Collective, Topology
@@ -49,7 +49,12 @@ from hp_train.dryrun.memory import (
     fp8_record_bytes,
     memory_breakdown,
 )
-from hp_train.dryrun.muon_traffic import MuonTraffic, muon_traffic
+from hp_train.dryrun.muon_traffic import (
+    MuonTraffic,
+    job_muon_step,
+    muon_traffic,
+    planned_traffic,
+)
 from hp_train.dryrun.presets import Device, device_for
 from hp_train.dryrun.refusals import check_runtime_accepts
 from hp_train.dryrun.runtime_order import (
@@ -65,6 +70,7 @@ from hp_train.dryrun.shapes import (
     ParamSpec,
     check_fits,
     fsdp_groups,
+    job_plan,
     parameter_count,
     stage_layers,
     tp_collectives,
@@ -274,6 +280,7 @@ def _muon_traffic(
     rank: int,
     bucket_mb: float,
     exact: bool | None,
+    planned: Callable[[], MuonTraffic],
 ) -> MuonTraffic:
     """:func:`muon_traffic` of ``groups`` (by identity, as :func:`_muon_groups`): the search
     asks for the same stage's traffic once per microbatch count and policy, and it depends
@@ -283,7 +290,12 @@ def _muon_traffic(
     if cached is not None and cached[0] is groups:
         return cached[1]
     traffic = muon_traffic(
-        _muon_groups(groups), parallel, rank=rank, bucket_mb=bucket_mb, exact=exact
+        _muon_groups(groups),
+        parallel,
+        rank=rank,
+        bucket_mb=bucket_mb,
+        exact=exact,
+        planned=planned,
     )
     _MUON_TRAFFIC[key] = (groups, traffic)
     return traffic
@@ -583,6 +595,7 @@ def _model_parallel_records(
 
 
 def _stage_muon(
+    model: ModelConfig,
     groups: tuple[GroupSpec, ...],
     p: ParallelConfig,
     shape: StepShape,
@@ -591,17 +604,28 @@ def _stage_muon(
     muon_exact: bool | None,
 ) -> MuonTraffic:
     """Muon's exchange over the stage's ranks (none under AdamW); estimated, never planned,
-    with expert parallelism."""
+    with expert parallelism and under Megatron's DDP (whose whole replicas no JobPlan
+    describes). The exact figures are the trainer's JobPlan's Muon step of ``rank``
+    (:func:`~hp_train.dryrun.muon_traffic.job_muon_step`)."""
     stage_parallel = ParallelConfig(p.dp_replicate, p.dp_shard * p.cp, p.tp, 1)
     stage_rank = rank - stage * stage_parallel.world_size
     if shape.optimizer != "muon":
         return MuonTraffic("none", 0, 0, 0, 0, 0, 0, 0.0)
+
+    def planned() -> MuonTraffic:
+        plan = job_plan(
+            model, p, param_bytes=shape.precision.param, ranks=frozenset({rank}), muon=True
+        )
+        step = job_muon_step(plan, rank, shape.muon_bucket_mb)
+        return planned_traffic(step, rank, stage_parallel.dp_shard * p.tp)
+
     return _muon_traffic(
         groups,
         stage_parallel,
         stage_rank,
         shape.muon_bucket_mb,
-        False if p.ep > 1 else muon_exact,
+        False if p.ep > 1 or shape.runtime == "megatron_ddp" else muon_exact,
+        planned,
     )
 
 
@@ -671,23 +695,18 @@ def _rank_groups(
     shape: StepShape,
     p: ParallelConfig,
     tp_coordinate: int,
-    layers: tuple[int, int],
-    *,
-    first: bool,
-    last: bool,
+    stage: int,
 ) -> tuple[GroupSpec, ...]:
-    """The FSDP groups of the stage's blocks ``layers`` (the embedding on the ``first``, the
-    head on the ``last``) at a rank's tensor-parallel coordinate, sharded over
-    ``dp_shard x cp`` (Megatron DDP: whole)."""
+    """The FSDP groups of pipeline stage ``stage`` at a rank's tensor-parallel coordinate,
+    sharded over ``dp_shard x cp`` (Megatron DDP: whole), as the trainer's JobPlan has them."""
     return fsdp_groups(
         model,
         1 if shape.runtime == "megatron_ddp" else p.dp_shard * p.cp,
         p.tp,
         tp_coordinate=tp_coordinate,
         param_bytes=shape.precision.param,
-        layers=layers,
-        embedding=first,
-        head=last,
+        pp=p.pp,
+        stage=stage,
         ep=p.ep,
         ep_tp=p.ep_tp,
     )
@@ -710,7 +729,7 @@ def _stage(
     coord = grid.coordinate(rank)
     layers = stage_layers(model, p.pp, stage)
     first, last = stage == 0, stage == p.pp - 1
-    groups = _rank_groups(model, shape, p, coord["tp"], layers, first=first, last=last)
+    groups = _rank_groups(model, shape, p, coord["tp"], stage)
     tokens = microbatch_size * shape.seq_len // p.cp
     blocks = sorted({g.block for g in groups if g.block is not None})
     compute = _stage_compute(model, shape, device, p, blocks, tokens, last=last)
@@ -719,7 +738,7 @@ def _stage(
         *fsdp.records,
         *_model_parallel_records(model, grid, shape, blocks, tokens, first=first, last=last),
     ]
-    muon = _stage_muon(groups, p, shape, stage, rank, muon_exact)
+    muon = _stage_muon(model, groups, p, shape, stage, rank, muon_exact)
     if muon.calls:
         records.append(_muon_record(grid, muon))
     tree = _unit_tree(fsdp.units, blocks, compute)
@@ -1021,12 +1040,4 @@ def exposed_of(stage: StageResult, kind: str) -> float:
 
 def stage_groups(model: ModelConfig, parallel: ParallelConfig, stage: int) -> tuple[GroupSpec, ...]:
     """The FSDP groups of pipeline stage ``stage`` (tensor-parallel coordinate 0, fp32)."""
-    layers = stage_layers(model, parallel.pp, stage)
-    return fsdp_groups(
-        model,
-        parallel.dp_shard,
-        parallel.tp,
-        layers=layers,
-        embedding=stage == 0,
-        head=stage == parallel.pp - 1,
-    )
+    return fsdp_groups(model, parallel.dp_shard, parallel.tp, pp=parallel.pp, stage=stage)

@@ -1,7 +1,9 @@
 """The pipeline's step time and bubble from hp-mpmd's own plan and simulator.
 
-The trainer runs ``hp_train.parallel.pipeline.PIPELINE_SCHEDULES[pp_schedule](pp, microbatches)``;
-:func:`pipeline_timing` builds that same :class:`hp_mpmd.SchedulePlan` and times it with
+The trainer runs its JobPlan's schedule (``JobPlan.schedule``); :func:`pipeline_timing` takes
+that same :class:`hp_mpmd.SchedulePlan` from hp-planner (:func:`hp_planner.plan_schedule`, what
+:func:`hp_planner.plan_job` records, without planning the rest of the job for every
+microbatch count the search tries) and times it with
 :func:`hp_mpmd.simulate.simulate` (eager sends): every stage at the slowest stage's forward and
 backward time per microbatch (compute plus exposed communication), every transfer at the
 stage boundary's send time. The bubble is the makespan less one stage's busy time; the
@@ -15,7 +17,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from hp_mpmd.simulate import Simulation, simulate
-from hp_train.parallel.pipeline import PIPELINE_SCHEDULES
+from hp_planner import JobDims, TrainingPolicy, plan_schedule
+from hp_train.dryrun.presets import DryRunError
 
 __all__ = ["PipelineTiming", "in_flight", "pipeline_timing"]
 
@@ -43,9 +46,10 @@ class PipelineTiming:
 def _simulate(
     schedule: str, pp: int, m: int, forward: float, backward: float, comm: float
 ) -> Simulation:
-    return simulate(
-        PIPELINE_SCHEDULES[schedule](pp, m), forward=forward, backward=backward, comm=comm
-    )
+    plan = plan_schedule(JobDims(pp=pp), TrainingPolicy(schedule=schedule, microbatches=m))
+    if plan is None:
+        raise DryRunError(f"a pipeline schedule needs pp > 1, got pp={pp}")
+    return simulate(plan, forward=forward, backward=backward, comm=comm)
 
 
 def pipeline_timing(
@@ -53,6 +57,10 @@ def pipeline_timing(
 ) -> PipelineTiming:
     """Time ``schedule`` over ``pp`` stages and ``microbatches`` microbatches, each stage taking
     ``forward`` and ``backward`` seconds per microbatch and each transfer ``comm`` (module doc).
+
+    Raises:
+        DryRunError: ``pp`` is 1 (no pipeline to time).
+        hp_planner.PlanInputError: a schedule hp-planner does not know.
     """
     sim = _simulate(schedule, pp, microbatches, max(forward, 1e-12), max(backward, 1e-12), comm)
     busy = microbatches * (forward + backward)

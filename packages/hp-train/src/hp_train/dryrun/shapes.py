@@ -1,63 +1,53 @@
-"""The parameters a run shards, from the model built on ``meta``: shapes, tensor-parallel
-placement, optimizer, the FSDP groups as flat-buffer layouts, and every parameter's layout.
+"""What the dry run prices of the parameters, read from the trainer's JobPlan: shapes,
+tensor-parallel placement, optimizer, the FSDP groups as flat-buffer layouts, every
+parameter's layout.
 
-Nothing is allocated: :func:`model_parameters` builds :class:`hp_train.model.llama.Transformer`
-under
-``torch.device("meta")`` (shapes only) and splits the parameters between Muon and AdamW with
-:func:`hp_muon.split_params` with the trainer's router patterns (the rule the training loop uses,
-:data:`hp_train.optim.ROUTER_PATTERNS`: MoE routers on AdamW).
+The dry run plans nothing itself. :func:`job_plan` is the :class:`hp_planner.JobPlan` the
+trainer makes (:func:`hp_train.parallel.job.plan_run`'s inputs: the Transformer on ``meta``,
+one per pipeline stage; the trainer's model parallelism; its training policy, with Muon's
+optimizer split by the trainer's router patterns), cached per configuration because the
+search prices many layouts, each several times, and planned only where it is read:
 
-Tensor parallelism is what the trainer applies: the plan
-:func:`hp_train.parallel.parallelize.resolve_tp_plan` resolves (``hp_dtensor.parallel.resolve`` of
-:func:`hp_train.parallel.parallelize.tp_plan` on the meta model), read, not restated: a parameter's
-tensor-parallel dim is the dim of its ``Shard`` placement on the ``tp`` axis of its resolved
-layout. Today that is Megatron's plan on the dense parts (the embedding by vocabulary, the
-attention and dense feed-forward projections column- then row-wise, the head by vocabulary);
-MoE feed-forwards (router, routed and shared experts) stay whole and replicated on every
-tensor-parallel rank, as the trainer keeps them. The one fits check is the trainer's,
-:func:`hp_train.parallel.parallelize.check_model_fits`.
+* on the FSDP meshes holding the priced rank and each stage's first rank
+  (:func:`priced_ranks`), through ``plan_job(ranks=)``: a 768-rank job plans two meshes, not
+  hundreds;
+* without the Muon step (``plan_job(muon=False)``) unless the exact Muon figures are asked
+  for (:mod:`hp_train.dryrun.muon_traffic`);
+* with the meta models in the priced storage dtype, so hp-fsdp aligns the buffers in it.
 
-FSDP follows ``hp_fsdp``: one ``fully_shard`` per block (``model.layers``' modules), then the
-root with the remaining parameters (``tok_embeddings``, ``norm``, ``output``); under expert
-parallelism each MoE layer's feed-forward first, a group of its own over the ranks holding the
-same experts (:func:`hp_train.parallel.expert.shard_experts`). Each group packs
-its parameters' local (tensor-parallel) shapes with :func:`hp_layout.plan_flat_buffer` into
-``dp_shard`` chunks, aligned to 16 bytes of the storage dtype, parameters whose gradient the
-plan reduces over the tensor-parallel axis (those replicated over a ``tp`` of size > 1) last
-(their gradients need an extra all-reduce of the buffer's tail). Pipeline stages keep the
-blocks :func:`hp_train.parallel.pipeline.stage_boundaries` gives them, as the trainer cuts the
-model.
-
-:func:`predicted_layouts` gives the ``hp_layout.Layout`` of every parameter on one rank, which
-is what ``hp_dtensor.contract.layout_of`` reports for the real parameter once
-``hp_train.parallel.parallelize.parallelize`` has laid the model out: hp-fsdp's own pure planner
-(:func:`hp_fsdp.plan_group`) run on the resolved plan's local shapes, layouts and gradient
-reductions (the RaggedShard of a flat slot on ``dp_shard``, over the tensor-parallel layout
-with ``tp > 1``), checked against :func:`fsdp_groups`' buffers; :func:`planned_model` is the
-resolved plan with those flat slots (what ``hp-dryrun --print-plan`` prints).
+From it: :func:`model_parameters` (each trainable parameter's global shape, optimizer group
+and the dim its ``Shard`` on ``tp`` takes in the resolved plan, at ``tp = 2`` where every
+style shards), :func:`fsdp_groups` (hp-fsdp's :class:`~hp_fsdp.GroupPlan` of every
+``fully_shard`` call on the FSDP mesh of one tensor-parallel coordinate: parameters in buffer
+order, packed local shapes, the flat buffer, the tail reduced over ``tp`` or ``ep``),
+:func:`predicted_layouts` (``StagePlan.layouts``: what ``hp_dtensor.contract.layout_of``
+reports once ``hp_train.parallel.parallelize.parallelize`` has laid the model out),
+:func:`planned_model` (the stage's parallel plan with the rank's flat slots and optimizer
+groups: what ``hp-dryrun --print-plan`` prints), :func:`resolved_plan` (the same without
+them) and :func:`tp_collectives` (the plan's boundaries). The one fits check is the
+trainer's, :func:`hp_train.parallel.parallelize.check_model_fits`; pipeline stages keep the
+blocks :func:`hp_train.parallel.pipeline.stage_boundaries` gives them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
 from functools import lru_cache
 
 import torch
+from torch import nn
 
-from hp_dtensor.contract import FlatSlot
 from hp_dtensor.parallel import ParallelPlan
 from hp_fsdp import GroupPlan, plan_group
 from hp_fsdp import ParamSpec as FSDPParamSpec
-from hp_fsdp.group_plan import ALIGN_BYTES
-from hp_layout import FlatBufferLayout, Layout, Mesh, Shard, chunk_length, plan_flat_buffer
-from hp_muon import split_params
-from hp_train.config.schema import ConfigError, ModelConfig, ParallelConfig
+from hp_layout import FlatBufferLayout, Layout, Mesh, Shard, chunk_length
+from hp_planner import FsdpGroup, JobDims, JobPlan, PlanInputError, StagePlan, plan_job
+from hp_train.config.schema import ConfigError, ModelConfig, ParallelConfig, TrainConfig
 from hp_train.dryrun.presets import DryRunError
-from hp_train.model.llama import Transformer
-from hp_train.optim import ROUTER_PATTERNS
-from hp_train.parallel.parallelize import AXES, check_model_fits, resolve_tp_plan
-from hp_train.parallel.pipeline import keep_stage, stage_boundaries
+from hp_train.parallel.job import model_parallelism, stage_models, training_policy
+from hp_train.parallel.parallelize import AXES, check_model_fits
+from hp_train.parallel.pipeline import stage_boundaries
 
 __all__ = [
     "GroupSpec",
@@ -66,20 +56,20 @@ __all__ = [
     "check_tp",
     "fsdp_groups",
     "job_mesh",
+    "job_plan",
     "model_parameters",
     "parameter_count",
     "planned_model",
     "predicted_layouts",
+    "priced_ranks",
     "resolved_plan",
     "stage_layers",
     "tp_collectives",
     "tp_dim_of",
 ]
 
-_DTYPES = {2: "bfloat16", 4: "float32", 8: "float64"}
 _TP = "tp"
 _SHARD = "dp_shard"
-_REPLICATE = "dp_replicate"
 
 
 @dataclass(frozen=True)
@@ -123,71 +113,129 @@ def tp_dim_of(layout: Layout, axis: str = _TP) -> int | None:
     return placement.dim if isinstance(placement, Shard) else None
 
 
-# The model on meta -----------------------------------------------------------------------------
+# The job's plan --------------------------------------------------------------------------------
+
+#: Storage dtypes by element size: the meta models are cast to it before planning, so hp-fsdp
+#: packs and aligns each buffer in the dtype the dry run prices (``Precision.param``).
+_DTYPES = {2: torch.bfloat16, 4: torch.float32, 8: torch.float64}
+
+#: The recipe the priced plans are made for. Muon: every parameter's optimizer group is the
+#: trainer's split (the dry run prices AdamW alone by reading none of it). Nothing else in a
+#: recipe changes the FSDP groups, the layouts or the optimizer groups.
+_RECIPE = TrainConfig(optimizer="muon")
 
 
-def _meta_model(model: ModelConfig) -> Transformer:
-    with torch.device("meta"):
-        return Transformer(model)
+@lru_cache(maxsize=16)
+def _stage_models(model: ModelConfig, pp: int, param_bytes: int) -> tuple[nn.Module, ...]:
+    """The trainer's stage models on ``meta`` in the storage dtype, built once per
+    configuration (planning reads them and changes nothing)."""
+    dtype = _DTYPES.get(param_bytes)
+    if dtype is None:
+        raise DryRunError(f"param_bytes must be one of {sorted(_DTYPES)}, got {param_bytes}")
+    stages = stage_models(model, pp)
+    if dtype is not torch.float32:
+        for stage in stages:
+            stage.to(dtype)
+    return tuple(stages)
+
+
+@lru_cache(maxsize=64)
+def _planned(
+    model: ModelConfig,
+    parallel: ParallelConfig,
+    param_bytes: int,
+    ranks: frozenset[int] | None,
+    muon: bool,
+) -> JobPlan:
+    try:
+        return plan_job(
+            _stage_models(model, parallel.pp, param_bytes),
+            JobDims(**asdict(parallel)),
+            model_parallelism(model, parallel),
+            training_policy(_RECIPE),
+            ranks=ranks,
+            muon=muon,
+        )
+    except PlanInputError as exc:
+        raise DryRunError(str(exc)) from None
+
+
+def priced_ranks(parallel: ParallelConfig) -> frozenset[int]:
+    """The ranks every plan the dry run makes is planned on: each pipeline stage's first rank
+    (its slots fill the stage's parallel plan). A reader adds the ranks it prices (the dry
+    run prices one rank per stage; every other rank of its tensor-parallel coordinate holds
+    the same shapes)."""
+    size = parallel.world_size // parallel.pp
+    return frozenset(k * size for k in range(parallel.pp))
+
+
+def job_plan(
+    model: ModelConfig,
+    parallel: ParallelConfig,
+    *,
+    param_bytes: int = 4,
+    ranks: frozenset[int] | None = None,
+    muon: bool = False,
+) -> JobPlan:
+    """The trainer's :class:`hp_planner.JobPlan` of ``model`` under ``parallel``: what
+    :func:`hp_train.parallel.job.plan_run` plans (its stage models, model parallelism and
+    training policy, with Muon's optimizer split), cached per configuration: the search
+    prices many layouts, each several times.
+
+    ``param_bytes`` is the storage dtype's size (the meta models are cast to it, so hp-fsdp
+    packs in that dtype); ``ranks`` and ``muon`` are :func:`hp_planner.plan_job`'s (plan only
+    the FSDP meshes holding those ranks and :func:`priced_ranks`; plan the Muon step or not:
+    at scale :mod:`hp_train.dryrun.muon_traffic` prices it analytically).
+
+    Raises:
+        DryRunError: a configuration the trainer refuses, or a storage size with no dtype.
+    """
+    check_fits(model, parallel)
+    held = priced_ranks(parallel) if ranks is None else ranks | priced_ranks(parallel)
+    return _planned(model, parallel, param_bytes, held, muon)
 
 
 @dataclass(frozen=True)
 class _Structure:
-    """The meta model's parameters, by FSDP unit (from the module tree, not names)."""
+    """The model's trainable parameters and the names of each block's."""
 
     params: tuple[ParamSpec, ...]
     blocks: tuple[tuple[int, tuple[str, ...]], ...]
-    embedding: tuple[str, ...]
-    head: tuple[str, ...]
 
 
-@lru_cache(maxsize=32)
-def _tp_layouts(model: ModelConfig, tp: int) -> Mapping[str, Layout]:
-    """Every parameter's layout under the trainer's plan over a ``tp``-rank axis alone."""
-    plan = resolve_tp_plan(_meta_model(model), Mesh((1, 1, tp), AXES))
-    return {p.fqn: p.layout for p in plan.params}
+def _tp2_plan(model: ModelConfig) -> ParallelPlan:
+    """The JobPlan's parallel plan of the whole model at ``tp = 2``, over rank 0's meshes.
+
+    The dim a plan shards a parameter on, and the collectives its boundaries run, do not
+    depend on the degree: two ranks, the smallest degree at which a style shards, show them.
+    """
+    parallel = ParallelConfig(tp=2)
+    return _planned(model, parallel, 4, priced_ranks(parallel), False).stages[0].parallel
 
 
 @lru_cache(maxsize=32)
 def _structure(model: ModelConfig) -> _Structure:
-    module = _meta_model(model)
-    split = split_params(module, adamw_patterns=ROUTER_PATTERNS)
-    muon = {name for name, _ in split.muon}
-    # The dim a plan shards a parameter on does not depend on the degree: two ranks, the
-    # smallest degree at which a style shards, show it.
-    layouts = _tp_layouts(model, 2)
+    plan = _tp2_plan(model)
     specs = tuple(
-        ParamSpec(
-            name, tuple(p.shape), "muon" if name in muon else "adamw", tp_dim_of(layouts[name])
-        )
-        for name, p in module.named_parameters()
-        if p.requires_grad
+        ParamSpec(p.fqn, p.global_shape, p.optimizer_group, tp_dim_of(p.layout))
+        for p in plan.params
+        if p.optimizer_group is not None
     )
-    trainable = {s.name for s in specs}
-
-    def names(prefix: str, sub: torch.nn.Module | None) -> tuple[str, ...]:
-        if sub is None:
-            return ()
-        return tuple(
-            f"{prefix}.{n}" for n, p in sub.named_parameters() if f"{prefix}.{n}" in trainable
-        )
-
-    blocks = tuple(
-        (int(key), names(f"layers.{key}", block)) for key, block in module.layers.items()
-    )
-    in_blocks = {n for _, ns in blocks for n in ns}
-    embedding = names("tok_embeddings", module.tok_embeddings)
-    head = tuple(s.name for s in specs if s.name not in in_blocks and s.name not in embedding)
-    return _Structure(specs, blocks, embedding, head)
+    blocks: dict[int, list[str]] = {}
+    for spec in specs:
+        parts = spec.name.split(".")
+        if parts[0] == "layers":
+            blocks.setdefault(int(parts[1]), []).append(spec.name)
+    return _Structure(specs, tuple((i, tuple(names)) for i, names in sorted(blocks.items())))
 
 
 def model_parameters(model: ModelConfig) -> tuple[ParamSpec, ...]:
-    """Every trainable parameter of :class:`~hp_train.model.llama.Transformer` built from ``model``,
-    in ``named_parameters`` order.
+    """Every trainable parameter of :class:`~hp_train.model.llama.Transformer` built from
+    ``model``, in ``named_parameters`` order, as the trainer's JobPlan resolves it.
 
     Postconditions: the shapes are those of the real module (built on ``meta``: no memory);
-    each parameter is tagged with its optimizer and the tensor-parallel dim of the trainer's
-    resolved plan.
+    each parameter is tagged with its optimizer group (``hp_muon.split_params`` with the
+    trainer's router patterns) and the tensor-parallel dim of the trainer's resolved plan.
     """
     return _structure(model).params
 
@@ -266,29 +314,27 @@ def _stage_of(parallel: ParallelConfig, rank: int) -> tuple[int, Mesh]:
     return grid.coordinate(rank)[0], grid.submesh(list(AXES), rank)
 
 
-@lru_cache(maxsize=64)
-def _stage_plan(model: ModelConfig, parallel: ParallelConfig, stage: int) -> ParallelPlan:
-    module = _meta_model(model)
-    if parallel.pp > 1:
-        keep_stage(module, stage, _boundaries(model, parallel.pp))
-    grid = job_mesh(parallel)
-    if parallel.pp == 1:
-        return resolve_tp_plan(module, grid)
-    first = grid.rank_at((stage, 0, 0, 0))
-    return resolve_tp_plan(module, grid.submesh(list(AXES), first))
+def _rank_stage(
+    model: ModelConfig, parallel: ParallelConfig, rank: int, param_bytes: int
+) -> StagePlan:
+    """The JobPlan's stage holding ``rank``, planned on the FSDP meshes holding it."""
+    check_fits(model, parallel)
+    stage, _ = _stage_of(parallel, rank)
+    plan = job_plan(model, parallel, param_bytes=param_bytes, ranks=frozenset({rank}))
+    return plan.stages[stage]
 
 
 def resolved_plan(model: ModelConfig, parallel: ParallelConfig, rank: int = 0) -> ParallelPlan:
     """The tensor-parallel plan the trainer resolves for ``rank``'s model (its pipeline stage
-    under ``pp > 1``) over that stage's ``(dp_replicate, dp_shard, tp)`` ranks
-    (:func:`hp_train.parallel.parallelize.resolve_tp_plan` on the meta model; no flat slots).
+    under ``pp > 1``) over that stage's ``(dp_replicate, dp_shard, tp)`` ranks: the
+    JobPlan's (:func:`job_plan`) without its flat slots and optimizer groups.
 
     Raises:
         DryRunError: a configuration the trainer refuses, or a rank outside the world.
     """
-    check_fits(model, parallel)
-    stage, _ = _stage_of(parallel, rank)
-    return _stage_plan(model, parallel, stage)
+    plan = _rank_stage(model, parallel, rank, 4).parallel
+    bare = tuple(replace(p, flat=None, optimizer_group=None) for p in plan.params)
+    return replace(plan, params=bare)
 
 
 # FSDP groups -----------------------------------------------------------------------------------
@@ -345,66 +391,41 @@ class GroupSpec:
         return tuple(out)
 
 
-@lru_cache(maxsize=4096)
-def _plan(shapes: tuple[tuple[int, ...], ...], shards: int, align: int) -> FlatBufferLayout:
-    return plan_flat_buffer(shapes, shards, align)
+def _group_spec(group: FsdpGroup, experts: frozenset[str], model: ModelConfig) -> GroupSpec:
+    """A ``fully_shard`` call of the JobPlan as the dry run prices it."""
+    if len(group.plans) != 1:
+        raise AssertionError(
+            f"fully_shard({group.unit!r}) plans {len(group.plans)} storage dtypes; the meta "
+            "model has one"
+        )
+    (plan,) = group.plans
+    by_name = {p.name: p for p in model_parameters(model)}
+    prefix = f"{group.unit}." if group.unit else ""
+    return GroupSpec(
+        group.unit or "root",
+        tuple(by_name[prefix + fqn] for fqn in plan.fqns),
+        plan.shapes,
+        plan.flat,
+        plan.extra_start,
+        "ep" if group.unit in experts else "tp",
+    )
 
 
-def _group(
-    model: ModelConfig,
-    name: str,
-    params: list[ParamSpec],
-    dp_shard: int,
-    tp: int,
-    coordinate: int,
-    param_bytes: int,
-) -> GroupSpec:
-    if tp > 1:
-        # The plan reduces a gradient over ``tp`` exactly where the parameter is replicated
-        # over it; hp-fsdp packs those last.
-        layouts = _tp_layouts(model, tp)
-        plain = [p for p in params if tp_dim_of(layouts[p.name]) is not None]
-        extra = [p for p in params if tp_dim_of(layouts[p.name]) is None]
-        params = plain + extra
-        shapes = tuple(layouts[p.name].local_shape(coordinate) for p in params)
-    else:
-        extra = []
-        shapes = tuple(p.shape for p in params)
-    align = max(1, ALIGN_BYTES // param_bytes)  # hp-fsdp's alignment
-    flat = _plan(shapes, dp_shard, align)
-    start = flat.slots[len(params) - len(extra)].offset if extra else flat.padded_numel
-    return GroupSpec(name, tuple(params), shapes, flat, start)
-
-
-# How ExpertTensorParallel splits an expert stack's hidden dim over tp.
-_EXPERT_TP_DIM = {"w1": 1, "w3": 1, "w2": 2}
-
-
-def _expert_group(
-    name: str,
-    params: list[ParamSpec],
-    shards: int,
-    ep: int,
-    tp: int,
-    ep_tp: bool,
-    param_bytes: int,
-) -> GroupSpec:
-    """One MoE layer's group under expert parallelism (see :func:`fsdp_groups`)."""
-    experts = [p for p in params if ".experts." in p.name]
-    extra = [p for p in params if p not in experts]
-    shapes = []
-    for p in experts:
-        dims = list(p.shape)
-        dims[0] //= ep
-        if ep_tp and tp > 1:
-            split = _EXPERT_TP_DIM[p.name.rsplit(".", 1)[1]]
-            dims[split] //= tp
-        shapes.append(tuple(dims))
-    shapes += [p.shape for p in extra]
-    ordered = experts + extra
-    flat = _plan(tuple(shapes), shards, max(1, ALIGN_BYTES // param_bytes))
-    start = flat.slots[len(experts)].offset if extra else flat.padded_numel
-    return GroupSpec(name, tuple(ordered), tuple(shapes), flat, start, tail_axis="ep")
+def _whole(spec: GroupSpec, plan: GroupPlan) -> GroupSpec:
+    """``spec`` kept whole (one chunk), as Megatron's DDP keeps every buffer: hp-fsdp's own
+    planner (:func:`hp_fsdp.plan_group`) re-plans the call's parameters, in the JobPlan's
+    order with its tail's reduction, on one rank."""
+    specs = [
+        FSDPParamSpec(
+            fqn,
+            shape,
+            plan.storage_dtype,
+            reduction=plan.extra_reduce if slot.offset >= plan.extra_start else (),
+        )
+        for fqn, shape, slot in zip(plan.fqns, plan.shapes, plan.flat.slots, strict=True)
+    ]
+    whole = plan_group(specs, Mesh((1,), (_SHARD,)), _SHARD, owner=plan.owner)
+    return replace(spec, flat=whole.flat, extra_start=whole.extra_start)
 
 
 @lru_cache(maxsize=256)
@@ -415,123 +436,57 @@ def fsdp_groups(
     *,
     tp_coordinate: int = 0,
     param_bytes: int = 4,
-    layers: tuple[int, int] | None = None,
-    embedding: bool = True,
-    head: bool = True,
+    pp: int = 1,
+    stage: int = 0,
     ep: int = 1,
     ep_tp: bool = False,
 ) -> tuple[GroupSpec, ...]:
-    """The FSDP groups in ``fully_shard`` order: one per block of ``layers`` (``[start, stop)``, all
-    by default), then the root with ``tok_embeddings`` (if ``embedding``) and ``norm`` and
-    ``output`` (if ``head``), as one pipeline stage holds them.
+    """The FSDP groups of one pipeline stage on one tensor-parallel coordinate, in
+    ``fully_shard`` order: the trainer's JobPlan's (:func:`job_plan`), read, not re-planned.
 
-    ``dp_shard`` is the number of chunks the dense groups are split into (the runtime's FSDP
-    shard axis: ``dp_shard x cp`` under context parallelism). With ``ep > 1`` every MoE
-    layer's feed-forward is a group of its own before its block's (``layers.N.ffn``, as
-    :func:`hp_train.parallel.expert.shard_experts` makes it): its experts' local stacks
-    (``n_experts / ep`` each; with ``ep_tp`` their hidden dim split over ``tp`` too) first,
-    then the router and shared experts, replicated over ep (the tail FSDP all-reduces over
-    ``ep``), in ``dp_shard / ep`` chunks (the ranks holding the same experts; one when
-    ``dp_shard`` is 1, a run without sharding).
+    The stage is stage ``stage`` of ``pp``, the blocks :func:`stage_layers` gives it (the
+    embedding on the first, the head on the last), as the trainer cuts the model.
+    ``dp_shard`` is the number of chunks the dense groups are split into: the runtime's FSDP
+    shard axis (``dp_shard x cp`` under context parallelism, which packs as a shard axis of
+    that size does), 1 for Megatron's DDP (whole). With ``ep > 1`` every MoE layer's
+    feed-forward is a group of its own before its block's (``layers.N.ffn``) over the ranks
+    holding the same experts (``dp_shard / ep`` chunks, one when ``dp_shard`` is 1), its tail
+    (router, shared experts) all-reduced over ``ep``.
 
-    Postconditions: every listed parameter is in exactly one group; each group's ``flat`` is
-    ``hp_layout.plan_flat_buffer`` of its local shapes (those of the resolved plan on
-    ``tp_coordinate``) over ``dp_shard`` chunks with hp_fsdp's alignment (16 bytes of
-    ``param_bytes``); a root with no parameters is omitted.
+    Postconditions: every trainable parameter of the stage is in exactly one group; each
+    group is hp-fsdp's :class:`~hp_fsdp.GroupPlan` of its call (storage dtype of
+    ``param_bytes``) on the FSDP mesh holding tensor-parallel coordinate ``tp_coordinate``
+    of the stage's first data-parallel rank.
 
     Raises:
-        DryRunError: ``tp`` is a degree the trainer refuses.
+        DryRunError: ``tp`` or ``pp`` is a degree the trainer refuses.
     """
     check_tp(model, tp)
-    structure = _structure(model)
-    by_name = {p.name: p for p in structure.params}
-    start, stop = layers if layers is not None else (0, model.n_layers)
-    blocks = dict(structure.blocks)
+    whole = dp_shard % ep != 0  # Megatron's DDP (one chunk) under expert parallelism
+    shards = ep * max(1, dp_shard // ep) if whole else dp_shard
+    parallel = ParallelConfig(dp_shard=shards, tp=tp, pp=pp, ep=ep, ep_tp=ep_tp)
+    rank = stage * parallel.world_size // pp + tp_coordinate
+    job = job_plan(model, parallel, param_bytes=param_bytes, ranks=frozenset({rank}))
+    plan = job.stages[stage]
+    experts = frozenset(e.module for e in plan.experts)
+    moe: dict[str, GroupSpec] = {}
     groups: list[GroupSpec] = []
-    for i in range(start, stop):
-        params = [by_name[n] for n in blocks[i]]
-        if ep > 1 and model.moe is not None and model.moe.is_moe_layer(i):
-            moe = [p for p in params if p.name.startswith(f"layers.{i}.ffn.")]
-            params = [p for p in params if p not in moe]
-            groups.append(
-                _expert_group(
-                    f"layers.{i}.ffn", moe, max(1, dp_shard // ep), ep, tp, ep_tp, param_bytes
-                )
-            )
-        groups.append(
-            _group(model, f"layers.{i}", params, dp_shard, tp, tp_coordinate, param_bytes)
-        )
-    root_names = (structure.embedding if embedding else ()) + (structure.head if head else ())
-    root = [p for p in structure.params if p.name in set(root_names)]
-    if root:
-        groups.append(_group(model, "root", root, dp_shard, tp, tp_coordinate, param_bytes))
+    for group in plan.fsdp:
+        if rank not in group.mesh:
+            continue
+        spec = _group_spec(group, experts, model)
+        if group.unit in experts:
+            moe[group.unit.rsplit(".", 1)[0]] = spec
+            continue
+        if whole:
+            spec = _whole(spec, group.plans[0])
+        # The JobPlan lists the calls in call order (every expert module's first); the dry
+        # run prices them in forward order: an MoE layer's group just before its block's.
+        groups += [moe.pop(group.unit)] if group.unit in moe else []
+        groups.append(spec)
+    if moe:
+        raise AssertionError(f"expert groups {sorted(moe)} outside every unit of the stage")
     return tuple(groups)
-
-
-def _rank_groups(
-    model: ModelConfig, parallel: ParallelConfig, rank: int, param_bytes: int
-) -> tuple[int, Mesh, tuple[GroupSpec, ...]]:
-    check_fits(model, parallel)
-    stage, stage_mesh = _stage_of(parallel, rank)
-    coordinate = dict(zip(stage_mesh.axis_names, stage_mesh.coordinate(rank), strict=True))
-    groups = fsdp_groups(
-        model,
-        parallel.dp_shard,
-        parallel.tp,
-        tp_coordinate=coordinate[_TP],
-        param_bytes=param_bytes,
-        layers=stage_layers(model, parallel.pp, stage),
-        embedding=stage == 0,
-        head=stage == parallel.pp - 1,
-    )
-    return stage, stage_mesh, groups
-
-
-def _dp_axes(parallel: ParallelConfig) -> list[str]:
-    """The FSDP mesh's axes (:func:`hp_train.parallel.parallelize.build_layout`): HSDP over both
-    data
-    axes, or 1-d over the shard axis."""
-    return [_REPLICATE, _SHARD] if parallel.dp_replicate > 1 else [_SHARD]
-
-
-def _group_plans(
-    model: ModelConfig, parallel: ParallelConfig, rank: int, param_bytes: int
-) -> tuple[int, tuple[GroupPlan, ...]]:
-    """``rank``'s stage and hp-fsdp's plan of each of its ``fully_shard`` groups
-    (:func:`hp_fsdp.plan_group` of the resolved plan's local shapes, layouts and gradient
-    reductions, in module order, on the FSDP mesh holding ``rank``), each checked against
-    :func:`fsdp_groups` (the buffers the memory and communication figures count)."""
-    stage, stage_mesh, groups = _rank_groups(model, parallel, rank, param_bytes)
-    plan = _stage_plan(model, parallel, stage) if parallel.tp > 1 else None
-    dp_mesh = stage_mesh.submesh(_dp_axes(parallel), rank)
-    replicate = _REPLICATE if parallel.dp_replicate > 1 else None
-    structure = _structure(model)
-    by_name = {p.name: p for p in structure.params}
-    members = {f"layers.{i}": names for i, names in structure.blocks}
-    members["root"] = structure.embedding + structure.head
-    dtype = _DTYPES.get(param_bytes)
-    if dtype is None:
-        raise DryRunError(f"param_bytes must be one of {sorted(_DTYPES)}, got {param_bytes}")
-    plans = []
-    for g in groups:
-        held = {p.name for p in g.params}
-        specs = []
-        for name in (n for n in members[g.name] if n in held):
-            if plan is None:
-                specs.append(FSDPParamSpec(name, by_name[name].shape, dtype))
-                continue
-            planned = plan.param(name)
-            axes = planned.reduction.axes if planned.reduction is not None else ()
-            local = planned.layout.local_shape(rank)
-            specs.append(FSDPParamSpec(name, local, dtype, planned.layout, axes))
-        fsdp = plan_group(specs, dp_mesh, _SHARD, replicate, owner=g.owner)
-        if fsdp.fqns != tuple(p.name for p in g.params) or fsdp.flat != g.flat:
-            raise AssertionError(
-                f"{g.name} on rank {rank}: hp-fsdp packs {fsdp.fqns} as {fsdp.flat}, the dry "
-                f"run's figures {[p.name for p in g.params]} as {g.flat}"
-            )
-        plans.append(fsdp)
-    return stage, tuple(plans)
 
 
 def predicted_layouts(
@@ -539,39 +494,29 @@ def predicted_layouts(
 ) -> dict[str, Layout]:
     """Every parameter's layout on ``rank`` once the trainer has laid the model out, by name:
     what ``hp_dtensor.contract.layout_of`` reports for the parameters of ``rank``'s model (its
-    pipeline stage) after :func:`hp_train.parallel.parallelize.parallelize`.
-
-    Each is its flat slot's RaggedShard on ``dp_shard`` as hp-fsdp plans it
-    (:func:`hp_fsdp.plan_group`): with ``tp > 1`` over its resolved tensor-parallel layout on
-    the stage's ``(dp_replicate, dp_shard, tp)`` mesh; with ``tp == 1`` (no plan applied) over
-    the FSDP mesh alone, the ``dp_shard`` (or ``(dp_replicate, dp_shard)``) ranks holding
-    ``rank``. ``param_bytes`` is the storage dtype's size (the trainer's fp32 parameters: 4).
+    pipeline stage) after :func:`hp_train.parallel.parallelize.parallelize`: the JobPlan's
+    (``StagePlan.layouts``), hp-fsdp's flat slot of each parameter as a RaggedShard on the
+    FSDP shard axis, over its tensor- or expert-parallel layout. ``param_bytes`` is the
+    storage dtype's size (the trainer's fp32 parameters: 4).
 
     Raises:
         DryRunError: a configuration the trainer refuses, or a rank outside the world.
     """
-    _, plans = _group_plans(model, parallel, rank, param_bytes)
-    return {fqn: lay for g in plans for fqn, lay in zip(g.fqns, g.layouts, strict=True)}
+    return _rank_stage(model, parallel, rank, param_bytes).layouts(rank)
 
 
 def planned_model(
     model: ModelConfig, parallel: ParallelConfig, rank: int = 0, *, param_bytes: int = 4
 ) -> ParallelPlan:
-    """:func:`resolved_plan` of ``rank``'s model with each parameter's FSDP flat slot (on
-    ``rank``'s tensor-parallel coordinate, as hp-fsdp records it) and its optimizer group
-    (``"muon"``/``"adamw"`` by :func:`hp_muon.split_params`): the table
-    ``hp-dryrun --print-plan`` prints.
+    """The JobPlan's parallel plan of ``rank``'s stage with each parameter's FSDP flat slot on
+    ``rank`` (as hp-fsdp records it) and its optimizer group (``"muon"``/``"adamw"`` by
+    :func:`hp_muon.split_params`): the table ``hp-dryrun --print-plan`` prints.
 
     Raises:
         DryRunError: a configuration the trainer refuses, or a rank outside the world.
     """
-    stage, plans = _group_plans(model, parallel, rank, param_bytes)
-    slots: dict[str, FlatSlot] = {}
-    for g in plans:
-        slots.update(g.flat_slots())
-    optimizers = {p.name: p.optimizer for p in model_parameters(model) if p.name in slots}
-    plan = _stage_plan(model, parallel, stage)
-    return plan.with_flat_slots(slots).with_optimizer_groups(optimizers)
+    stage = _rank_stage(model, parallel, rank, param_bytes)
+    return stage.parallel.with_flat_slots(stage.flat_slots(rank))
 
 
 # Tensor-parallel activations -------------------------------------------------------------------
@@ -579,7 +524,7 @@ def planned_model(
 
 @lru_cache(maxsize=32)
 def _unit_collectives(model: ModelConfig) -> Mapping[str, tuple[tuple[str, ...], tuple[str, ...]]]:
-    plan = _stage_plan(model, ParallelConfig(tp=2), 0)
+    plan = _tp2_plan(model)
     units = {f"layers.{i}" for i, _ in _structure(model).blocks} | {"tok_embeddings", "output"}
     output = plan.model_output()
     out: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {}
