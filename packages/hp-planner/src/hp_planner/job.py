@@ -25,6 +25,7 @@ from hp_mpmd import SchedulePlan
 from hp_muon import MuonStepPlan
 from hp_planner.inputs import JobDims, TrainingPolicy
 from hp_planner.meshes import StageMeshes
+from hp_planner.report import job_table
 
 __all__ = [
     "ContextPlan",
@@ -234,8 +235,6 @@ class JobPlan:
     def table(self) -> str:
         """One table per stage: a line naming the stage, its ranks and meshes, the parallel
         plan's table (local shapes of the stage's first rank), then its FSDP groups."""
-        from hp_planner.report import job_table
-
         return job_table(self)
 
 

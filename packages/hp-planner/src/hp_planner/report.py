@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from hp_planner.job import JobPlan, StagePlan
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # job.py imports this module: the types only, for annotations
+    from hp_planner.job import JobPlan, StagePlan
 
 __all__ = ["job_table", "stage_table"]
 
