@@ -1,6 +1,6 @@
 """Benchmark: one MoE layer step (forward + backward), expert parallel vs one rank.
 
-An :class:`hp_dtensor.parallel.MoE` (``EXPERTS`` SwiGLU experts of ``DIM x HIDDEN``, top-
+An :class:`hp_train.model.moe.MoE` (``EXPERTS`` SwiGLU experts of ``DIM x HIDDEN``, top-
 ``TOP_K`` softmax routing, one shared expert, auxiliary loss) on ``WORLD`` gloo ranks with one
 thread each. Variants:
 
@@ -36,8 +36,9 @@ from _machine import machine_line
 from _ranks import run_local_ranks
 
 from hp_dtensor import DeviceMesh
-from hp_dtensor.parallel import ExpertParallel, MoE, parallelize_module
+from hp_dtensor.parallel import ExpertParallel, parallelize_module
 from hp_layout import Mesh
+from hp_train.model.moe import MoE
 
 WORLD = int(os.environ.get("WORLD", "2"))
 DIM, HIDDEN, EXPERTS, TOP_K, TOKENS = 256, 512, 8, 2, 2048

@@ -30,7 +30,6 @@ from hp_dtensor import DeviceMesh
 from hp_dtensor.parallel import (
     ColwiseParallel,
     ExpertParallel,
-    MoE,
     PlanError,
     PrepareModuleInput,
     RowwiseParallel,
@@ -45,6 +44,7 @@ from hp_layout import Mesh, Replicate
 from hp_testing import run_on_ranks
 from hp_testing.call_paths import PATHS, checkpointed_blocks, worst_gradient_error
 from hp_testing.llama import Llama, LlamaConfig
+from hp_testing.moe import MoE
 
 CONFIG = LlamaConfig(vocab_size=32, dim=16, n_layers=2, n_heads=4, ffn_dim=24, max_seq_len=8)
 BOUND = 1e-5  # fp32, relative to each gradient's largest entry

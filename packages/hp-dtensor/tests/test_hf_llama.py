@@ -33,7 +33,8 @@ from hp_dtensor.parallel import (
 )
 from hp_dtensor.parallel._structure import UnfollowableOutputError, map_tensors
 from hp_dtensor.parallel.equivalence import full_value
-from hp_dtensor.parallel.plan import check_sibling_projections, resolve_plan
+from hp_dtensor.parallel.plan import resolve_plan
+from hp_dtensor.parallel.siblings import check_sibling_projections
 from hp_layout import Mesh
 from hp_testing import run_on_ranks
 from hp_testing.hf import causal_lm, tp_plan_styles

@@ -19,8 +19,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hp_dtensor.parallel import MoE, TopKRouter
-from hp_dtensor.parallel.moe import (
+from hp_dtensor.parallel.moe_ops import (
     attach_aux_loss,
     combine,
     grouped_swiglu,
@@ -28,6 +27,7 @@ from hp_dtensor.parallel.moe import (
     route,
     sort_by_expert,
 )
+from hp_testing.moe import MoE, TopKRouter
 
 DIM, HIDDEN, EXPERTS, TOP_K, SHARED, TOKENS = 6, 5, 6, 2, 4, 24
 
@@ -178,13 +178,43 @@ def test_route_selects_by_biased_scores_and_weighs_by_unbiased_ones() -> None:
         route(tokens, weight, 1, score_func="relu")  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("score_func", ["softmax", "sigmoid"])
+@pytest.mark.parametrize(("normalize", "scale"), [(True, 1.0), (False, 2.5), (True, 0.5)])
+def test_route_normalizes_and_scales_the_weights_as_asked(
+    score_func: str, normalize: bool, scale: float
+) -> None:
+    g = torch.Generator().manual_seed(6)
+    tokens = torch.randn(9, DIM, generator=g, dtype=torch.float64)
+    weight = torch.randn(EXPERTS, DIM, generator=g, dtype=torch.float64)
+    bias = torch.linspace(0.2, -0.2, EXPERTS, dtype=torch.float64)
+    routing = route(
+        tokens,
+        weight,
+        TOP_K,
+        score_func=score_func,  # type: ignore[arg-type]
+        expert_bias=bias,
+        normalize=normalize,
+        scale=scale,
+    )
+    scores = _scores(tokens @ weight.t(), score_func)
+    picks = _pick(scores, bias, TOP_K)
+    assert routing.experts.tolist() == picks
+    for t, chosen in enumerate(picks):
+        want = [float(scores[t, e]) for e in chosen]
+        total = sum(want) if normalize else 1.0
+        want = [w / total * scale for w in want]
+        torch.testing.assert_close(
+            routing.weights[t], torch.tensor(want, dtype=torch.float64), rtol=1e-12, atol=0
+        )
+
+
 def test_sort_and_combine_by_brute_force() -> None:
     g = torch.Generator().manual_seed(3)
     tokens = torch.randn(7, 3, generator=g)
     experts = torch.tensor([[2, 0], [1, 2], [0, 3], [3, 1], [2, 1], [0, 2], [3, 0]])
     weights = torch.rand(7, 2, generator=g)
     counts = torch.bincount(experts.reshape(-1), minlength=4)
-    from hp_dtensor.parallel.moe import Routing
+    from hp_dtensor.parallel.moe_ops import Routing
 
     routing = Routing(experts, weights, torch.zeros(7, 4), counts)
     rows, order = sort_by_expert(tokens, routing)

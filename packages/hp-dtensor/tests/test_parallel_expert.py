@@ -23,7 +23,6 @@ from hp_dtensor.collectives import all_to_all_rows
 from hp_dtensor.parallel import (
     ExpertParallel,
     ExpertTensorParallel,
-    MoE,
     PlanError,
     PrepareModuleInput,
     check_gradients,
@@ -33,6 +32,7 @@ from hp_dtensor.parallel.equivalence import assert_equivalent, full_value
 from hp_dtensor.parallel.expert import plan_dispatch, regroup_index
 from hp_layout import Mesh, ReduceOp, Replicate, Shard
 from hp_testing import run_on_ranks
+from hp_testing.moe import MoE
 
 DIM, HIDDEN, EXPERTS, TOP_K, SHARED = 8, 12, 8, 2, 8
 EMPTY_EXPERT = 3

@@ -27,7 +27,6 @@ from hp_dtensor.parallel import (
     ExpertTensorParallel,
     FlatSlot,
     GradReductionPlan,
-    MoE,
     ParallelStyle,
     PlanError,
     RowwiseParallel,
@@ -39,6 +38,7 @@ from hp_dtensor.parallel import (
 from hp_layout import Mesh, ReduceOp, Replicate, Shard
 from hp_testing import run_on_ranks
 from hp_testing.llama import Llama, LlamaConfig
+from hp_testing.moe import MoE
 
 CONFIG = LlamaConfig(vocab_size=30, dim=16, n_layers=2, n_heads=4, ffn_dim=24, max_seq_len=8)
 TP2 = Mesh((2,), ("tp",))

@@ -1,5 +1,8 @@
 """hp_dtensor: runtime device mesh, autograd-aware collectives and a layout-driven DTensor."""
 
+# Importing _attributes (and through it _dispatch) installs DTensor's attribute handlers and
+# its op dispatch (see hp_dtensor._routing): every DTensor call goes through them.
+from hp_dtensor import _attributes as _attributes
 from hp_dtensor import rules
 from hp_dtensor._dispatch import implicit_replication
 from hp_dtensor.device_mesh import DeviceMesh, init_device_mesh

@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch._C import DisableTorchFunctionSubclass
 
+from hp_dtensor._dispatch import dispatch
+from hp_dtensor._routing import install_special
 from hp_dtensor.dtensor import DTensor
 from hp_dtensor.gradients import grad_layout, recorded_grad_layout
 from hp_dtensor.redistribute import redistribute_local
@@ -220,8 +222,6 @@ def _same_device(value: Any, device: torch.device) -> bool:
 def _to(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """``to(...)`` naming the device the DTensor is already on is no move (model code writes
     ``t.to(device=x.device, dtype=...)``); drop it and let the rule see the rest."""
-    from hp_dtensor import _dispatch
-
     self = args[0]
     assert isinstance(self, DTensor)
     rest = tuple(a for a in args[1:] if not _same_device(a, self.device))
@@ -230,7 +230,7 @@ def _to(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any])
         del kwargs["device"]
     if not rest and not {k for k in kwargs if k not in ("non_blocking", "copy")}:
         return self
-    return _dispatch.dispatch(func, (self, *rest), kwargs)
+    return dispatch(func, (self, *rest), kwargs)
 
 
 def _argument_of_caller(func: Callable[..., Any], name: str) -> Any:
@@ -252,13 +252,11 @@ def _l1_loss(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, 
     the arguments it hands to ``__torch_function__`` (for every tensor subclass), which would
     compute the unweighted loss without a word; the weight is read back from the running
     ``F.l1_loss`` call."""
-    from hp_dtensor import _dispatch
-
     if kwargs.get("weight") is None:
         weight = _argument_of_caller(F.l1_loss, "weight")
         if weight is not None:
             kwargs = {**kwargs, "weight": weight}
-    return _dispatch.dispatch(func, args, kwargs)
+    return dispatch(func, args, kwargs)
 
 
 def _metadata_functions() -> list[Any]:
@@ -317,3 +315,4 @@ SPECIAL[torch.Tensor.to] = _to
 for _f in (torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.__bool__):
     SPECIAL[_f] = _refuse_if_not_replicated
 SPECIAL[F.l1_loss] = _l1_loss
+install_special(SPECIAL)

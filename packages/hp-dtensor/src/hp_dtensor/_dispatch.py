@@ -34,6 +34,7 @@ import torch
 from torch._C import DisableTorchFunctionSubclass
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from hp_dtensor._routing import install_dispatch
 from hp_dtensor.device_mesh import DeviceMesh
 from hp_dtensor.dtensor import DTensor, as_one_value
 from hp_dtensor.redistribute import execute_plan, plan_for
@@ -458,3 +459,6 @@ def _dispatch_uncached(
     for observer in OBSERVERS:
         observer(func, args, kwargs, dtensors, prepared, result)
     return result
+
+
+install_dispatch(dispatch)

@@ -19,7 +19,8 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 from torch.utils.checkpoint import _CachingTorchDispatchMode
 
-from hp_dtensor import _comm, collectives
+import hp_dtensor._comm as _comm
+import hp_dtensor.collectives as collectives
 from hp_dtensor._comm import AxisGroup
 from hp_dtensor.collectives import _apply
 from hp_dtensor.device_mesh import DeviceMesh

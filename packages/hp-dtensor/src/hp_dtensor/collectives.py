@@ -17,7 +17,7 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 
-from hp_dtensor import _comm
+import hp_dtensor._comm as _comm
 from hp_dtensor._comm import AxisGroup
 from hp_dtensor.device_mesh import DeviceMesh
 from hp_dtensor.watchdog import watch

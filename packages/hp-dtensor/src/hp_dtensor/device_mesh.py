@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hp_dtensor import watchdog
+import hp_dtensor.watchdog as watchdog
 from hp_dtensor.device import backend_for, local_device, prepare_device_type
 from hp_layout import Mesh
 

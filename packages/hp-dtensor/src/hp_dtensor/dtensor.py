@@ -24,6 +24,7 @@ from typing import Any, cast
 
 import torch
 
+from hp_dtensor._routing import route
 from hp_dtensor.device_mesh import DeviceMesh
 from hp_dtensor.gradients import grad_layout
 from hp_dtensor.redistribute import redistribute_local
@@ -196,11 +197,7 @@ class DTensor(torch.Tensor):
         args: Sequence[Any] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
-        kwargs = kwargs or {}
-        special = _attributes.SPECIAL.get(func)
-        if special is not None:
-            return special(func, tuple(args), kwargs)
-        return _dispatch.dispatch(func, tuple(args), kwargs)
+        return route(func, tuple(args), kwargs or {})
 
 
 # Helpers ---------------------------------------------------------------------------------------
@@ -332,7 +329,3 @@ def _broadcast_from(data: torch.Tensor, mesh: DeviceMesh, src_rank: int) -> torc
     if mesh.size() > 1:
         dist.broadcast(out, src=src_rank, group=mesh.get_mesh_group())
     return out
-
-
-# The dispatch machinery needs the DTensor class; import it once the class exists.
-from hp_dtensor import _attributes, _dispatch  # noqa: E402

@@ -26,7 +26,7 @@ from torch._C._distributed_c10d import _resolve_process_group
 from torch.distributed.distributed_c10d import GroupName
 from torch.distributed.distributed_c10d import _get_group_size_by_name as _group_size_of
 
-from hp_kernels import reference
+import hp_kernels.reference as reference
 from hp_kernels.backends import force_reference, torch_npu_missing, warn_fallback
 
 __all__ = ["all_gather_matmul", "matmul_reduce_scatter"]

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import torch
 
-from hp_kernels import reference
+import hp_kernels.reference as reference
 from hp_kernels._checks import check_flat_layout
 from hp_kernels.backends import (
     Native,

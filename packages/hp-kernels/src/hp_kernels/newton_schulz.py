@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 import torch
 
-from hp_kernels import reference
+import hp_kernels.reference as reference
 from hp_kernels.backends import Native, cpu_extension_missing, pick
 from hp_kernels.precision import newton_schulz_dtype
 

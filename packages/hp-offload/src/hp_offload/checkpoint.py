@@ -31,7 +31,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy, SelectiveCheckpointContext, checkpoint
 from torch.utils.checkpoint import create_selective_checkpoint_contexts as _sac_contexts
 
-from hp_offload import memory
+import hp_offload.memory as memory
 from hp_offload.policy import (
     FULL_RECOMPUTE,
     Action,

@@ -45,7 +45,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hp_offload import memory
+import hp_offload.memory as memory
 
 __all__ = [
     "HostBufferPool",

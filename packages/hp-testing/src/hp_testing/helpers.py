@@ -61,6 +61,33 @@ def _max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(diff.nan_to_num(nan=0.0).max())
 
 
+def _assert_same_shape_and_dtype(
+    local: torch.Tensor,
+    size: int,
+    group: dist.ProcessGroup | None,
+    global_ranks: list[int],
+    prefix: str,
+) -> None:
+    """Raise (on every rank alike) if the ranks' tensors differ in shape or dtype, naming
+    which ranks have which. Plain tensor collectives: all_gather_object needs numpy."""
+    table = _dtype_table()
+    header = torch.tensor([local.dim(), table.index(local.dtype)], dtype=torch.int64)
+    headers = _all_gather(header, size, group)
+    padded = torch.full((max(1, *(int(h[0]) for h in headers)),), -1, dtype=torch.int64)
+    padded[: local.dim()] = torch.tensor(local.shape, dtype=torch.int64)
+    dims = _all_gather(padded, size, group)
+    kinds: dict[tuple[tuple[int, ...], torch.dtype], list[int]] = {}
+    for global_rank, dim, head in zip(global_ranks, dims, headers, strict=True):
+        shape = tuple(int(d) for d in dim[: int(head[0])])
+        kinds.setdefault((shape, table[int(head[1])]), []).append(global_rank)
+    if len(kinds) > 1:
+        listing = "; ".join(
+            f"rank(s) {members}: shape {list(shape)} dtype {dtype}"
+            for (shape, dtype), members in kinds.items()
+        )
+        raise AssertionError(f"{prefix}tensor shape/dtype differs across ranks: {listing}")
+
+
 def assert_all_ranks_equal(
     tensor: torch.Tensor,
     *,
@@ -89,23 +116,8 @@ def assert_all_ranks_equal(
     global_ranks = ranks if ranks is not None else list(range(size))
     prefix = f"{msg}: " if msg else ""
 
-    # Shapes and dtypes first, with plain tensor collectives (all_gather_object needs numpy).
-    table = _dtype_table()
-    header = torch.tensor([local.dim(), table.index(local.dtype)], dtype=torch.int64)
-    headers = _all_gather(header, size, group)
-    padded = torch.full((max(1, *(int(h[0]) for h in headers)),), -1, dtype=torch.int64)
-    padded[: local.dim()] = torch.tensor(local.shape, dtype=torch.int64)
-    dims = _all_gather(padded, size, group)
-    kinds: dict[tuple[tuple[int, ...], torch.dtype], list[int]] = {}
-    for global_rank, dim, head in zip(global_ranks, dims, headers, strict=True):
-        shape = tuple(int(d) for d in dim[: int(head[0])])
-        kinds.setdefault((shape, table[int(head[1])]), []).append(global_rank)
-    if len(kinds) > 1:
-        listing = "; ".join(
-            f"rank(s) {members}: shape {list(shape)} dtype {dtype}"
-            for (shape, dtype), members in kinds.items()
-        )
-        raise AssertionError(f"{prefix}tensor shape/dtype differs across ranks: {listing}")
+    # Shapes and dtypes first, so that unequal shapes fail cleanly instead of hanging.
+    _assert_same_shape_and_dtype(local, size, group, global_ranks, prefix)
 
     wire = local.to(torch.uint8) if local.dtype == torch.bool else local
     gathered = [torch.empty_like(wire) for _ in range(size)]

@@ -99,6 +99,35 @@ class _Round:
         key = (0 if dead else 1, time.time() if stamp is None else stamp)
         self.failures.append(_Failure(key, rank, text))
 
+    def record(self, task_id: int, rank: int, message: tuple[Any, ...]) -> None:
+        """Take one message of rank ``rank`` about task ``task_id`` (others are ignored): its
+        result (or failure), or the outcome of its after-task barrier."""
+        kind = message[0]
+        if kind == "result" and message[1] == task_id:
+            _, _, ok, data, stamp = message
+            self.returned.add(rank)
+            if not ok:
+                self.fail(rank, data, stamp=stamp)
+                return
+            try:
+                self.results[rank] = pickle.loads(data)
+            except Exception as exc:
+                self.fail(
+                    rank,
+                    f"the result of rank {rank} cannot be unpickled in the parent: "
+                    f"{type(exc).__name__}: {exc}",
+                    stamp=stamp,
+                )
+        elif kind == "synced" and message[1] == task_id:
+            self.synced.add(rank)
+            if not message[2]:
+                self.barrier_failed.add(rank)
+                self.fail(
+                    rank,
+                    "the after-task barrier failed (a collective left pending by the task, "
+                    f"or a broken process group):\n{message[3]}",
+                )
+
     def ordered_failures(self) -> dict[int, str]:
         out: dict[int, str] = {}
         for failure in sorted(self.failures):
@@ -429,6 +458,7 @@ class RankPool:
         )
 
     def _run(self, name: str, payload: bytes, timeout: float) -> list[Any]:
+        """Run one pickled task on every rank, then a barrier; the results in rank order."""
         self._task_id += 1
         task_id = self._task_id
         deadline = time.monotonic() + timeout
@@ -436,40 +466,32 @@ class RankPool:
         doing = f"while running {name}"
 
         def on_message(worker: _Worker, message: tuple[Any, ...]) -> None:
-            kind = message[0]
-            if kind == "result" and message[1] == task_id:
-                _, _, ok, data, stamp = message
-                state.returned.add(worker.rank)
-                if not ok:
-                    state.fail(worker.rank, data, stamp=stamp)
-                    return
-                try:
-                    state.results[worker.rank] = pickle.loads(data)
-                except Exception as exc:
-                    state.fail(
-                        worker.rank,
-                        f"the result of rank {worker.rank} cannot be unpickled in the parent: "
-                        f"{type(exc).__name__}: {exc}",
-                        stamp=stamp,
-                    )
-            elif kind == "synced" and message[1] == task_id:
-                state.synced.add(worker.rank)
-                if not message[2]:
-                    state.barrier_failed.add(worker.rank)
-                    state.fail(
-                        worker.rank,
-                        "the after-task barrier failed (a collective left pending by the task, "
-                        f"or a broken process group):\n{message[3]}",
-                    )
+            state.record(task_id, worker.rank, message)
 
-        message = pickle.dumps(("run", task_id, payload, list(sys.path)))
+        self._send_all(pickle.dumps(("run", task_id, payload, list(sys.path))), state, doing)
+        self._await_results(name, timeout, deadline, state, on_message, doing)
+        self._await_barrier(name, timeout, task_id, deadline, state, on_message, doing)
+        return [state.results[rank] for rank in range(self.world_size)]
+
+    def _send_all(self, message: bytes, state: _Round, doing: str) -> None:
+        """Send ``message`` to every worker (one that cannot be reached is marked dead)."""
         for worker in self._workers:
             try:
                 worker.conn.send_bytes(message)
             except OSError:
                 self._mark_dead(worker, state, doing)
 
-        # Phase 1: wait for every rank's result (shortened to the grace period once one fails).
+    def _await_results(
+        self,
+        name: str,
+        timeout: float,
+        deadline: float,
+        state: _Round,
+        on_message: Callable[[_Worker, tuple[Any, ...]], None],
+        doing: str,
+    ) -> None:
+        """Phase 1: wait for every rank's result (shortened to the grace period once one
+        fails); raise, restarting the workers, if a rank failed and another did not answer."""
         while True:
             waiting = [
                 w
@@ -490,15 +512,21 @@ class RankPool:
         if unanswered:
             self._raise_timeout(name, timeout, unanswered, state.returned, "running the task")
 
-        # Phase 2: everyone returned; barrier so nothing is left pending for the next task.
+    def _await_barrier(
+        self,
+        name: str,
+        timeout: float,
+        task_id: int,
+        deadline: float,
+        state: _Round,
+        on_message: Callable[[_Worker, tuple[Any, ...]], None],
+        doing: str,
+    ) -> None:
+        """Phase 2: everyone returned; barrier so nothing is left pending for the next task.
+        Raise on any failure (restarting the workers unless every one is known in sync)."""
         barrier_timeout = max(1.0, min(_BARRIER_TIMEOUT, deadline - time.monotonic()))
         sync_until = max(deadline, time.monotonic() + barrier_timeout + _BARRIER_SLACK)
-        message = pickle.dumps(("sync", task_id, barrier_timeout))
-        for worker in self._workers:
-            try:
-                worker.conn.send_bytes(message)
-            except OSError:
-                self._mark_dead(worker, state, doing)
+        self._send_all(pickle.dumps(("sync", task_id, barrier_timeout)), state, doing)
         while True:
             waiting = [
                 w for w in self._workers if w.rank not in state.synced and w.rank not in state.dead
@@ -518,7 +546,6 @@ class RankPool:
             self._raise_timeout(
                 name, timeout, unsynced, state.returned, "in the after-task barrier"
             )
-        return [state.results[rank] for rank in range(self.world_size)]
 
     def _raise_failure(
         self, name: str, state: _Round, unanswered: Iterable[int], *, restarted: bool

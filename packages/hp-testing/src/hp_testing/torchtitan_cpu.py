@@ -343,9 +343,12 @@ def synthetic_components(
     the same numbers whatever the FSDP implementation, and after a resume. No ``positions``:
     SDPA is causal.
     """
+    return _synthetic_tokenizer(vocab), _synthetic_dataloader(seed, distinct_batches, seed_stride)
+
+
+def _synthetic_tokenizer(vocab: int) -> Any:
+    """The tokenizer stand-in of :func:`synthetic_components` (bytes modulo ``vocab``)."""
     base_tokenizer = import_any("torchtitan.components.tokenizer").BaseTokenizer
-    base_dataloader = import_any("torchtitan.components.dataloader").BaseDataLoader
-    default_seed, default_distinct = seed, distinct_batches
 
     class SyntheticTokenizer(base_tokenizer):  # type: ignore[misc, valid-type]
         @dataclasses.dataclass(kw_only=True, slots=True)
@@ -365,6 +368,14 @@ def synthetic_components(
 
         def get_vocab_size(self) -> int:
             return int(self.vocab_size)
+
+    return SyntheticTokenizer
+
+
+def _synthetic_dataloader(seed: int, distinct_batches: int, seed_stride: int) -> Any:
+    """The deterministic dataloader of :func:`synthetic_components`."""
+    base_dataloader = import_any("torchtitan.components.dataloader").BaseDataLoader
+    default_seed, default_distinct = seed, distinct_batches
 
     class SyntheticDataLoader(base_dataloader):  # type: ignore[misc, valid-type]
         @dataclasses.dataclass(kw_only=True, slots=True)
@@ -412,4 +423,4 @@ def synthetic_components(
                 assert state_dict["world"] == self.dp_world_size
                 self.served = int(state_dict[f"served_rank_{self.dp_rank}"])
 
-    return SyntheticTokenizer, SyntheticDataLoader
+    return SyntheticDataLoader

@@ -29,9 +29,9 @@ from hp_dtensor.parallel.exact_region import (
     partial_gradients_of,
     run_in_exact_region,
 )
+from hp_dtensor.parallel.expert_module import ExpertModule
 from hp_dtensor.parallel.init import MaterializeError, materialize
 from hp_dtensor.parallel.loss import GradConvention, loss_parallel, vocab_parallel_cross_entropy
-from hp_dtensor.parallel.moe import GroupedExperts, MoE, Routing, SharedExperts, TopKRouter
 from hp_dtensor.parallel.plan import (
     Boundary,
     ExpertParallelPlan,
@@ -81,15 +81,14 @@ __all__ = [
     "ContextParallelError",
     "ContextParallelPlan",
     "DropoutVariant",
+    "ExpertModule",
     "ExpertParallel",
     "ExpertParallelPlan",
     "ExpertTensorParallel",
     "FlatSlot",
     "GradConvention",
     "GradReductionPlan",
-    "GroupedExperts",
     "MaterializeError",
-    "MoE",
     "Mode",
     "ModulePlan",
     "ParallelPlan",
@@ -102,13 +101,10 @@ __all__ = [
     "PrepareModuleInputOutput",
     "PrepareModuleOutput",
     "ReductionTime",
-    "Routing",
     "RowwiseParallel",
     "SequenceParallel",
     "SequenceSharding",
     "ShardingPlan",
-    "SharedExperts",
-    "TopKRouter",
     "TransformerNames",
     "check_gradients",
     "context_parallel_cross_entropy",

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from hp_dtensor import _comm
+import hp_dtensor._comm as _comm
 from hp_dtensor._moves import Move, compile_plan
 from hp_dtensor.device_mesh import DeviceMesh
 from hp_layout import Layout, Placement, RedistributePlan, Shard, plan_redistribute

@@ -69,7 +69,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from hp_dtensor import _comm
+import hp_dtensor._comm as _comm
 from hp_dtensor.collectives import _apply
 from hp_dtensor.parallel._grad_reduction import (
     _Bucket,

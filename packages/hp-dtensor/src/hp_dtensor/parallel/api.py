@@ -10,9 +10,10 @@ from torch import nn
 
 from hp_dtensor.device_mesh import DeviceMesh
 from hp_dtensor.parallel._plan_record import record_parallel_plan
-from hp_dtensor.parallel.plan import ShardingPlan, check_sibling_projections
+from hp_dtensor.parallel.plan import ShardingPlan
 from hp_dtensor.parallel.production import apply_production
 from hp_dtensor.parallel.resolved import resolve
+from hp_dtensor.parallel.siblings import check_sibling_projections
 from hp_dtensor.parallel.styles import ParallelStyle
 from hp_dtensor.parallel.validation import apply_validation
 

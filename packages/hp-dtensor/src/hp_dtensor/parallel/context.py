@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from hp_dtensor import _comm
+import hp_dtensor._comm as _comm
 from hp_dtensor._comm import AxisGroup
 from hp_dtensor.collectives import _apply, all_gather
 from hp_dtensor.device_mesh import DeviceMesh

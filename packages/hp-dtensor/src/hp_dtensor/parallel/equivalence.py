@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hp_dtensor import _comm
+import hp_dtensor._comm as _comm
 from hp_dtensor.device_mesh import DeviceMesh
 from hp_dtensor.dtensor import DTensor
 from hp_dtensor.interop import layout_of
@@ -125,22 +125,15 @@ def assert_equivalent(
     tp = tp_axis if tp_axis is not None else names[0]
     data_axes = tuple(n for n in names if n != tp) if dp_axes is None else tuple(dp_axes)
     make_optimizer = optimizer or (lambda params: torch.optim.AdamW(params, lr=1e-2))
-    torch.manual_seed(seed)
-    reference = build()
-    if deferred_init:
-        with torch.device("meta"):
-            model = build()
-        model = parallelize_module(model, mesh, plan, mode=mode, tp_axis=tp, dp_axes=data_axes)
-        materialize(model, seed=seed)
-    else:
-        torch.manual_seed(seed)
-        model = parallelize_module(build(), mesh, plan, mode=mode, tp_axis=tp, dp_axes=data_axes)
+    reference, model = _build_pair(build, plan, mesh, mode, tp, data_axes, seed, deferred_init)
     torch.manual_seed(seed + 1)
     ref_opt, opt = make_optimizer(reference.parameters()), make_optimizer(model.parameters())
     losses: list[float] = []
     ref_losses: list[float] = []
     grad_error, worst_grad = 0.0, ""
-    for step, (inputs, targets) in enumerate(batches):
+    parallel_loss = parallel_loss_fn or loss_fn
+    for step, batch in enumerate(batches):
+        inputs, targets = batch
         rng_state = torch.get_rng_state()
         ref_opt.zero_grad()
         ref_loss = loss_fn(reference(inputs), targets)
@@ -148,38 +141,18 @@ def assert_equivalent(
         ref_losses.append(ref_loss.item())
         torch.set_rng_state(rng_state)  # the same dropout draws for the parallelized model
         opt.zero_grad()
-        local_inputs = _data_parallel_slice(inputs, mesh, data_axes)
-        local_targets = _data_parallel_slice(targets, mesh, data_axes)
+        local_inputs, local_targets = (_data_parallel_slice(t, mesh, data_axes) for t in batch)
         losses.append(
-            _step_loss(
-                model,
-                mesh,
-                mode,
-                data_axes,
-                local_inputs,
-                local_targets,
-                parallel_loss_fn or loss_fn,
-            )
+            _step_loss(model, mesh, mode, data_axes, local_inputs, local_targets, parallel_loss)
         )
         if mode == "validation":
             check_gradients(model)
-        for (name, param), (_, ref_param) in zip(
-            model.named_parameters(), reference.named_parameters(), strict=True
-        ):
-            assert param.grad is not None, name
-            assert ref_param.grad is not None, name
-            error = _relative(full_value(param.grad, mesh, like=param), ref_param.grad)
-            if error > grad_error:
-                grad_error, worst_grad = error, f"{name} (step {step})"
+        step_error, step_worst = _worst_grad_error(model, reference, mesh, step)
+        if step_error > grad_error:
+            grad_error, worst_grad = step_error, step_worst
         ref_opt.step()
         opt.step()
-    param_error, worst_param = 0.0, ""
-    for (name, param), (_, ref_param) in zip(
-        model.named_parameters(), reference.named_parameters(), strict=True
-    ):
-        error = _relative(full_value(param, mesh), ref_param.detach())
-        if error > param_error:
-            param_error, worst_param = error, name
+    param_error, worst_param = _worst_param_error(model, reference, mesh)
     loss_error = max(
         (abs(a - b) / max(abs(b), 1.0) for a, b in zip(losses, ref_losses, strict=True)),
         default=0.0,
@@ -197,6 +170,62 @@ def assert_equivalent(
     if loss_error > loss_tolerance or grad_error > grad_tolerance or param_error > grad_tolerance:
         raise AssertionError(f"{mode} mode differs from single device: {report}")
     return report
+
+
+def _build_pair(
+    build: Callable[[], nn.Module],
+    plan: Mapping[str, ParallelStyle | ShardingPlan],
+    mesh: DeviceMesh,
+    mode: Mode,
+    tp: str,
+    data_axes: tuple[str, ...],
+    seed: int,
+    deferred_init: bool,
+) -> tuple[nn.Module, nn.Module]:
+    """The single-device reference and the parallelized model, both built from ``seed`` (the
+    parallelized one on ``meta`` and materialized shard by shard with ``deferred_init``)."""
+    torch.manual_seed(seed)
+    reference = build()
+    if deferred_init:
+        with torch.device("meta"):
+            model = build()
+        model = parallelize_module(model, mesh, plan, mode=mode, tp_axis=tp, dp_axes=data_axes)
+        materialize(model, seed=seed)
+    else:
+        torch.manual_seed(seed)
+        model = parallelize_module(build(), mesh, plan, mode=mode, tp_axis=tp, dp_axes=data_axes)
+    return reference, model
+
+
+def _worst_grad_error(
+    model: nn.Module, reference: nn.Module, mesh: DeviceMesh, step: int
+) -> tuple[float, str]:
+    """The largest relative gradient error of this step and where it is (the first parameter
+    with it, and the step), or ``(0.0, "")``."""
+    grad_error, worst_grad = 0.0, ""
+    for (name, param), (_, ref_param) in zip(
+        model.named_parameters(), reference.named_parameters(), strict=True
+    ):
+        assert param.grad is not None, name
+        assert ref_param.grad is not None, name
+        error = _relative(full_value(param.grad, mesh, like=param), ref_param.grad)
+        if error > grad_error:
+            grad_error, worst_grad = error, f"{name} (step {step})"
+    return grad_error, worst_grad
+
+
+def _worst_param_error(
+    model: nn.Module, reference: nn.Module, mesh: DeviceMesh
+) -> tuple[float, str]:
+    """The largest relative parameter error and the first parameter with it, or ``(0.0, "")``."""
+    param_error, worst_param = 0.0, ""
+    for (name, param), (_, ref_param) in zip(
+        model.named_parameters(), reference.named_parameters(), strict=True
+    ):
+        error = _relative(full_value(param, mesh), ref_param.detach())
+        if error > param_error:
+            param_error, worst_param = error, name
+    return param_error, worst_param
 
 
 def _step_loss(

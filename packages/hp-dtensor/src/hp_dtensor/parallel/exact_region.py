@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hp_dtensor import _comm
+import hp_dtensor._comm as _comm
 from hp_dtensor.collectives import _apply
 from hp_dtensor.device_mesh import DeviceMesh
 from hp_dtensor.parallel._region import _ExactToPartial, _PartialToExact, keep_edge_outermost

@@ -1,6 +1,7 @@
-"""Expert parallelism for :class:`~hp_dtensor.parallel.moe.MoE`: token dispatch and combine by
-ragged all-to-all, and the forwards of the :class:`ExpertParallel` and
-:class:`ExpertTensorParallel` styles in both modes.
+"""Expert parallelism for mixture-of-experts modules: token dispatch and combine by ragged
+all-to-all, and the forwards of the :class:`ExpertParallel` and :class:`ExpertTensorParallel`
+styles in both modes. The module is any :class:`~hp_dtensor.parallel.ExpertModule` (the
+structure the dispatch reads: router, expert stacks, optional shared experts, ``finish``).
 
 Setup (EP = DP): every rank of the ep axis holds its *own* tokens (the MoE input is
 ``Shard(0)`` on the ep axis: the global batch is the concatenation of the ranks' batches along
@@ -41,13 +42,14 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from hp_dtensor import _comm
+import hp_dtensor._comm as _comm
 from hp_dtensor.collectives import _apply, all_reduce, all_to_all_rows
 from hp_dtensor.device_mesh import DeviceMesh
 from hp_dtensor.dtensor import DTensor
 from hp_dtensor.interop import layout_of
 from hp_dtensor.parallel._region import _PartialToExact as _CopyToTp
-from hp_dtensor.parallel.moe import MoE, combine, grouped_swiglu, route, sort_by_expert, swiglu
+from hp_dtensor.parallel.expert_module import ExpertModule, expert_module_of
+from hp_dtensor.parallel.moe_ops import combine, grouped_swiglu, route, sort_by_expert, swiglu
 from hp_dtensor.parallel.plan import PlanError
 from hp_layout import Layout, ReduceOp, Shard
 
@@ -167,7 +169,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def run_expert_parallel(
-    moe: MoE,
+    moe: ExpertModule,
     x: torch.Tensor,
     mesh: DeviceMesh,
     ep_axis: str,
@@ -254,25 +256,16 @@ def _axes_from_layout(layout: Layout, ep_axis: str, module: nn.Module, w2: Layou
     return tp[0] if tp else None
 
 
-def _check_moe(module: nn.Module) -> MoE:
-    if not isinstance(module, MoE):
-        raise PlanError(
-            f"expert parallel styles shard hp_dtensor.parallel.moe.MoE modules, got "
-            f"{type(module).__name__}"
-        )
-    return module
-
-
 def expert_parallel_forward(module: nn.Module, axis_mesh: DeviceMesh) -> Callable[..., Any]:
     """The production forward of an ``ExpertParallel``/``ExpertTensorParallel`` MoE whose
     parameters are already this rank's annotated shards; ``axis_mesh`` is the ep axis."""
-    moe = _check_moe(module)
+    moe = expert_module_of(module, "expert parallelism", type(module).__name__)
     ep_axis = axis_mesh.mesh_dim_names[0]
     layout = layout_of(moe.experts.w1)
-    tp_axis = _axes_from_layout(layout, ep_axis, moe, layout_of(moe.experts.w2))
+    tp_axis = _axes_from_layout(layout, ep_axis, module, layout_of(moe.experts.w2))
     mesh = DeviceMesh.lookup(axis_mesh.device_type, layout.mesh)
 
-    def forward(self: MoE, x: torch.Tensor) -> torch.Tensor:
+    def forward(self: ExpertModule, x: torch.Tensor) -> torch.Tensor:
         return run_expert_parallel(self, x, mesh, ep_axis, tp_axis, "exact")
 
     return forward
@@ -282,13 +275,13 @@ def install_validation_forward(module: nn.Module, mesh: DeviceMesh, axis: str) -
     """Replace the forward of an expert-parallel MoE in validation mode: the same computation
     as production mode on the local shards of its DTensor parameters and input; the output is
     a DTensor with the input's layout (checked at the boundary)."""
-    moe = _check_moe(module)
+    moe = expert_module_of(module, "expert parallelism", type(module).__name__)
     w1, w2 = moe.experts.w1, moe.experts.w2
     if not isinstance(w1, DTensor) or not isinstance(w2, DTensor):
         raise PlanError("validation mode needs the expert stacks as DTensors")
-    tp_axis = _axes_from_layout(w1.dist_layout, axis, moe, w2.dist_layout)
+    tp_axis = _axes_from_layout(w1.dist_layout, axis, module, w2.dist_layout)
 
-    def forward(self: MoE, x: torch.Tensor) -> torch.Tensor:
+    def forward(self: ExpertModule, x: torch.Tensor) -> torch.Tensor:
         if not isinstance(x, DTensor):
             raise PlanError(f"expert-parallel MoE in validation mode got a {type(x).__name__}")
         out = run_expert_parallel(self, x.to_local(), mesh, axis, tp_axis, "adjoint")

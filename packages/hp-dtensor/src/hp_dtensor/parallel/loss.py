@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode, handle_torch_function, has_torch_function
 
-from hp_dtensor import _comm
+import hp_dtensor._comm as _comm
 from hp_dtensor._comm import AxisGroup
 from hp_dtensor.device_mesh import DeviceMesh
 from hp_dtensor.dtensor import DTensor

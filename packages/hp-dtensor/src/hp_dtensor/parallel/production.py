@@ -41,7 +41,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from hp_dtensor import _comm
+import hp_dtensor._comm as _comm
 from hp_dtensor.device_mesh import DeviceMesh
 from hp_dtensor.interop import (
     annotate_layout,

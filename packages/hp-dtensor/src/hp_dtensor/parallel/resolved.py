@@ -632,6 +632,69 @@ def _grid(mesh: object) -> Mesh:
     )
 
 
+def _planned_placements(
+    module: nn.Module, lowered: Sequence[tuple[str, ShardingPlan]], grid: Mesh, axis_index: int
+) -> tuple[dict[int, tuple[Placement, ...]], dict[int, str]]:
+    """Each planned parameter's placements over every mesh axis and the style that placed it,
+    by ``id`` of the parameter (a parameter shared by two modules must be placed alike)."""
+    placements: dict[int, tuple[Placement, ...]] = {}
+    styled: dict[int, str] = {}
+    for name, sharding in lowered:
+        submodule = module.get_submodule(name)
+        for param_name, placement in sharding.params.items():
+            param = submodule.get_parameter(param_name)  # dotted: a submodule's parameter
+            where = f"parameter {name + '.' if name else ''}{param_name}"
+            full = _full_placements(placement, grid, axis_index, where)
+            previous = placements.get(id(param))
+            if previous is not None and previous != full:
+                raise PlanError(
+                    f"{where} is shared with another module that places it as {previous}; a "
+                    f"shared parameter needs one placement, got {full} too"
+                )
+            placements[id(param)] = full
+            styled[id(param)] = sharding.style
+    return placements, styled
+
+
+def _param_plans(
+    module: nn.Module,
+    grid: Mesh,
+    placements: Mapping[int, tuple[Placement, ...]],
+    styled: Mapping[int, str],
+    tp_axis: str,
+    data_axes: tuple[str, ...],
+    mode: Mode,
+) -> tuple[ParamPlan, ...]:
+    """One :class:`ParamPlan` per distinct parameter in ``named_modules`` order (unplanned ones
+    replicated), a shared parameter's other names as its aliases."""
+    params: dict[int, ParamPlan] = {}
+    order: list[int] = []
+    for module_name, sub in module.named_modules():
+        for attr, param in sub.named_parameters(recurse=False):
+            fqn = f"{module_name}.{attr}" if module_name else attr
+            key = id(param)
+            if key in params:
+                params[key] = replace(params[key], aliases=(*params[key].aliases, fqn))
+                continue
+            full = placements.get(key, (Replicate(),) * grid.ndim)
+            layout = Layout(tuple(param.shape), grid, full)
+            if any(isinstance(p, RaggedShard) for p in full):
+                raise PlanError(f"parameter {fqn}: RaggedShard is a sharder's placement")
+            params[key] = ParamPlan(
+                fqn=fqn,
+                global_shape=tuple(param.shape),
+                dtype=_dtype_name(param.dtype),
+                layout=layout,
+                module=module_name,
+                style=styled.get(key),
+                reduction=_reduction(grid, full, tp_axis, data_axes, mode)
+                if param.requires_grad
+                else None,
+            )
+            order.append(key)
+    return tuple(params[k] for k in order)
+
+
 def resolve(
     module: nn.Module,
     mesh: Mesh | DeviceMesh | Any,
@@ -674,47 +737,8 @@ def resolve(
     for axis in data_axes:
         grid.axis_index(axis)
     lowered = resolve_plan(module, plan)
-    placements: dict[int, tuple[Placement, ...]] = {}
-    styled: dict[int, str] = {}
-    for name, sharding in lowered:
-        submodule = module.get_submodule(name)
-        for param_name, placement in sharding.params.items():
-            param = submodule.get_parameter(param_name)  # dotted: a submodule's parameter
-            where = f"parameter {name + '.' if name else ''}{param_name}"
-            full = _full_placements(placement, grid, axis_index, where)
-            previous = placements.get(id(param))
-            if previous is not None and previous != full:
-                raise PlanError(
-                    f"{where} is shared with another module that places it as {previous}; a "
-                    f"shared parameter needs one placement, got {full} too"
-                )
-            placements[id(param)] = full
-            styled[id(param)] = sharding.style
-    params: dict[int, ParamPlan] = {}
-    order: list[int] = []
-    for module_name, sub in module.named_modules():
-        for attr, param in sub.named_parameters(recurse=False):
-            fqn = f"{module_name}.{attr}" if module_name else attr
-            key = id(param)
-            if key in params:
-                params[key] = replace(params[key], aliases=(*params[key].aliases, fqn))
-                continue
-            full = placements.get(key, (Replicate(),) * grid.ndim)
-            layout = Layout(tuple(param.shape), grid, full)
-            if any(isinstance(p, RaggedShard) for p in full):
-                raise PlanError(f"parameter {fqn}: RaggedShard is a sharder's placement")
-            params[key] = ParamPlan(
-                fqn=fqn,
-                global_shape=tuple(param.shape),
-                dtype=_dtype_name(param.dtype),
-                layout=layout,
-                module=module_name,
-                style=styled.get(key),
-                reduction=_reduction(grid, full, tp_axis, data_axes, mode)
-                if param.requires_grad
-                else None,
-            )
-            order.append(key)
+    placements, styled = _planned_placements(module, lowered, grid, axis_index)
+    params = _param_plans(module, grid, placements, styled, tp_axis, data_axes, mode)
     size = grid.axis_size(tp_axis)
     boundaries = [b for name, sharding in lowered for b in _boundaries(name, sharding, size)]
     modules = tuple(
@@ -727,6 +751,6 @@ def resolve(
         dp_axes=data_axes,
         mode=mode,
         modules=modules,
-        params=tuple(params[k] for k in order),
+        params=params,
         boundaries=tuple(boundaries),
     )

@@ -25,10 +25,12 @@ from typing import TYPE_CHECKING, Any, cast
 
 from torch import nn
 
+import hp_dtensor.parallel.context_attention as context_attention
+import hp_dtensor.parallel.expert as expert
+import hp_dtensor.parallel.local_forwards as local_forwards
 from hp_dtensor.interop import style_placement
-from hp_dtensor.parallel import local_forwards
 from hp_dtensor.parallel.context_plan import ContextParallelPlan
-from hp_dtensor.parallel.moe import MoE
+from hp_dtensor.parallel.expert_module import expert_module_of
 from hp_dtensor.parallel.plan import (
     Boundary,
     ExpertParallelPlan,
@@ -323,16 +325,12 @@ class ContextParallel(ParallelStyle):
     def production_forward(
         self, module: nn.Module, sharding: ShardingPlan, axis_mesh: DeviceMesh, coordinate: int
     ) -> Callable[..., Any] | None:
-        from hp_dtensor.parallel import context_attention
-
         assert isinstance(sharding, ContextParallelPlan)
         return context_attention.production_forward(module, sharding, axis_mesh)
 
     def install_validation_forward(
         self, module: nn.Module, sharding: ShardingPlan, mesh: DeviceMesh, axis: str
     ) -> None:
-        from hp_dtensor.parallel import context_attention
-
         assert isinstance(sharding, ContextParallelPlan)
         context_attention.install_validation_forward(module, sharding, mesh, axis)
 
@@ -347,15 +345,11 @@ class _ExpertForwards(ParallelStyle):
     def production_forward(
         self, module: nn.Module, sharding: ShardingPlan, axis_mesh: DeviceMesh, coordinate: int
     ) -> Callable[..., Any] | None:
-        from hp_dtensor.parallel.expert import expert_parallel_forward
-
-        return expert_parallel_forward(module, axis_mesh)
+        return expert.expert_parallel_forward(module, axis_mesh)
 
     def install_validation_forward(
         self, module: nn.Module, sharding: ShardingPlan, mesh: DeviceMesh, axis: str
     ) -> None:
-        from hp_dtensor.parallel import expert
-
         expert.install_validation_forward(module, mesh, axis)
 
 
@@ -369,8 +363,7 @@ def _expert_boundaries(
     use_local_output: bool,
     expert_tp_axis: str | None = None,
 ) -> ShardingPlan:
-    if not isinstance(module, MoE):
-        raise _refuse(style, module, name, "hp_dtensor.parallel.moe.MoE")
+    moe = expert_module_of(module, style, name)
     tokens = Shard(0)
     return ExpertParallelPlan(
         params=params,
@@ -379,15 +372,15 @@ def _expert_boundaries(
         use_local_output=use_local_output,
         replaces_forward=True,
         style=style,
-        num_experts=module.num_experts,
-        top_k=module.top_k,
+        num_experts=moe.num_experts,
+        top_k=moe.top_k,
         expert_tp_axis=expert_tp_axis,
     )
 
 
 @dataclass(frozen=True)
 class ExpertParallel(_ExpertForwards):
-    """Expert parallelism on a :class:`~hp_dtensor.parallel.moe.MoE` over the parallel axis
+    """Expert parallelism on a :class:`~hp_dtensor.parallel.ExpertModule` over the parallel axis
     (the ep axis: ``parallelize_module(..., tp_axis="ep")``). See
     :mod:`hp_dtensor.parallel.expert`.
 
@@ -427,7 +420,7 @@ class ExpertParallel(_ExpertForwards):
 
 @dataclass(frozen=True)
 class ExpertTensorParallel(_ExpertForwards):
-    """EP x TP on a :class:`~hp_dtensor.parallel.moe.MoE`: experts sharded over ``ep_axis``
+    """EP x TP on a :class:`~hp_dtensor.parallel.ExpertModule`: experts sharded over ``ep_axis``
     (``Shard(0)``), each expert's hidden dim over ``tp_axis`` (``w1``/``w3`` ``Shard(1)``,
     ``w2`` ``Shard(2)``). Apply with the ep axis as the parallel axis and no data-parallel
     axis among them: ``parallelize_module(model, mesh, plan, tp_axis=ep_axis, dp_axes=())``.

@@ -33,7 +33,7 @@ from torch import nn
 from torch._C import DisableTorchFunctionSubclass
 from torch.utils._pytree import tree_flatten
 
-from hp_dtensor import _dispatch
+import hp_dtensor._dispatch as _dispatch
 from hp_dtensor._dispatch import implicit_replication, replicate_plain_tensors_on
 from hp_dtensor.device_mesh import DeviceMesh
 from hp_dtensor.dtensor import DTensor, distribute_tensor

@@ -22,8 +22,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hp_dtensor.parallel import CausalAttention, MoE
+from hp_dtensor.parallel import CausalAttention
 from hp_train.config.schema import ModelConfig, MoEConfig, RopeScaling
+from hp_train.model.moe import MoE
 
 __all__ = [
     "Attention",

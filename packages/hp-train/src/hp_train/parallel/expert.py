@@ -45,13 +45,13 @@ from hp_dtensor import DeviceMesh
 from hp_dtensor.parallel import (
     ExpertParallel,
     ExpertTensorParallel,
-    MoE,
     ParallelStyle,
     parallelize_module,
     run_in_exact_region,
 )
 from hp_fsdp import fully_shard
 from hp_train.model.llama import Transformer
+from hp_train.model.moe import MoE
 
 __all__ = [
     "EP_AXIS",

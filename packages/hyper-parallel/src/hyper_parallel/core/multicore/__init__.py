@@ -27,5 +27,5 @@ def _refusal() -> NotOfferedError:
         "MegaMoeExperts (upstream's Ascend multicore MoE-FFN overlap operator)",
         "what exists is communication fused with matmuls for tensor parallelism, "
         "hp_kernels.all_gather_matmul and hp_kernels.matmul_reduce_scatter, and MoE layers "
-        "with expert parallelism, hp_dtensor.parallel.MoE with ExpertParallel",
+        "with expert parallelism, hp_train.model.moe.MoE with hp_dtensor.parallel.ExpertParallel",
     )
