@@ -531,7 +531,8 @@ def lint(session: nox.Session) -> None:
 
 @nox.session(tags=[CI_TAG])
 def dag(session: nox.Session) -> None:
-    """Enforce the package DAG (tools/check_dag.py), test and type-check the checker."""
+    """Enforce the package DAG (tools/check_dag.py) and the sources' structure
+    (tools/check_structure.py), test and type-check the checkers."""
     session.install(
         *PIP_ARGS,
         "pytest",
@@ -543,6 +544,8 @@ def dag(session: nox.Session) -> None:
     cache = Path(session.create_tmp()) / "mypy_cache"
     steps: list[tuple[str, list[str]]] = [
         ("check_dag.py", ["python", str(ROOT / "tools" / "check_dag.py")]),
+        # No function over 80 lines and no import cycle inside a package (issue 40).
+        ("check_structure.py", ["python", str(ROOT / "tools" / "check_structure.py")]),
         (
             "mypy tools noxfile.py",
             [
@@ -569,7 +572,7 @@ def dag(session: nox.Session) -> None:
         ),
     ]
     failed = []
-    for label, cmd in steps:  # run all three, so the checker's own tests run on a bad tree too
+    for label, cmd in steps:  # run them all, so the checkers' own tests run on a bad tree too
         try:
             session.run(*cmd)
         except CommandFailed:

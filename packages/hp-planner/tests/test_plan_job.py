@@ -111,13 +111,15 @@ def test_every_parameter_in_one_call_per_fsdp_mesh_with_the_buffer_sizes_of_the_
     assert json.loads(plan.to_json())["dims"]["tp"] == dims.tp
 
 
-def _lay_out(dims: JobDims, plan_json: str) -> dict[str, Any]:
-    """On each rank: the model laid out by the executors, what they recorded."""
+def _lay_out(dims: JobDims, muon_plans: dict[int, Any]) -> dict[str, Any]:
+    """On each rank: the model laid out by the executors, what they recorded; then one Muon
+    step given this rank's planned Muon step (``Muon(plan=)`` refuses any other)."""
     from hp_dtensor import DeviceMesh
     from hp_dtensor.contract import parallel_plan_of
     from hp_dtensor.parallel import parallelize_module
     from hp_fsdp import fully_shard
     from hp_layout import Mesh
+    from hp_muon import Muon, split_params
 
     torch.manual_seed(0)
     model = Llama(CONFIG)
@@ -131,6 +133,10 @@ def _lay_out(dims: JobDims, plan_json: str) -> dict[str, Any]:
     fully_shard(model, mesh=mesh[axes])
     applied = parallel_plan_of(model)
     assert applied is not None
+    muon = Muon(split_params(model).muon_params, lr=0.01, plan=muon_plans[dist.get_rank()])
+    tokens = torch.randint(0, CONFIG.vocab_size, (2, 8))
+    model(tokens).float().square().mean().backward()
+    muon.step()  # plans its step and compares it with the given plan first
     return {
         "rank": dist.get_rank(),
         "slots": {p.fqn: p.flat for p in applied.params if p.flat is not None},
@@ -145,7 +151,8 @@ def _lay_out(dims: JobDims, plan_json: str) -> dict[str, Any]:
 def test_the_executors_record_what_the_plan_says_on_every_rank(dims: JobDims) -> None:
     plan = _plan(dims)
     (stage,) = plan.stages
-    for got in run_on_ranks(dims.world_size, _lay_out, dims, plan.to_json(), timeout=120):
+    muon_plans = {r: stage.muon_plan(r) for r in range(dims.world_size)}
+    for got in run_on_ranks(dims.world_size, _lay_out, dims, muon_plans, timeout=120):
         rank = got["rank"]
         want = {}
         for g in stage.fsdp:
@@ -155,6 +162,62 @@ def test_the_executors_record_what_the_plan_says_on_every_rank(dims: JobDims) ->
         assert got["slots"] == want, rank
         if dims.tp > 1:
             assert got["layouts"] == {p.fqn: (p.layout, p.reduction) for p in stage.parallel.params}
+
+
+def test_ranks_plans_only_the_meshes_holding_them() -> None:
+    dims = JobDims(dp_shard=2, tp=2)
+    full = _plan(dims)
+    part = plan_job(
+        _meta_model(),
+        dims,
+        ModelParallelism.of(TP_PLAN, fsdp_units=("layers.*",)),
+        TrainingPolicy(),
+        ranks=[0],
+    )
+    (stage,) = part.stages
+    assert {g.mesh.ranks for g in stage.fsdp} == {(0, 2)}  # tp innermost: rank 0's dp peers
+    assert stage.fsdp == tuple(g for g in full.stages[0].fsdp if 0 in g.mesh)
+    assert stage.parallel == full.stages[0].parallel
+    assert full.stages[0].muon
+    quick = plan_job(
+        _meta_model(),
+        dims,
+        ModelParallelism.of(TP_PLAN, fsdp_units=("layers.*",)),
+        TrainingPolicy(),
+        muon=False,
+    )
+    assert quick.stages[0].muon == ()
+    assert quick.stages[0].fsdp == full.stages[0].fsdp
+
+
+def test_two_models_planned_with_the_same_patterns_get_their_own_modules() -> None:
+    parallelism = ModelParallelism.of(TP_PLAN, fsdp_units=("layers.*",))
+    for n_layers in (2, 3, 1):
+        with torch.device("meta"):
+            model = Llama(LlamaConfig(**{**CONFIG.__dict__, "n_layers": n_layers}))
+        (stage,) = plan_job(model, JobDims(dp_shard=2), parallelism, TrainingPolicy()).stages
+        units = [f"layers.{i}" for i in range(n_layers)]
+        assert [g.unit for g in stage.fsdp] == [*units, ""]
+
+
+def test_the_optimizer_split_follows_the_recipe_and_muon_runs_on_every_rank() -> None:
+    parallelism = ModelParallelism.of(TP_PLAN, fsdp_units=("layers.*",))
+    training = TrainingPolicy(adamw_patterns=("layers.0.attn.q_proj.*",))
+    plan = plan_job(
+        [_meta_model(), _meta_model()], JobDims(pp=2, dp_shard=2), parallelism, training
+    )
+    for stage in plan.stages:
+        groups = {p.fqn: p.optimizer_group for p in stage.parallel.params}
+        assert groups["layers.0.attn.q_proj.weight"] == "adamw"
+        assert groups["layers.1.attn.q_proj.weight"] == "muon"
+        matrices = sum(1 for g in groups.values() if g == "muon")
+        for rank in stage.ranks:
+            step = stage.muon_plan(rank)
+            assert step is not None
+            (group,) = step.groups
+            # Muon's default process group: every rank of the job, each stage's too.
+            assert group.ranks == (0, 1, 2, 3)
+            assert len(group.indices) == matrices
 
 
 def test_a_hugging_face_model_plans_without_processes() -> None:
