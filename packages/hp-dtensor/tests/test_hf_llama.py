@@ -33,7 +33,7 @@ from hp_dtensor.parallel import (
 )
 from hp_dtensor.parallel._structure import UnfollowableOutputError, map_tensors
 from hp_dtensor.parallel.equivalence import full_value
-from hp_dtensor.parallel.plan import resolve_plan
+from hp_dtensor.parallel.plan import lower_plan
 from hp_dtensor.parallel.siblings import check_sibling_projections
 from hp_layout import Mesh
 from hp_testing import run_on_ranks
@@ -226,13 +226,13 @@ def test_wrong_plans_are_refused_naming_the_module(mode: str, wrong: str, expect
 def test_sibling_check_is_pure_and_accepts_an_explicit_replicated_twin() -> None:
     model = _build("llama")
     plan: dict[str, ParallelStyle | ShardingPlan] = dict(tp_plan())
-    check_sibling_projections(model, resolve_plan(model, plan))
+    check_sibling_projections(model, lower_plan(model, plan))
     del plan["model.layers.*.self_attn.v_proj"]
     with pytest.raises(PlanError, match=r"v_proj.*twin.*k_proj"):
-        check_sibling_projections(model, resolve_plan(model, plan))
+        check_sibling_projections(model, lower_plan(model, plan))
     # Saying that it stays replicated is accepted.
     plan["model.layers.*.self_attn.v_proj"] = ShardingPlan()
-    check_sibling_projections(model, resolve_plan(model, plan))
+    check_sibling_projections(model, lower_plan(model, plan))
 
 
 # Output structures ------------------------------------------------------------------------------

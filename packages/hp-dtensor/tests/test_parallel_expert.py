@@ -137,9 +137,9 @@ def test_plan_errors() -> None:
 
 
 def parallelize_module_lower(model: nn.Module) -> None:
-    from hp_dtensor.parallel import resolve_plan
+    from hp_dtensor.parallel import lower_plan
 
-    resolve_plan(model, {"lin": ExpertParallel()})
+    lower_plan(model, {"lin": ExpertParallel()})
 
 
 # Multi-process ---------------------------------------------------------------------------

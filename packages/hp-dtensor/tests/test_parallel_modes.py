@@ -25,8 +25,8 @@ from hp_dtensor.parallel import (
     RowwiseParallel,
     ShardingPlan,
     loss_parallel,
+    lower_plan,
     parallelize_module,
-    resolve_plan,
     transformer_tp_plan,
 )
 from hp_dtensor.parallel.equivalence import EquivalenceReport, assert_equivalent
@@ -157,14 +157,14 @@ def test_validation_mode_catches_a_wrong_plan() -> None:
 def test_plan_errors_are_clear() -> None:
     model = Llama(CONFIG)
     with pytest.raises(PlanError, match=r"plan entry 'layers\.\*\.attn\.qproj' names no module"):
-        resolve_plan(model, {"layers.*.attn.qproj": ColwiseParallel()})
+        lower_plan(model, {"layers.*.attn.qproj": ColwiseParallel()})
     with pytest.raises(PlanError, match=r"ColwiseParallel cannot shard module 'norm' \(RMSNorm\)"):
-        resolve_plan(model, {"norm": ColwiseParallel()})
+        lower_plan(model, {"norm": ColwiseParallel()})
     with pytest.raises(PlanError, match="matched by plan entries"):
-        resolve_plan(
+        lower_plan(
             model, {"layers.*.ffn.w1": ColwiseParallel(), "layers.0.ffn.*": RowwiseParallel()}
         )
-    lowered = dict(resolve_plan(model, tp_plan()))
+    lowered = dict(lower_plan(model, tp_plan()))
     assert lowered["layers.1.attn.o_proj"].style == "RowwiseParallel"
     assert len(lowered) == 2 + 7 * CONFIG.n_layers
 

@@ -25,9 +25,9 @@ from hp_dtensor.parallel import (
     ExpertParallel,
     ExpertParallelPlan,
     ExpertTensorParallel,
-    FlatSlot,
     GradReductionPlan,
     ParallelStyle,
+    ParamFlatSlot,
     PlanError,
     RowwiseParallel,
     ShardingPlan,
@@ -133,7 +133,7 @@ def test_plan_errors_name_the_problem() -> None:
         resolve(_meta_llama(), DP_TP, transformer_tp_plan())
     with pytest.raises(KeyError, match="no parameter 'nope'"):
         resolve(_meta_llama(), TP2, transformer_tp_plan()).param("nope")
-    slot = FlatSlot("", 0, 0, 1, 0, 1, 1, ("dp",))
+    slot = ParamFlatSlot("", 0, 0, 1, 0, 1, 1, ("dp",))
     with pytest.raises(KeyError, match="not in the plan"):
         resolve(_meta_llama(), TP2, {}).with_flat_slots({"nope": slot})
 
@@ -311,7 +311,7 @@ def test_expert_and_context_parallel_collectives_are_predicted(case: str, world:
 def test_a_sharded_plan_leaves_the_reductions_to_the_sharder() -> None:
     plan = resolve(_meta_llama(), TP2, transformer_tp_plan(sequence_parallel=True))
     assert plan.reduction_collectives() == {"all_reduce": 1}
-    slot = FlatSlot("", 0, 0, 16, 0, 16, 8, ("dp",))
+    slot = ParamFlatSlot("", 0, 0, 16, 0, 16, 8, ("dp",))
     sharded = plan.with_flat_slots({"norm.weight": slot})
     assert sharded.param("norm.weight").flat == slot
     assert sharded.reduction_collectives() == {}

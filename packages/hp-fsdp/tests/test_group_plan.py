@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hp_dtensor import DeviceMesh, layout_of
-from hp_dtensor.contract import FlatSlot, parallel_plan_of
+from hp_dtensor.contract import ParamFlatSlot, parallel_plan_of
 from hp_dtensor.parallel import parallelize_module, transformer_tp_plan
 from hp_fsdp import GroupPlan, MixedPrecisionPolicy, ParamSpec, fully_shard, plan_group
 from hp_fsdp._group import FSDPParamGroup
@@ -98,7 +98,7 @@ def test_plan_group_is_pure_and_deterministic() -> None:
     assert isinstance(w1.placement("tp"), Shard)
     assert w1.global_shape == (8, 6)
     slot = plan.flat_slots()["norm.weight"]
-    assert slot == FlatSlot(
+    assert slot == ParamFlatSlot(
         group="layers.0",
         index=2,
         offset=plan.flat.slots[2].offset,

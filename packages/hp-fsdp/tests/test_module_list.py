@@ -7,7 +7,7 @@ two reduce-scatters sum the 4 ranks' gradients in another order per element (hp-
 flat buffer against FSDP2's padded rows), measured 4.8e-7 apart in the losses and 2.5e-6
 (relative to each tensor's largest entry) in the parameters, asserted within 1e-5 for both
 (rounding alone moves these losses by up to 9.8e-6, see test_vs_torch_fsdp.py). The pair is
-one flat buffer (``FlatSlot.group == "norm+output"`` for both parameters), all-gathered once in
+one flat buffer (``ParamFlatSlot.group == "norm+output"`` for both parameters), all-gathered once in
 forward and once in backward per step (the blocks twice, the root once: counted); the state
 dict has the model's own keys and loads back.
 """

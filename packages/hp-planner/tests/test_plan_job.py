@@ -190,6 +190,23 @@ def test_ranks_plans_only_the_meshes_holding_them() -> None:
     assert quick.stages[0].fsdp == full.stages[0].fsdp
 
 
+def test_a_middle_stage_root_call_is_planned_with_no_group() -> None:
+    """A pipeline stage holding blocks only: ``fully_shard`` is still called on its root,
+    which makes no group; the plan says so (``plan=()``)."""
+    middle = _meta_model()
+    middle.tok_embeddings = None  # type: ignore[assignment]
+    middle.norm = None  # type: ignore[assignment]
+    middle.output = None  # type: ignore[assignment]
+    parallelism = ModelParallelism.of(TP_PLAN, fsdp_units=("layers.*",))
+    plan = plan_job(
+        [_meta_model(), middle], JobDims(pp=2, dp_shard=2), parallelism, TrainingPolicy()
+    )
+    stage = plan.stages[1]
+    assert [g.unit for g in stage.fsdp] == ["layers.0", "layers.1", ""]
+    assert stage.group_plans("", 2) == ()
+    assert stage.group_plans("layers.0", 3)
+
+
 def test_two_models_planned_with_the_same_patterns_get_their_own_modules() -> None:
     parallelism = ModelParallelism.of(TP_PLAN, fsdp_units=("layers.*",))
     for n_layers in (2, 3, 1):

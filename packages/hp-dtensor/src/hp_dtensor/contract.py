@@ -37,13 +37,13 @@ from hp_dtensor.parallel._plan_record import (
     record_parallel_plan,
 )
 from hp_dtensor.parallel.init import MaterializeTarget, set_materialize_target
-from hp_dtensor.parallel.resolved import FlatSlot, ParallelPlan
+from hp_dtensor.parallel.resolved import ParallelPlan, ParamFlatSlot
 
 __all__ = [
-    "FlatSlot",
     "GradReduction",
     "MaterializeTarget",
     "ParallelPlan",
+    "ParamFlatSlot",
     "annotate_layout",
     "grad_layout_of",
     "grad_reduction_of",

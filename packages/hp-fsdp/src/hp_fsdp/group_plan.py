@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from hp_dtensor import DTensor, layout_of
-from hp_dtensor.contract import FlatSlot, grad_reduction_of
+from hp_dtensor.contract import ParamFlatSlot, grad_reduction_of
 from hp_dtensor.parallel import ParamPlan
 from hp_layout import (
     FlatBufferLayout,
@@ -214,13 +214,13 @@ class GroupPlan:
         nxt = slots[index + 1].offset if index + 1 < len(slots) else self.flat.padded_numel
         return nxt - slots[index].end
 
-    def flat_slot(self, index: int) -> FlatSlot:
+    def flat_slot(self, index: int) -> ParamFlatSlot:
         """Parameter ``index``'s slot, as ``hp_dtensor.contract`` records it (per-parameter
         layout: the offset within every rank's chunk, and the rows each holds)."""
         slot = self.flat.slots[index]
         if self.rows is not None:
             row = self.rows.slots[index]
-            return FlatSlot(
+            return ParamFlatSlot(
                 group=self.owner,
                 index=index,
                 offset=row.offset,
@@ -233,7 +233,7 @@ class GroupPlan:
                 dtype=self.storage_dtype,
                 rows_per_rank=row.rows_per_rank,
             )
-        return FlatSlot(
+        return ParamFlatSlot(
             group=self.owner,
             index=index,
             offset=slot.offset,
@@ -246,8 +246,8 @@ class GroupPlan:
             dtype=self.storage_dtype,
         )
 
-    def flat_slots(self) -> dict[str, FlatSlot]:
-        """``{fqn: FlatSlot}`` for every parameter, in buffer order (names as in ``fqns``)."""
+    def flat_slots(self) -> dict[str, ParamFlatSlot]:
+        """``{fqn: ParamFlatSlot}`` for every parameter, in buffer order (names as in ``fqns``)."""
         return {fqn: self.flat_slot(i) for i, fqn in enumerate(self.fqns)}
 
     def with_owner(self, owner: str) -> GroupPlan:

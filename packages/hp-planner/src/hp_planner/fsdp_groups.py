@@ -123,16 +123,16 @@ def _calls(
     training: TrainingPolicy,
     plan: _Calls,
 ) -> list[FsdpGroup]:
-    """The units' and the root's calls on one FSDP mesh, in order (a call managing no
-    parameter is left out, as ``fully_shard`` makes no group for it)."""
+    """The units' and the root's calls on one FSDP mesh, in order. A call managing no
+    parameter is kept with no plan (a middle pipeline stage's root: ``fully_shard`` is still
+    called on it and makes no group, and ``plan=()`` says so)."""
     done = [model.get_submodule(n) for n in nested]
     groups = []
     for unit in [*units, ""]:
         module = model.get_submodule(unit)
         plans = plan(module, mesh, _policy(training), done, specs)
         done.append(module)
-        if plans:
-            groups.append(FsdpGroup(unit, mesh, _owned(plans, unit)))
+        groups.append(FsdpGroup(unit, mesh, _owned(plans, unit)))
     return groups
 
 

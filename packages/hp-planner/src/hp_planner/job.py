@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields, is_dataclass
 from typing import Any
 
-from hp_dtensor.contract import FlatSlot
+from hp_dtensor.contract import ParamFlatSlot
 from hp_dtensor.parallel import ParallelPlan
 from hp_fsdp import GroupPlan
 from hp_layout import Layout, Mesh, Topology
@@ -53,7 +53,7 @@ class FsdpGroup:
     mesh: Mesh
     plans: tuple[GroupPlan, ...]
 
-    def flat_slots(self) -> dict[str, FlatSlot]:
+    def flat_slots(self) -> dict[str, ParamFlatSlot]:
         """Every parameter's slot, by its name in the stage model."""
         prefix = f"{self.unit}." if self.unit else ""
         return {prefix + n: s for plan in self.plans for n, s in plan.flat_slots().items()}
@@ -149,9 +149,9 @@ class StagePlan:
             f"stage {self.index} has no fully_shard call on {unit!r} holding rank {rank}"
         )
 
-    def flat_slots(self, rank: int) -> dict[str, FlatSlot]:
+    def flat_slots(self, rank: int) -> dict[str, ParamFlatSlot]:
         """Every parameter's FSDP slot on ``rank``, by its name in the stage model."""
-        slots: dict[str, FlatSlot] = {}
+        slots: dict[str, ParamFlatSlot] = {}
         for group in self.fsdp:
             if rank in group.mesh:
                 slots.update(group.flat_slots())

@@ -38,7 +38,7 @@ from hp_dtensor.parallel.plan import (
     PlanError,
     PlanLayoutLengthError,
     ShardingPlan,
-    resolve_plan,
+    lower_plan,
 )
 from hp_dtensor.parallel.plans import TransformerNames, transformer_tp_plan
 from hp_dtensor.parallel.random import (
@@ -50,10 +50,10 @@ from hp_dtensor.parallel.random import (
 )
 from hp_dtensor.parallel.resolved import (
     BoundaryPlan,
-    FlatSlot,
     GradReductionPlan,
     ModulePlan,
     ParallelPlan,
+    ParamFlatSlot,
     ParamPlan,
     ReductionTime,
     resolve,
@@ -85,7 +85,6 @@ __all__ = [
     "ExpertParallel",
     "ExpertParallelPlan",
     "ExpertTensorParallel",
-    "FlatSlot",
     "GradConvention",
     "GradReductionPlan",
     "MaterializeError",
@@ -93,6 +92,7 @@ __all__ = [
     "ModulePlan",
     "ParallelPlan",
     "ParallelStyle",
+    "ParamFlatSlot",
     "ParamPlan",
     "PlanError",
     "PlanLayoutLengthError",
@@ -114,13 +114,13 @@ __all__ = [
     "global_token_mean",
     "local_positions",
     "loss_parallel",
+    "lower_plan",
     "materialize",
     "parallel_dropout_forward",
     "parallelize_module",
     "partial_gradients_of",
     "random_region",
     "resolve",
-    "resolve_plan",
     "run_in_exact_region",
     "sequence_sharding",
     "shard_sequence",

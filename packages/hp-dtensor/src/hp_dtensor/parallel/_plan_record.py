@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from hp_dtensor.interop import layout_of
-from hp_dtensor.parallel.resolved import FlatSlot, ParallelPlan, ParamPlan
+from hp_dtensor.parallel.resolved import ParallelPlan, ParamFlatSlot, ParamPlan
 from hp_layout import Layout, Mesh, Replicate
 
 __all__ = ["parallel_plan_of", "record_flat_slots", "record_parallel_plan"]
@@ -24,7 +24,7 @@ def record_parallel_plan(module: nn.Module, plan: ParallelPlan) -> None:
     object.__setattr__(module, _PLAN, plan)
 
 
-def record_flat_slots(module: nn.Module, slots: Mapping[str, FlatSlot]) -> None:
+def record_flat_slots(module: nn.Module, slots: Mapping[str, ParamFlatSlot]) -> None:
     """Record where a sharder keeps ``module``'s parameters (names relative to ``module``)."""
     object.__setattr__(module, _SLOTS, dict(slots))
 
@@ -34,7 +34,7 @@ def parallel_plan_of(module: nn.Module) -> ParallelPlan | None:
     a module no tensor-parallel plan was applied to but a sharder has planned, a plan whose
     parameters are whole (a one-rank layout) with their slots; None when neither happened."""
     plan: ParallelPlan | None = getattr(module, _PLAN, None)
-    slots: dict[str, FlatSlot] = {}
+    slots: dict[str, ParamFlatSlot] = {}
     for prefix, sub in module.named_modules():
         for name, slot in getattr(sub, _SLOTS, {}).items():
             slots[f"{prefix}.{name}" if prefix else name] = slot

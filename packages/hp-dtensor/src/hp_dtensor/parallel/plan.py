@@ -29,8 +29,8 @@ __all__ = [
     "PlanError",
     "PlanLayoutLengthError",
     "ShardingPlan",
+    "lower_plan",
     "match_modules",
-    "resolve_plan",
 ]
 
 
@@ -106,7 +106,7 @@ class ShardingPlan:
         replaces_forward: the style computes the module's forward itself in production mode
             (its ops are then not checked op by op in validation mode).
         style: the name of the style, for messages.
-        behaviour: the style object the plan was lowered from (set by :func:`resolve_plan`);
+        behaviour: the style object the plan was lowered from (set by :func:`lower_plan`);
             it supplies the module's own forward where ``replaces_forward`` says so, in
             production and in validation mode. None for a plan given directly.
         exact_inputs: the module must be called with exactly ``len(inputs)`` positional
@@ -178,7 +178,7 @@ def match_modules(module: nn.Module, entry: str) -> list[str]:
     return [name for name, _ in module.named_modules() if _matches(name, parts)]
 
 
-def resolve_plan(
+def lower_plan(
     module: nn.Module, plan: Mapping[str, ParallelStyle | ShardingPlan]
 ) -> list[tuple[str, ShardingPlan]]:
     """Lower every plan entry on the modules it matches, in module order."""

@@ -7,7 +7,7 @@ global shape, dtype, ``hp_layout.Layout`` and gradient reduction; per module bou
 conversion on the parallel axis and the collectives it runs forward and backward; per styled
 module its lowered :class:`~hp_dtensor.parallel.plan.ShardingPlan` (expert and context
 parallel ones carry their dispatch or sequence plan). A sharder that packs the parameters into
-flat buffers (hp-fsdp) adds each parameter's :class:`FlatSlot` once it has planned its groups
+flat buffers (hp-fsdp) adds each parameter's :class:`ParamFlatSlot` once it has planned its groups
 (see :mod:`hp_dtensor.contract`).
 
 Production and validation mode are two executors of the same object
@@ -27,7 +27,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from hp_dtensor.gradients import dual_placement
-from hp_dtensor.parallel.plan import Boundary, PlanError, ShardingPlan, resolve_plan
+from hp_dtensor.parallel.plan import Boundary, PlanError, ShardingPlan, lower_plan
 from hp_layout import (
     Layout,
     Mesh,
@@ -49,10 +49,10 @@ if TYPE_CHECKING:
 
 __all__ = [
     "BoundaryPlan",
-    "FlatSlot",
     "GradReductionPlan",
     "ModulePlan",
     "ParallelPlan",
+    "ParamFlatSlot",
     "ParamPlan",
     "ReductionTime",
     "resolve",
@@ -90,7 +90,7 @@ class GradReductionPlan:
 
 
 @dataclass(frozen=True)
-class FlatSlot:
+class ParamFlatSlot:
     """Where a sharder keeps a parameter: a slot of one group's flat buffer.
 
     Attributes:
@@ -148,7 +148,7 @@ class ParamPlan:
     style: str | None = None
     aliases: tuple[str, ...] = ()
     reduction: GradReductionPlan | None = None
-    flat: FlatSlot | None = None
+    flat: ParamFlatSlot | None = None
     optimizer_group: str | None = None
 
     def local_shape(self, rank: int) -> tuple[int, ...]:
@@ -318,7 +318,7 @@ class ParallelPlan:
                 seen.append(p.reduction)
         return tuple(seen)
 
-    def with_flat_slots(self, slots: Mapping[str, FlatSlot]) -> ParallelPlan:
+    def with_flat_slots(self, slots: Mapping[str, ParamFlatSlot]) -> ParallelPlan:
         """The plan with each named parameter's flat-buffer slot set.
 
         Raises:
@@ -477,7 +477,7 @@ def _placements(layout: Layout) -> str:
     )
 
 
-def _slot(slot: FlatSlot | None) -> str:
+def _slot(slot: ParamFlatSlot | None) -> str:
     if slot is None:
         return "-"
     return f"{slot.group or '<root>'}[{slot.index}] @{slot.offset}+{slot.numel}"
@@ -736,7 +736,7 @@ def resolve(
     data_axes = tuple(n for n in names if n != tp_axis) if dp_axes is None else tuple(dp_axes)
     for axis in data_axes:
         grid.axis_index(axis)
-    lowered = resolve_plan(module, plan)
+    lowered = lower_plan(module, plan)
     placements, styled = _planned_placements(module, lowered, grid, axis_index)
     params = _param_plans(module, grid, placements, styled, tp_axis, data_axes, mode)
     size = grid.axis_size(tp_axis)

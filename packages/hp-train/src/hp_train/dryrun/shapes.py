@@ -472,8 +472,8 @@ def fsdp_groups(
     moe: dict[str, GroupSpec] = {}
     groups: list[GroupSpec] = []
     for group in plan.fsdp:
-        if rank not in group.mesh:
-            continue
+        if rank not in group.mesh or not group.plans:
+            continue  # a middle pipeline stage's root manages nothing: no group to price
         spec = _group_spec(group, experts, model)
         if group.unit in experts:
             moe[group.unit.rsplit(".", 1)[0]] = spec

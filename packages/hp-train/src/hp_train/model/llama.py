@@ -1,9 +1,9 @@
 """The Llama-style decoder the training entry point trains, dense or with MoE layers.
 
 Module names follow ``hp_dtensor.parallel.TransformerNames`` (torchtitan's), so
-``transformer_tp_plan`` applies to the dense parts. An MoE feed-forward is hp-dtensor's
-``MoE`` block: its experts are ``[E, out, in]`` stacks, which FSDP shards like any tensor and
-Muon orthogonalizes per expert.
+``transformer_tp_plan`` applies to the dense parts. An MoE feed-forward is the ``MoE`` block
+of :mod:`hp_train.model.moe` (hp-dtensor's expert-parallel style shards it): its experts are
+``[E, out, in]`` stacks, which FSDP shards like any tensor and Muon orthogonalizes per expert.
 
 The options Hugging Face's Llama, Qwen2 and Qwen3 checkpoints need are all off by default (an
 explicit head width, q/k/v biases, per-head q/k norms, tied embeddings, scaled rotary
@@ -158,10 +158,11 @@ class FeedForward(nn.Module):
 
 
 def moe_feed_forward(dim: int, moe: MoEConfig) -> MoE:
-    """hp-dtensor's MoE block for ``moe``: softmax top-k routing, grouped SwiGLU experts
-    (``experts.w1``/``w3`` ``[E, ffn, dim]``, ``experts.w2`` ``[E, dim, ffn]``), shared experts
-    of ``n_shared_experts x expert_ffn_dim`` hidden units, and the load-balancing loss with
-    weight ``aux_loss_weight`` entering through the block's backward."""
+    """The MoE block (:mod:`hp_train.model.moe`) for ``moe``: softmax top-k routing, grouped
+    SwiGLU experts (``experts.w1``/``w3`` ``[E, ffn, dim]``, ``experts.w2`` ``[E, dim, ffn]``),
+    shared experts of ``n_shared_experts x expert_ffn_dim`` hidden units, and the
+    load-balancing loss with weight ``aux_loss_weight`` entering through the block's
+    backward."""
     return MoE(
         dim,
         moe.expert_ffn_dim,
