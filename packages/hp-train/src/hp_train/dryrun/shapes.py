@@ -42,11 +42,11 @@ from hp_dtensor.parallel import ParallelPlan
 from hp_fsdp import GroupPlan, plan_group
 from hp_fsdp import ParamSpec as FSDPParamSpec
 from hp_layout import FlatBufferLayout, Layout, Mesh, Shard, chunk_length
-from hp_planner import FsdpGroup, JobDims, JobPlan, PlanInputError, StagePlan, plan_job
+from hp_planner import FsdpGroup, JobDims, JobPlan, PlanInputError, StagePlan, job_grid, plan_job
 from hp_train.config.schema import ConfigError, ModelConfig, ParallelConfig, TrainConfig
 from hp_train.dryrun.presets import DryRunError
 from hp_train.parallel.job import model_parallelism, stage_models, training_policy
-from hp_train.parallel.parallelize import AXES, check_model_fits
+from hp_train.parallel.parallelize import check_model_fits
 from hp_train.parallel.pipeline import stage_boundaries
 
 __all__ = [
@@ -55,7 +55,6 @@ __all__ = [
     "check_fits",
     "check_tp",
     "fsdp_groups",
-    "job_mesh",
     "job_plan",
     "model_parameters",
     "parameter_count",
@@ -294,24 +293,12 @@ def stage_layers(model: ModelConfig, pp: int, stage: int) -> tuple[int, int]:
     return bounds[stage], bounds[stage + 1]
 
 
-def job_mesh(parallel: ParallelConfig) -> Mesh:
-    """The job's rank grid as the trainer builds it
-    (:func:`hp_train.parallel.parallelize.build_layout`): ``(dp_replicate, dp_shard, tp)``, with a
-    ``pp`` axis in front when pipelining."""
-    shape = (parallel.dp_replicate, parallel.dp_shard, parallel.tp)
-    if parallel.pp > 1:
-        return Mesh((parallel.pp, *shape), ("pp", *AXES))
-    return Mesh(shape, AXES)
-
-
-def _stage_of(parallel: ParallelConfig, rank: int) -> tuple[int, Mesh]:
-    """``rank``'s pipeline stage and that stage's ``(dp_replicate, dp_shard, tp)`` mesh."""
-    grid = job_mesh(parallel)
-    if not 0 <= rank < grid.size:
+def _stage_of(parallel: ParallelConfig, rank: int) -> int:
+    """``rank``'s pipeline stage (:func:`hp_planner.job_grid`: ``pp`` is its outermost axis)."""
+    grid = job_grid(JobDims(**asdict(parallel)))
+    if rank not in grid:
         raise DryRunError(f"rank {rank} is outside the world of {grid.size} ranks")
-    if parallel.pp == 1:
-        return 0, grid
-    return grid.coordinate(rank)[0], grid.submesh(list(AXES), rank)
+    return grid.coordinate(rank)[0] if parallel.pp > 1 else 0
 
 
 def _rank_stage(
@@ -319,7 +306,7 @@ def _rank_stage(
 ) -> StagePlan:
     """The JobPlan's stage holding ``rank``, planned on the FSDP meshes holding it."""
     check_fits(model, parallel)
-    stage, _ = _stage_of(parallel, rank)
+    stage = _stage_of(parallel, rank)
     plan = job_plan(model, parallel, param_bytes=param_bytes, ranks=frozenset({rank}))
     return plan.stages[stage]
 

@@ -39,8 +39,6 @@ loss, the same on every tp rank, is seeded on one of them (:func:`seed_aux_loss_
 
 from __future__ import annotations
 
-from typing import Any
-
 from hp_dtensor import DeviceMesh
 from hp_dtensor.parallel import (
     ExpertParallel,
@@ -49,7 +47,6 @@ from hp_dtensor.parallel import (
     parallelize_module,
     run_in_exact_region,
 )
-from hp_fsdp import fully_shard
 from hp_train.model.llama import Transformer
 from hp_train.model.moe import MoE
 
@@ -58,7 +55,6 @@ __all__ = [
     "apply_expert_parallel",
     "moe_layers",
     "seed_aux_loss_once",
-    "shard_experts",
 ]
 
 #: The name of the expert-parallel axis (``hp_train.parallel.parallelize.build_layout``).
@@ -103,10 +99,3 @@ def seed_aux_loss_once(model: Transformer, tp_mesh: DeviceMesh) -> None:
     first = tp_mesh.get_local_rank(_TP_AXIS) == 0
     for moe in moe_layers(model).values():
         moe.aux_grad_seed = 1.0 if first else 0.0
-
-
-def shard_experts(model: Transformer, expert_dp_mesh: DeviceMesh, **fsdp: Any) -> list[Any]:
-    """An FSDP group over ``expert_dp_mesh`` for every MoE layer (experts, router, shared
-    experts), to be made before the block's group (module docstring: their gradients are
-    divided by the root's factor, ``D``)."""
-    return [fully_shard(moe, mesh=expert_dp_mesh, **fsdp) for moe in moe_layers(model).values()]

@@ -25,11 +25,9 @@ from hp_dtensor import DeviceMesh
 from hp_dtensor.interop import style_placement
 from hp_dtensor.parallel import (
     ColwiseParallel,
-    ParallelPlan,
     ParallelStyle,
     ShardingPlan,
     parallelize_module,
-    resolve,
     transformer_tp_plan,
 )
 from hp_dtensor.parallel.plan import Boundary, PlanError
@@ -50,7 +48,6 @@ __all__ = [
     "build_layout",
     "check_model_fits",
     "parallelize",
-    "resolve_tp_plan",
     "tp_plan",
 ]
 
@@ -282,18 +279,6 @@ def _names_part_of(stage: Transformer, key: str) -> bool:
         return getattr(stage, head) is not None
     index = rest.partition(".")[0]
     return bool(stage.layers) if index == "*" else index in stage.layers
-
-
-def resolve_tp_plan(
-    model: Transformer, mesh: Mesh | DeviceMesh, *, mode: str = "production"
-) -> ParallelPlan:
-    """The plan :func:`parallelize` applies to ``model`` (the whole model or a pipeline stage,
-    not yet parallelized; a ``meta`` model is enough) over its ``(dp_replicate, dp_shard,
-    tp)`` ``mesh``: :func:`tp_plan` with ``tp > 1``; with ``tp == 1`` no plan is applied and
-    every parameter is replicated (pure: ``hp_dtensor.parallel.resolve``, no process group)."""
-    grid = mesh if isinstance(mesh, Mesh) else mesh.mesh
-    plan = tp_plan(model.config, model) if grid.axis_size("tp") > 1 else {}
-    return resolve(model, grid, plan, mode=mode, **_axes_of(grid))
 
 
 def _axes_of(grid: Mesh) -> dict[str, Any]:
