@@ -10,25 +10,22 @@ import torch
 
 from hp_layout import Topology, plan_flat_buffer
 from hp_muon import split_params
-from hp_train.config.schema import ModelConfig, MoEConfig, ParallelConfig, TrainConfig
-from hp_train.dryrun import (
-    MODEL_PRESETS,
-    MOE_505B_PARAMS,
-    PREDICTED_KINDS,
-    DryRunError,
+from hp_planner.price import (
+    PricingError,
     StepShape,
     dry_run,
     fsdp_groups,
-    model_preset,
     muon_traffic,
     parameter_count,
-    predict_for_run,
     search,
     topology_preset,
 )
+from hp_planner.price.muon_traffic import job_muon_step, planned_traffic
+from hp_planner.price.structure import job_plan
+from hp_train.config.presets import MODEL_PRESETS, MOE_505B_PARAMS, model_preset
+from hp_train.config.schema import ConfigError, ModelConfig, MoEConfig, ParallelConfig, TrainConfig
+from hp_train.dryrun import PREDICTED_KINDS, TrainerModel, predict_for_run
 from hp_train.dryrun.cli import main
-from hp_train.dryrun.muon_traffic import job_muon_step, planned_traffic
-from hp_train.dryrun.shapes import job_plan
 from hp_train.model.llama import Transformer
 from hp_train.optim import ROUTER_PATTERNS
 
@@ -57,7 +54,7 @@ def test_state_memory_equals_meta_tensor_sizes(model: ModelConfig) -> None:
     muon = sum(p.numel() for p in split.muon_params)
     adamw = sum(p.numel() for p in split.adamw_params)
     pred = predict_for_run(model, ParallelConfig(), TRAIN)
-    assert pred.param_elements == muon + adamw == parameter_count(model)
+    assert pred.param_elements == muon + adamw == parameter_count(TrainerModel(model))
     assert pred.muon_state_bytes == 4 * muon
     assert pred.adamw_state_bytes == 2 * 4 * adamw + 4 * len(split.adamw_params)
     assert pred.optimizer_state_bytes == pred.muon_state_bytes + pred.adamw_state_bytes
@@ -107,8 +104,8 @@ def test_fsdp_bytes_equal_flat_buffer_layouts(
 def test_muon_bytes_from_real_plan_match_analytic_average() -> None:
     model = MODEL_PRESETS["tiny"].model
     parallel = ParallelConfig(2, 2, 1, 1)
-    groups = fsdp_groups(model, 2, 1)
-    plan = job_plan(model, parallel, ranks=frozenset(range(4)), muon=True)
+    groups = fsdp_groups(TrainerModel(model), 2, 1)
+    plan = job_plan(TrainerModel(model), parallel, ranks=frozenset(range(4)), muon=True)
     exact = [planned_traffic(job_muon_step(plan, r, 32.0), r, 2) for r in range(4)]
     analytic = muon_traffic(groups, parallel, exact=False)
     average = sum(t.sent_bytes for t in exact) / 4
@@ -134,10 +131,10 @@ def test_tensor_parallel_shards_and_costs() -> None:
 
 def test_505b_preset_counts_and_runs_at_768_ranks_fast() -> None:
     preset = model_preset("moe_505b")
-    assert parameter_count(preset.model) == MOE_505B_PARAMS == 505_256_113_152
+    assert parameter_count(TrainerModel(preset.model)) == MOE_505B_PARAMS == 505_256_113_152
     start = time.perf_counter()
     run = dry_run(
-        preset.model,
+        TrainerModel(preset.model),
         ParallelConfig(1, 768, 1, 1),
         topology_preset("ascend_supernode"),
         StepShape(preset.global_batch, preset.seq_len, microbatches=2, ac="full"),
@@ -154,10 +151,10 @@ def test_search_returns_fitting_configs_sorted_by_time() -> None:
     preset = model_preset("llama_8b")
     topo = topology_preset("cluster:2x4")
     shape = StepShape(16, 2048)
-    everything = search(preset.model, topo, shape, 10**15, microbatch_options=(1, 2))
+    everything = search(TrainerModel(preset.model), topo, shape, 10**15, microbatch_options=(1, 2))
     totals = sorted(r.memory.total for r in everything.fitting)
     limit = totals[len(totals) // 2]
-    result = search(preset.model, topo, shape, limit, microbatch_options=(1, 2))
+    result = search(TrainerModel(preset.model), topo, shape, limit, microbatch_options=(1, 2))
     assert result.fitting
     assert result.rejected
     assert len(result.fitting) + result.rejected == result.evaluated == everything.evaluated
@@ -170,7 +167,7 @@ def test_search_returns_fitting_configs_sorted_by_time() -> None:
 def test_pipeline_is_modeled_with_bubble_and_note() -> None:
     preset = model_preset("llama_8b")
     run = dry_run(
-        preset.model,
+        TrainerModel(preset.model),
         ParallelConfig(1, 2, 1, 4),
         Topology.single_host(8),
         StepShape(16, 1024, microbatches=4),
@@ -184,17 +181,18 @@ def test_pipeline_is_modeled_with_bubble_and_note() -> None:
 
 def test_bad_input_gives_clear_errors() -> None:
     tiny = ModelConfig()
-    with pytest.raises(DryRunError, match="multiply to the topology's world size"):
-        dry_run(tiny, ParallelConfig(1, 3, 1, 1), Topology.single_host(4), StepShape(12, 32))
-    with pytest.raises(DryRunError, match="tp=3 must divide n_heads=4"):
-        dry_run(tiny, ParallelConfig(1, 1, 3, 1), Topology.single_host(3), StepShape(3, 32))
-    with pytest.raises(DryRunError, match="not divisible by the data-parallel degree"):
-        dry_run(tiny, ParallelConfig(1, 3, 1, 1), Topology.single_host(3), StepShape(8, 32))
-    with pytest.raises(DryRunError, match="unknown model preset 'gpt5'"):
+    priced = TrainerModel(tiny)
+    with pytest.raises(PricingError, match="multiply to the topology's world size"):
+        dry_run(priced, ParallelConfig(1, 3, 1, 1), Topology.single_host(4), StepShape(12, 32))
+    with pytest.raises(PricingError, match="tp=3 must divide n_heads=4"):
+        dry_run(priced, ParallelConfig(1, 1, 3, 1), Topology.single_host(3), StepShape(3, 32))
+    with pytest.raises(PricingError, match="not divisible by the data-parallel degree"):
+        dry_run(priced, ParallelConfig(1, 3, 1, 1), Topology.single_host(3), StepShape(8, 32))
+    with pytest.raises(ConfigError, match="unknown model preset 'gpt5'"):
         model_preset("gpt5")
-    with pytest.raises(DryRunError, match="unknown topology preset"):
+    with pytest.raises(PricingError, match="unknown topology preset"):
         topology_preset("torus:4")
-    with pytest.raises(DryRunError, match="pipeline"):
+    with pytest.raises(PricingError, match="pipeline"):
         predict_for_run(tiny, ParallelConfig(1, 1, 1, 2), TRAIN)
 
 

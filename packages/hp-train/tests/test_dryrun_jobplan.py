@@ -17,10 +17,12 @@ from hp_fsdp import plan_fully_shard, spec_from_plan
 from hp_mpmd.simulate import simulate
 from hp_muon import plan_muon
 from hp_planner import JobPlan, PlanInputError, StagePlan, plan_job
+from hp_planner.price import fsdp_groups, model_parameters, pipeline_timing
+from hp_planner.price.muon_traffic import job_muon_step, planned_traffic
+from hp_planner.price.structure import job_plan
+from hp_train.config.presets import MODEL_PRESETS
 from hp_train.config.schema import ModelConfig, MoEConfig, ParallelConfig, TrainConfig
-from hp_train.dryrun import MODEL_PRESETS, fsdp_groups, model_parameters, pipeline_timing
-from hp_train.dryrun.muon_traffic import job_muon_step, planned_traffic
-from hp_train.dryrun.shapes import job_plan
+from hp_train.dryrun import TrainerModel
 from hp_train.parallel.job import model_parallelism, plan_run, stage_models, training_policy
 
 TINY = MODEL_PRESETS["tiny"].model
@@ -69,12 +71,12 @@ def test_priced_groups_are_the_trainers_fully_shard_calls(
     trainer's plan's calls holding that coordinate's first data-parallel rank, in order,
     with the same parameters, buffer and tail."""
     trainer = _trainer(model, parallel)
-    specs = {p.name: p for p in model_parameters(model)}
+    specs = {p.name: p for p in model_parameters(TrainerModel(model))}
     for k, stage in enumerate(trainer.stages):
         for c in range(parallel.tp):
             rank = stage.ranks[0] + c
             groups = fsdp_groups(
-                model,
+                TrainerModel(model),
                 parallel.dp_shard,
                 parallel.tp,
                 tp_coordinate=c,
@@ -135,7 +137,7 @@ def test_muon_figures_read_the_trainers_muon_step(parallel: ParallelConfig) -> N
     """The dry run's Muon step is the trainer's plan's (hp_muon re-plans its parameters and
     layouts only for another bucket size), and its bytes are that plan's per-rank sends."""
     trainer = _trainer(TINY, parallel)
-    priced = job_plan(TINY, parallel, ranks=frozenset(range(4)), muon=True)
+    priced = job_plan(TrainerModel(TINY), parallel, ranks=frozenset(range(4)), muon=True)
     for rank in range(4):
         step = trainer.stages[0].muon_plan(rank)
         assert step is not None

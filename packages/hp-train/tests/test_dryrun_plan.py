@@ -5,7 +5,7 @@ The multi-rank test lays a real model out as the trainer does (``build_layout``,
 stage's blocks, ``parallelize``: TP, then FSDP per block and root) for a grid of
 configurations at world 2 and 4 (one ``run_on_ranks`` call per world size runs them all) and
 holds every parameter's ``hp_dtensor.contract.layout_of`` on every rank equal to
-:func:`hp_train.dryrun.predicted_layouts` for that rank.
+:func:`hp_planner.price.predicted_layouts` for that rank.
 """
 
 from __future__ import annotations
@@ -19,9 +19,22 @@ import torch.distributed as dist
 
 from hp_dtensor.contract import layout_of
 from hp_layout import Replicate, Shard
+from hp_planner.price import (
+    PricingError,
+    StepShape,
+    dry_run,
+    fsdp_groups,
+    model_parameters,
+    planned_model,
+    predicted_layouts,
+    resolved_plan,
+    topology_preset,
+)
+from hp_planner.price.structure import stage_layers
 from hp_testing import run_on_ranks
 from hp_train.config import cli as train_cli
 from hp_train.config import presets
+from hp_train.config.presets import MODEL_PRESETS
 from hp_train.config.schema import (
     ConfigError,
     ModelConfig,
@@ -29,21 +42,9 @@ from hp_train.config.schema import (
     ParallelConfig,
     TrainConfig,
 )
-from hp_train.dryrun import (
-    MODEL_PRESETS,
-    DryRunError,
-    StepShape,
-    dry_run,
-    fsdp_groups,
-    model_parameters,
-    planned_model,
-    predict_for_run,
-    predicted_layouts,
-    resolved_plan,
-    topology_preset,
-)
+from hp_train.dryrun import TrainerModel, predict_for_run
+from hp_train.dryrun import cli as dryrun_cli
 from hp_train.dryrun.cli import main
-from hp_train.dryrun.shapes import stage_layers
 from hp_train.model.llama import Transformer
 from hp_train.parallel.parallelize import build_layout, check_model_fits, parallelize
 from hp_train.parallel.pipeline import keep_stage, stage_boundaries
@@ -96,7 +97,7 @@ def _compare_grid(world: int) -> tuple[int, list[str]]:
     compared, problems = 0, []
     for name, model, dims in GRID[world]:
         real = _real_layouts(model, dims)
-        predicted = predicted_layouts(model, ParallelConfig(*dims), rank)
+        predicted = predicted_layouts(TrainerModel(model), ParallelConfig(*dims), rank)
         if set(real) != set(predicted):
             problems.append(
                 f"{name} rank {rank}: real parameters {sorted(real)} but predicted "
@@ -124,7 +125,8 @@ def test_predicted_layouts_equal_the_real_runs(world: int) -> None:
     for _, model, dims in GRID[world]:
         parallel = ParallelConfig(*dims)
         expected += sum(
-            len(predicted_layouts(model, parallel, r)) for r in range(parallel.world_size)
+            len(predicted_layouts(TrainerModel(model), parallel, r))
+            for r in range(parallel.world_size)
         )
     assert sum(n for n, _ in results) == expected > 0
 
@@ -136,7 +138,7 @@ def test_the_tensor_parallel_dims_are_the_resolved_plans() -> None:
         n_layers=2,
         moe=MoEConfig(n_experts=4, top_k=2, expert_ffn_dim=32, n_shared_experts=1),
     )
-    dims = {p.name: p.tp_dim for p in model_parameters(moe)}
+    dims = {p.name: p.tp_dim for p in model_parameters(TrainerModel(moe))}
     assert dims["layers.0.attn.q_proj.weight"] == 0
     assert dims["layers.0.attn.o_proj.weight"] == 1
     assert dims["layers.0.ffn.w1.weight"] == 0
@@ -146,13 +148,13 @@ def test_the_tensor_parallel_dims_are_the_resolved_plans() -> None:
     ffn = [n for n in dims if n.startswith("layers.1.ffn.")]
     assert {n.split(".")[3] for n in ffn} == {"router", "experts", "shared"}
     assert all(dims[n] is None for n in ffn)
-    plan = resolved_plan(moe, ParallelConfig(1, 2, 2, 1))
+    plan = resolved_plan(TrainerModel(moe), ParallelConfig(1, 2, 2, 1))
     for p in plan.params:
         placement = p.layout.placement("tp")
         assert dims[p.fqn] == (placement.dim if isinstance(placement, Shard) else None)
         assert isinstance(placement, Shard | Replicate)
     # Replicated over tp: packed last in their block's flat buffer (an all-reduced tail).
-    (block,) = (g for g in fsdp_groups(moe, 2, 2) if g.name == "layers.1")
+    (block,) = (g for g in fsdp_groups(TrainerModel(moe), 2, 2) if g.name == "layers.1")
     order = [p.name for p in block.params]
     replicated = [n for n in order if dims[n] is None]
     assert order[-len(replicated) :] == replicated
@@ -162,14 +164,15 @@ def test_the_tensor_parallel_dims_are_the_resolved_plans() -> None:
 def test_moe_feed_forwards_are_not_divided_by_tp() -> None:
     """An MoE block's compute and activations are the same at tp 1 and 2 in its feed-forward
     (whole on every rank), its tensor-parallel activation collectives only its attention's."""
-    from hp_train.dryrun.shapes import tp_collectives
-    from hp_train.dryrun.workload import block_forward_flops
+    from hp_planner.price.structure import tp_collectives
+    from hp_planner.price.workload import block_forward_flops
 
     model = TINY_MOE
+    priced = TrainerModel(model)
     dense, moe = 0, 1
-    assert tp_collectives(model, f"layers.{dense}") == (("all_reduce",) * 2,) * 2
-    assert tp_collectives(model, f"layers.{moe}") == (("all_reduce",),) * 2
-    assert tp_collectives(model, "output") == (("all_gather",), ())
+    assert tp_collectives(priced, f"layers.{dense}") == (("all_reduce",) * 2,) * 2
+    assert tp_collectives(priced, f"layers.{moe}") == (("all_reduce",),) * 2
+    assert tp_collectives(priced, "output") == (("all_gather",), ())
     d, seq = model.dim, 32
     attention = 2 * (2 * d * d + 2 * d * model.n_kv_heads * model.head_dim) + 2 * seq * d
     one, two = (block_forward_flops(model, moe, tp, seq) for tp in (1, 2))
@@ -190,14 +193,16 @@ def test_trainer_and_dry_run_refuse_the_same_configs_with_one_message(
     message = str(trainer.value)
     assert "tp=4 must divide ffn_dim=350" in message
     refusals: list[Callable[[], object]] = [
-        lambda: dry_run(FFN_350, parallel, topology_preset("single_host:4"), StepShape(4, 32)),
+        lambda: dry_run(
+            TrainerModel(FFN_350), parallel, topology_preset("single_host:4"), StepShape(4, 32)
+        ),
         lambda: predict_for_run(FFN_350, parallel, TrainConfig(global_batch=4, seq_len=32)),
-        lambda: predicted_layouts(FFN_350, parallel, 0),
-        lambda: planned_model(FFN_350, parallel, 0),
-        lambda: fsdp_groups(FFN_350, 1, 4),
+        lambda: predicted_layouts(TrainerModel(FFN_350), parallel, 0),
+        lambda: planned_model(TrainerModel(FFN_350), parallel, 0),
+        lambda: fsdp_groups(TrainerModel(FFN_350), 1, 4),
     ]
     for refuse in refusals:
-        with pytest.raises(DryRunError) as dry:
+        with pytest.raises(PricingError) as dry:
             refuse()
         assert str(dry.value) == message
     for flags in ([], ["--print-plan"]):
@@ -206,12 +211,14 @@ def test_trainer_and_dry_run_refuse_the_same_configs_with_one_message(
     # What the trainer accepts, the dry run accepts.
     fine = ParallelConfig(1, 1, 2, 1)
     check_model_fits(FFN_350, fine)
-    dry_run(FFN_350, fine, topology_preset("single_host:2"), StepShape(4, 32))
+    dry_run(TrainerModel(FFN_350), fine, topology_preset("single_host:2"), StepShape(4, 32))
 
 
 def test_one_preset_table() -> None:
     """The trainer's ``--model`` and the dry run's choose from one table."""
-    assert MODEL_PRESETS is presets.MODEL_PRESETS
+    parser = dryrun_cli.build_parser()
+    for name, preset in presets.MODEL_PRESETS.items():
+        assert dryrun_cli._model(parser.parse_args(["--model", name]))[1] == preset.model
     configs = {n: p.model for n, p in presets.MODEL_PRESETS.items()}
     assert configs == train_cli.MODEL_PRESETS
     assert {"tiny", "small", "tiny-moe", "llama_8b", "moe_505b"} <= set(MODEL_PRESETS)
@@ -228,19 +235,19 @@ def test_print_plan_prints_the_resolved_plan_with_flat_slots(
     assert main([*args, "--print-plan"]) == 0
     out = capsys.readouterr().out
     parallel = ParallelConfig(1, 2, 2, 1)
-    assert planned_model(TINY_MOE, parallel, 1).table(1) in out
+    assert planned_model(TrainerModel(TINY_MOE), parallel, 1).table(1) in out
     assert "fsdp_all_gather" not in out  # not the dry-run report
     rows = {line.split()[0]: line for line in out.splitlines() if line.startswith("layers.")}
     assert "tp: Replicate()" in rows["layers.1.ffn.experts.w1"]
     assert "tp: Shard(0)" in rows["layers.1.attn.q_proj.weight"]
     assert "layers.1[" in rows["layers.1.ffn.experts.w1"]  # its flat slot
-    plan = planned_model(TINY_MOE, parallel, 1)
+    plan = planned_model(TrainerModel(TINY_MOE), parallel, 1)
     assert all(p.flat is not None and p.optimizer_group for p in plan.params)
     # Under pp the rank's stage: the blocks the trainer gives it.
     pipelined = ["--pp", "2", "--dp-shard", "1", "--n-layers", "3", "--rank", "1"]
     assert main([*pipelined, "--print-plan"]) == 0
     out = capsys.readouterr().out
-    start, stop = stage_layers(ModelConfig(n_layers=3), 2, 1)
+    start, stop = stage_layers(TrainerModel(ModelConfig(n_layers=3)), 2, 1)
     assert (start, stop) == (1, 3)
     assert "layers.0." not in out
     assert "layers.1.attn.q_proj.weight" in out

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from hp_offload.memory import ActivationMeter, Place, Token
+from hp_planner.price.activation import block_activations, kept_activations
+from hp_planner.price.workload import BF16_MIXED, FP32, head_activation_bytes
 from hp_train.config.schema import ModelConfig, MoEConfig, TrainConfig
-from hp_train.dryrun.activation import block_activations, kept_activations
-from hp_train.dryrun.workload import BF16_MIXED, FP32, head_activation_bytes
 from hp_train.model.llama import Transformer, lm_loss
 from hp_train.parallel.activations import SWAP_MIN_BYTES, apply_activation_policy
 

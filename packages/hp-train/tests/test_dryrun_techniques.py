@@ -11,14 +11,15 @@ import pytest
 
 from hp_layout import Topology
 from hp_mpmd.simulate import simulate
+from hp_planner.price import DryRun, PricingError, StepShape, dry_run, fsdp_groups, search
+from hp_planner.price.devices import device_for
+from hp_planner.price.memory import GIB
+from hp_planner.price.reproduce import reproduce_paper
+from hp_planner.price.search import SearchSpace
 from hp_train.config.combinations import REFUSALS
 from hp_train.config.schema import ModelConfig, MoEConfig, ParallelConfig
-from hp_train.dryrun import DryRun, DryRunError, StepShape, cli, dry_run, fsdp_groups, search
+from hp_train.dryrun import TrainerModel, cli
 from hp_train.dryrun.cli import build_parser, main
-from hp_train.dryrun.memory import GIB
-from hp_train.dryrun.presets import device_for
-from hp_train.dryrun.reproduce import reproduce_paper
-from hp_train.dryrun.search import SearchSpace
 from hp_train.parallel.pipeline import PIPELINE_SCHEDULES
 
 MOE = ModelConfig(
@@ -35,7 +36,7 @@ SHAPE = StepShape(global_batch=8, seq_len=64, optimizer="adamw")
 
 
 def _run(parallel: ParallelConfig, shape: StepShape = SHAPE, model: ModelConfig = MOE) -> DryRun:
-    return dry_run(model, parallel, Topology.single_host(parallel.world_size), shape)
+    return dry_run(TrainerModel(model), parallel, Topology.single_host(parallel.world_size), shape)
 
 
 def test_expert_parallel_shards_experts_and_prices_the_all_to_alls() -> None:
@@ -94,7 +95,7 @@ def test_checkpointing_policies_trade_memory_for_recompute() -> None:
     tp_none = _run(ParallelConfig(tp=2), replace(SHAPE, ac="none"), DEEP).kind("tp").calls
     tp_sel = _run(ParallelConfig(tp=2), replace(SHAPE, ac="selective"), DEEP).kind("tp").calls
     assert tp_sel > tp_none
-    with pytest.raises(DryRunError, match="budget:<MiB>"):
+    with pytest.raises(PricingError, match="budget:<MiB>"):
         StepShape(8, 64, ac="sometimes")
 
 
@@ -106,7 +107,7 @@ def test_the_trainers_refusals_are_the_dry_runs() -> None:
     ]
     messages = [r.message() for r in REFUSALS]
     for parallel, shape, second in cases:
-        with pytest.raises(DryRunError) as info:
+        with pytest.raises(PricingError) as info:
             _run(parallel, shape)
         assert str(info.value) in messages  # the trainer's own refusal, word for word
         assert second in str(info.value)
@@ -165,10 +166,10 @@ def test_swap_moves_kept_activations_to_host_and_times_their_copies() -> None:
     slow_host = replace(device_for(Topology.single_host(2)), host_bandwidth=1e6)
     shape = replace(SHAPE, swap=True)
     fast = _run(parallel, shape, DEEP)
-    slow = dry_run(DEEP, parallel, Topology.single_host(2), shape, device=slow_host)
+    slow = dry_run(TrainerModel(DEEP), parallel, Topology.single_host(2), shape, device=slow_host)
     assert slow.time.offload > 10 * fast.time.offload
     assert [n for n in fast.notes if "activation swap" in n]
-    with pytest.raises(DryRunError, match="--swap"):
+    with pytest.raises(PricingError, match="--swap"):
         _run(parallel, replace(SHAPE, ac="full", swap=True), DEEP)
 
 
@@ -180,14 +181,16 @@ def test_baseline_runtimes() -> None:
     assert fsdp2.time.fsdp_comm > hp.time.fsdp_comm  # the copies
     assert fsdp2.kind("hsdp_all_reduce").calls == hp.kind("hsdp_all_reduce").calls
     assert ddp.kind("fsdp_all_gather").calls == 0 < ddp.kind("ddp_all_reduce").calls
-    assert ddp.memory.parameters == 4 * sum(g.flat.padded_numel for g in fsdp_groups(MOE, 1, 1))
+    assert ddp.memory.parameters == 4 * sum(
+        g.flat.padded_numel for g in fsdp_groups(TrainerModel(MOE), 1, 1)
+    )
 
 
 def test_search_covers_the_new_axes_and_defaults_to_device_memory(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     space = SearchSpace(microbatches=(1, 2), ac=("none", "full"))
-    result = search(MOE, Topology.single_host(4), SHAPE, 10**15, space=space)
+    result = search(TrainerModel(MOE), Topology.single_host(4), SHAPE, 10**15, space=space)
     layouts = {(r.parallel.ep, r.parallel.cp, r.parallel.pp) for r in result.fitting}
     assert any(ep > 1 for ep, _, _ in layouts)
     assert any(cp > 1 for _, cp, _ in layouts)
@@ -201,7 +204,9 @@ def test_search_covers_the_new_axes_and_defaults_to_device_memory(
     assert "fit in 80.0 GiB per rank" in out  # the accelerator preset's memory
     # Swap is tried with the policies that can swap, never with full recomputation.
     swapping = replace(space, ac=("none", "full"), swap=(False, True), pp=(1,), cp=(1,))
-    tried = search(MOE, Topology.single_host(4), SHAPE, 10**15, space=swapping).fitting
+    tried = search(
+        TrainerModel(MOE), Topology.single_host(4), SHAPE, 10**15, space=swapping
+    ).fitting
     assert {(r.shape.ac, r.shape.swap) for r in tried} == {
         ("none", False),
         ("none", True),
@@ -247,7 +252,11 @@ SMALL_REPRODUCTION = SearchSpace(
 def test_reproduce_paper_prints_the_papers_figures_beside_the_model(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(cli, "reproduce_paper", lambda: reproduce_paper(space=SMALL_REPRODUCTION))
+    monkeypatch.setattr(
+        cli,
+        "reproduce_paper",
+        lambda model, step, **kw: reproduce_paper(model, step, space=SMALL_REPRODUCTION, **kw),
+    )
     assert main(["--reproduce-paper"]) == 0
     out = capsys.readouterr().out
     assert re.search(r"GiB per rank \(searched in \d+ s\)", out)

@@ -393,17 +393,18 @@ def _measure_orders(cases: list[tuple[dict[str, Any], ModelConfig, bool]]) -> li
 def _predicted_order(
     dims: dict[str, Any], model_config: ModelConfig, backward_prefetch: bool, rank: int
 ) -> list[tuple[str, int]]:
-    """The dry run's program for the same step (``hp_train.dryrun.runtime_order``): its
+    """The dry run's program for the same step (``hp_planner.price.runtime_order``): its
     collectives in issue order as ``(purpose, bytes)``, bytes from the predicted groups."""
     from hp_layout import Topology
-    from hp_train.dryrun import DEVICE_PRESETS, StepShape, dry_run
-    from hp_train.dryrun.runtime_order import microbatch_program
-    from hp_train.dryrun.timeline import Issue
+    from hp_planner.price import DEVICE_PRESETS, StepShape, dry_run
+    from hp_planner.price.runtime_order import microbatch_program
+    from hp_planner.price.timeline import Issue
+    from hp_train.dryrun import TrainerModel
 
     parallel = ParallelConfig(**dims)
     shape = StepShape(ADAMW.global_batch, ADAMW.seq_len, optimizer="adamw")
     run = dry_run(
-        model_config, parallel, Topology.single_host(parallel.world_size), shape,
+        TrainerModel(model_config), parallel, Topology.single_host(parallel.world_size), shape,
         device=DEVICE_PRESETS["cpu"], rank=rank,
     )  # fmt: skip
     stage = run.stages[0]

@@ -27,7 +27,7 @@ CP_VARIANTS = ("ring", "ulysses")
 #: Optimizers a plan knows how to split parameters for.
 OPTIMIZERS = ("muon", "adamw")
 #: Pipeline schedules with one stage per pipeline rank (``hp_mpmd.schedules``).
-SCHEDULES = ("gpipe", "1f1b")
+SCHEDULES = ("1f1b", "gpipe")
 
 
 class PlanInputError(ValueError):
@@ -86,6 +86,11 @@ class JobDims:
     def world_size(self) -> int:
         """Ranks the job needs."""
         return self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel degree (replicas x shards): how many ways the batch is split."""
+        return self.dp_replicate * self.dp_shard
 
 
 @dataclass(frozen=True)

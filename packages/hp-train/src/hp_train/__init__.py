@@ -1,9 +1,9 @@
-"""hp_train: the hyper-parallel training entry point and the dry-run planner.
+"""hp_train: the hyper-parallel training entry point.
 
 ``torchrun --standalone --nproc-per-node 4 -m hp_train --dp-shard 2 --tp 2`` trains a
 Llama-style model (dense or MoE) with FSDP x TP and Muon + AdamW on local CPU ranks; see
-:mod:`hp_train.config.cli`. ``python -m hp_train.dryrun`` predicts memory and communication of a
-configuration at any scale without processes.
+:mod:`hp_train.config.cli`. ``python -m hp_train.dryrun`` prices a configuration at any scale
+without processes (:mod:`hp_planner.price` with the trainer's models).
 """
 
 from hp_train.config.schema import ConfigError, ModelConfig, MoEConfig, ParallelConfig, TrainConfig

@@ -12,11 +12,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from hp_train.config.schema import ConfigError, ModelConfig, ParallelConfig, TrainConfig
+from hp_planner import JobDims
+from hp_train.config.schema import ConfigError, ModelConfig, TrainConfig
 
 __all__ = ["REFUSALS", "Refusal", "check_combination", "combination_table"]
 
-Applies = Callable[[ModelConfig, ParallelConfig, TrainConfig], bool]
+Applies = Callable[[ModelConfig, JobDims, TrainConfig], bool]
 
 
 @dataclass(frozen=True)
@@ -40,7 +41,7 @@ class Refusal:
         return f"{self.first} with {self.second}: {self.reason}"
 
 
-def _ulysses_heads(m: ModelConfig, p: ParallelConfig, c: TrainConfig) -> bool:
+def _ulysses_heads(m: ModelConfig, p: JobDims, c: TrainConfig) -> bool:
     return p.cp > 1 and p.cp_variant == "ulysses" and (m.n_heads // p.tp) % p.cp != 0
 
 
@@ -157,7 +158,7 @@ REFUSALS: tuple[Refusal, ...] = (
 )
 
 
-def check_combination(model: ModelConfig, parallel: ParallelConfig, config: TrainConfig) -> None:
+def check_combination(model: ModelConfig, parallel: JobDims, config: TrainConfig) -> None:
     """Raise :class:`ConfigError` with the first refused pair of the configuration."""
     for refusal in REFUSALS:
         if refusal.applies(model, parallel, config):

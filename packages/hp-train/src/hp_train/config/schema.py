@@ -12,6 +12,15 @@ from dataclasses import asdict, dataclass, fields
 from types import UnionType
 from typing import Any, TypeVar, Union, get_args, get_origin, get_type_hints
 
+from hp_planner import JobDims, PlanInputError
+from hp_planner.recipe import (
+    AC_MODES,
+    CP_VARIANTS,
+    FP8_RECIPES,
+    OFFLOAD_TARGETS,
+    SCHEDULES,
+    ac_budget_bytes,
+)
 from hp_train.config.options import option
 
 __all__ = [
@@ -32,17 +41,9 @@ __all__ = [
 ]
 
 #: The pipeline schedules the entry point runs (``hp_train.parallel.pipeline.PIPELINE_SCHEDULES``).
-PIPELINE_SCHEDULE_NAMES = ("1f1b", "gpipe")
-#: Context-parallel attention variants (``hp_dtensor.parallel.ContextParallel``).
-CP_VARIANTS = ("ring", "ulysses")
-#: Activation checkpointing per block (``budget:<MiB>`` is the third, parametrized form).
-AC_MODES = ("none", "full", "selective")
-#: What ``offload`` moves to host memory.
-OFFLOAD_TARGETS = ("none", "optimizer", "params", "both")
+PIPELINE_SCHEDULE_NAMES = SCHEDULES
 #: Compute precisions of ``mixed_precision``.
 MIXED_PRECISIONS = ("fp32", "bf16")
-#: FP8 linear recipes (``hp_kernels.float8``).
-FP8_RECIPES = ("none", "tensorwise", "blockwise")
 
 
 #: What a model option is when not given: the ``--model`` preset's value.
@@ -326,8 +327,9 @@ def _field_value(hint: Any, value: Any, where: str) -> Any:
 
 
 @dataclass(frozen=True)
-class ParallelConfig:
-    """How ranks are arranged: ``dp_replicate x dp_shard x cp x tp x pp`` ranks.
+class ParallelConfig(JobDims):
+    """How ranks are arranged: ``dp_replicate x dp_shard x cp x tp x pp`` ranks, as the
+    trainer's options state them (an :class:`hp_planner.JobDims`: the plan reads it as it is).
 
     Attributes:
         dp_replicate: data-parallel replicas (HSDP's replicate axis, the slow tier).
@@ -374,16 +376,6 @@ class ParallelConfig:
                 f"ep={self.ep} must divide dp_shard={self.dp_shard}: the expert-parallel ranks "
                 "are carved from the FSDP shard axis (raise --dp-shard or lower --ep)"
             )
-
-    @property
-    def world_size(self) -> int:
-        """Ranks the configuration needs."""
-        return self.dp_replicate * self.dp_shard * self.cp * self.tp * self.pp
-
-    @property
-    def dp(self) -> int:
-        """Data-parallel degree (replicas x shards): how many ways the batch is split."""
-        return self.dp_replicate * self.dp_shard
 
     @staticmethod
     def fill(
@@ -607,24 +599,16 @@ class TrainConfig:
 
     @property
     def ac_budget_bytes(self) -> int | None:
-        """The byte budget of ``ac="budget:<MiB>"``, None for the other modes.
+        """The byte budget of ``ac="budget:<MiB>"``, None for the other modes
+        (:func:`hp_planner.recipe.ac_budget_bytes`).
 
         Raises:
             ConfigError: ``ac`` is none of the modes, or its budget is not a number > 0.
         """
-        if self.ac in AC_MODES:
-            return None
-        prefix, _, amount = self.ac.partition(":")
         try:
-            mib = float(amount) if prefix == "budget" else math.nan
-        except ValueError:
-            mib = math.nan
-        if not (math.isfinite(mib) and mib > 0):
-            raise ConfigError(
-                f"ac must be one of {', '.join(AC_MODES)} or budget:<MiB> (e.g. budget:64), "
-                f"got {self.ac!r}"
-            )
-        return int(mib * 2**20)
+            return ac_budget_bytes(self.ac)
+        except PlanInputError as exc:
+            raise ConfigError(str(exc)) from None
 
     def check_batch(self, parallel: ParallelConfig) -> int:
         """Sequences per data-parallel rank (the global batch split evenly)."""

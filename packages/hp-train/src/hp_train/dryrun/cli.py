@@ -13,11 +13,13 @@ config fields (:mod:`hp_train.config.options`; model sizes default to the preset
 ``--mixed-precision`` to bf16); a pair the trainer refuses
 (:mod:`hp_train.config.combinations`) is refused with its message. ``--search`` keeps what fits
 ``--memory-limit-gib`` (default: the device preset's memory); ``--reproduce-paper`` prints
-:mod:`~hp_train.dryrun.reproduce`'s report.
+:mod:`hp_planner.price.reproduce`'s report for the ``moe_505b`` preset. The pricing is
+:mod:`hp_planner.price`'s, of the trainer's model (:class:`~hp_train.dryrun.trainer_model
+.TrainerModel`).
 
 ``--print-plan`` prints the plan the trainer resolves for the rank's model (its pipeline stage)
 with each parameter's FSDP flat slot and optimizer group
-(:func:`hp_train.dryrun.shapes.planned_model`, ``ParallelPlan.table(rank)``) and exits.
+(:func:`hp_planner.price.planned_model`, ``ParallelPlan.table(rank)``) and exits.
 
 Exit status: 0 on success, 2 on bad input (the message says what was wrong).
 """
@@ -29,6 +31,26 @@ import sys
 from dataclasses import replace
 from typing import Any
 
+from hp_layout import Topology
+from hp_planner import PlanInputError
+from hp_planner.price import (
+    GIB,
+    Device,
+    Precision,
+    PricingError,
+    SearchSpace,
+    StepShape,
+    device_for,
+    dry_run,
+    format_dry_run,
+    format_reproduction,
+    format_search,
+    planned_model,
+    precision_of,
+    reproduce_paper,
+    search,
+    topology_preset,
+)
 from hp_train.config.options import (
     TABLE_TITLES,
     CliOption,
@@ -36,21 +58,9 @@ from hp_train.config.options import (
     config_kwargs,
     field_options,
 )
+from hp_train.config.presets import MODEL_PRESETS, model_preset
 from hp_train.config.schema import ConfigError, ModelConfig, MoEConfig, ParallelConfig, TrainConfig
-from hp_train.dryrun.memory import GIB
-from hp_train.dryrun.planner import dry_run
-from hp_train.dryrun.presets import (
-    MODEL_PRESETS,
-    DryRunError,
-    device_for,
-    model_preset,
-    topology_preset,
-)
-from hp_train.dryrun.report import format_dry_run, format_search
-from hp_train.dryrun.reproduce import format_reproduction, reproduce_paper
-from hp_train.dryrun.search import SearchSpace, search
-from hp_train.dryrun.shapes import planned_model
-from hp_train.dryrun.workload import Precision, StepShape, precision_of
+from hp_train.dryrun.trainer_model import TrainerModel
 
 __all__ = ["build_parser", "main"]
 
@@ -215,28 +225,22 @@ def _precision(args: argparse.Namespace) -> Precision:
     return precision_of(args.mixed_precision, args.grad_reduce_dtype)
 
 
-def _run(args: argparse.Namespace) -> str:
-    if args.reproduce_paper:
-        return format_reproduction(reproduce_paper())
-    name, model, seq, batch = _model(args)
-    if args.topology is None:
-        if args.dp_shard is None:
-            raise ConfigError("give --topology or --dp-shard (the world size is unknown)")
-        world = args.dp_replicate * args.dp_shard * args.cp * args.tp * args.pp
-        topology = topology_preset(f"single_host:{world}")
-    else:
-        topology = topology_preset(args.topology)
+def _device(args: argparse.Namespace, topology: Topology) -> Device:
+    """The topology's device, with ``--peak-tflops`` and ``--efficiency`` where given."""
     device = device_for(topology)
-    if args.peak_tflops is not None or args.efficiency is not None:
-        device = replace(
-            device,
-            name="custom",
-            peak_flops=args.peak_tflops * 1e12
-            if args.peak_tflops is not None
-            else device.peak_flops,
-            efficiency=args.efficiency if args.efficiency is not None else device.efficiency,
-        )
-    shape = StepShape(
+    if args.peak_tflops is None and args.efficiency is None:
+        return device
+    return replace(
+        device,
+        name="custom",
+        peak_flops=args.peak_tflops * 1e12 if args.peak_tflops is not None else device.peak_flops,
+        efficiency=args.efficiency if args.efficiency is not None else device.efficiency,
+    )
+
+
+def _step_shape(args: argparse.Namespace, batch: int, seq: int) -> StepShape:
+    """The step the options describe (``--swap`` is searched over under ``--search``)."""
+    return StepShape(
         global_batch=batch,
         seq_len=seq,
         microbatches=args.microbatches,
@@ -251,6 +255,25 @@ def _run(args: argparse.Namespace) -> str:
         pp_schedule=args.pp_schedule,
         swap=args.swap and not args.search,
     )
+
+
+def _run(args: argparse.Namespace) -> str:
+    if args.reproduce_paper:
+        paper = model_preset("moe_505b")
+        step = StepShape(paper.global_batch, paper.seq_len)
+        return format_reproduction(
+            reproduce_paper(TrainerModel(paper.model), step, model_name=paper.name)
+        )
+    name, model, seq, batch = _model(args)
+    if args.topology is None:
+        if args.dp_shard is None:
+            raise ConfigError("give --topology or --dp-shard (the world size is unknown)")
+        world = args.dp_replicate * args.dp_shard * args.cp * args.tp * args.pp
+        topology = topology_preset(f"single_host:{world}")
+    else:
+        topology = topology_preset(args.topology)
+    device = _device(args, topology)
+    shape = _step_shape(args, batch, seq)
     if args.search and not args.print_plan:
         gib = args.memory_limit_gib
         limit = device.memory_bytes if gib is None else int(gib * GIB)
@@ -264,7 +287,9 @@ def _run(args: argparse.Namespace) -> str:
             ac=args.search_ac,
             swap=(False, True) if args.swap else (False,),
         )
-        result = search(model, topology, shape, limit, device=device, space=space, model_name=name)
+        result = search(
+            TrainerModel(model), topology, shape, limit, device=device, space=space, model_name=name
+        )
         return format_search(result, args.top)
     axes = {
         "cp": args.cp,
@@ -280,17 +305,25 @@ def _run(args: argparse.Namespace) -> str:
         parallel = ParallelConfig(args.dp_replicate, args.dp_shard, args.tp, args.pp, **axes)
     if args.print_plan:
         if parallel.ep > 1 or parallel.cp > 1:
-            raise DryRunError(
+            raise PricingError(
                 "--print-plan shows the tensor-parallel and FSDP plan; it does not show the "
                 "expert- or context-parallel layouts yet (drop --ep/--cp to print the rest)"
             )
         return _plan_text(name, model, parallel, args.rank)
-    run = dry_run(model, parallel, topology, shape, device=device, rank=args.rank, model_name=name)
+    run = dry_run(
+        TrainerModel(model),
+        parallel,
+        topology,
+        shape,
+        device=device,
+        rank=args.rank,
+        model_name=name,
+    )
     return format_dry_run(run, layers=args.layers)
 
 
 def _plan_text(name: str, model: ModelConfig, parallel: ParallelConfig, rank: int) -> str:
-    plan = planned_model(model, parallel, rank)
+    plan = planned_model(TrainerModel(model), parallel, rank)
     per_stage = parallel.world_size // parallel.pp
     stage = f", pipeline stage {rank // per_stage}" if parallel.pp > 1 else ""
     return (
@@ -305,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         print(_run(args))
-    except ConfigError as exc:
+    except (ConfigError, PlanInputError) as exc:
         print(f"hp-dryrun: error: {exc}", file=sys.stderr)
         return 2
     return 0

@@ -38,12 +38,18 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from hp_layout import Topology
+from hp_planner.price import (
+    DEVICE_PRESETS,
+    MemoryBreakdown,
+    Precision,
+    PricingError,
+    RankGrid,
+    StepShape,
+    dry_run,
+    precision_of,
+)
 from hp_train.config.schema import ModelConfig, ParallelConfig, TrainConfig
-from hp_train.dryrun.comm import RankGrid
-from hp_train.dryrun.memory import MemoryBreakdown
-from hp_train.dryrun.planner import dry_run
-from hp_train.dryrun.presets import DEVICE_PRESETS, DryRunError
-from hp_train.dryrun.workload import Precision, StepShape, precision_of
+from hp_train.dryrun.trainer_model import TrainerModel
 
 __all__ = ["PREDICTED_KINDS", "Prediction", "predict_for_run"]
 
@@ -120,14 +126,14 @@ def predict_for_run(
     ``optimizer_state_bytes == muon_state_bytes + adamw_state_bytes``.
 
     Raises:
-        DryRunError: ``pp > 1`` (these per-rank figures are those of a run without
+        PricingError: ``pp > 1`` (these per-rank figures are those of a run without
             pipelining; :func:`~hp_train.dryrun.dry_run` models ``pp > 1``), or any input the
             dry run refuses (indivisible batch, ``tp`` not dividing the heads, a bad rank).
     """
     if parallel_config.pp != 1:
-        raise DryRunError(
+        raise PricingError(
             f"predict_for_run predicts a run without pipeline parallelism; got "
-            f"pp={parallel_config.pp} (use hp_train.dryrun.dry_run to model pp > 1)"
+            f"pp={parallel_config.pp} (use hp_planner.price.dry_run to model pp > 1)"
         )
     topo = topology or Topology.single_host(parallel_config.world_size)
     shape = StepShape(
@@ -146,7 +152,12 @@ def predict_for_run(
         swap=train_config.swap,
     )
     run = dry_run(
-        model_config, parallel_config, topo, shape, device=DEVICE_PRESETS["cpu"], rank=rank
+        TrainerModel(model_config),
+        parallel_config,
+        topo,
+        shape,
+        device=DEVICE_PRESETS["cpu"],
+        rank=rank,
     )
     stage = run.stages[0]
     memory = stage.memory

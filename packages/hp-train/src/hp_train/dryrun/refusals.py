@@ -4,26 +4,26 @@ The refusals are the trainer's data (:data:`hp_train.config.combinations.REFUSAL
 :func:`hp_train.config.combinations.check_combination`); :func:`check_runtime_accepts` states the
 dry
 run's configuration as the :class:`~hp_train.config.schema.TrainConfig` the trainer would get and
-raises the first refused pair as a :class:`~hp_train.dryrun.presets.DryRunError`, with the
-trainer's message.
+raises the first refused pair as a :class:`hp_planner.price.PricingError`, with the trainer's
+message.
 """
 
 from __future__ import annotations
 
+from hp_planner import JobDims
+from hp_planner.price import PricingError, StepShape
 from hp_train.config.combinations import check_combination
-from hp_train.config.schema import ConfigError, ModelConfig, ParallelConfig, TrainConfig
-from hp_train.dryrun.presets import DryRunError
-from hp_train.dryrun.workload import StepShape
+from hp_train.config.schema import ConfigError, ModelConfig, TrainConfig
 
 __all__ = ["check_runtime_accepts", "train_config"]
 
 
-def train_config(parallel: ParallelConfig, shape: StepShape) -> TrainConfig:
+def train_config(parallel: JobDims, shape: StepShape) -> TrainConfig:
     """The trainer's configuration of ``shape`` (its microbatches are the pipeline's with
     ``pp > 1``, gradient accumulation without).
 
     Raises:
-        DryRunError: a value the trainer's configuration refuses.
+        PricingError: a value the trainer's configuration refuses.
     """
     pipelined = parallel.pp > 1
     try:
@@ -43,18 +43,18 @@ def train_config(parallel: ParallelConfig, shape: StepShape) -> TrainConfig:
             swap=shape.swap,
         )
     except ConfigError as exc:
-        raise DryRunError(str(exc)) from None
+        raise PricingError(str(exc)) from None
 
 
-def check_runtime_accepts(model: ModelConfig, parallel: ParallelConfig, shape: StepShape) -> None:
+def check_runtime_accepts(model: ModelConfig, parallel: JobDims, shape: StepShape) -> None:
     """Raise what the trainer raises for a refused pair of options (module doc).
 
     Raises:
-        DryRunError: the first :data:`hp_train.config.combinations.REFUSALS` entry that applies.
+        PricingError: the first :data:`hp_train.config.combinations.REFUSALS` entry that applies.
     """
     try:
         check_combination(model, parallel, train_config(parallel, shape))
-    except DryRunError:
+    except PricingError:
         raise
     except ConfigError as exc:
-        raise DryRunError(str(exc)) from None
+        raise PricingError(str(exc)) from None

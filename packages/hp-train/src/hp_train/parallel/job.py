@@ -12,8 +12,6 @@ part) and writes it as ``plan.json``.
 
 from __future__ import annotations
 
-from dataclasses import asdict
-
 import torch
 
 from hp_dtensor.parallel import ExpertParallel, ExpertTensorParallel, ParallelStyle
@@ -33,13 +31,13 @@ BLOCKS = "layers.*"
 CONTEXT_MODULES = "layers.*.attn.core"
 
 
-def _expert_style(parallel: ParallelConfig) -> ParallelStyle:
+def _expert_style(parallel: JobDims) -> ParallelStyle:
     if parallel.ep_tp:
         return ExpertTensorParallel(mesh_axes=EXPERT_AXES, ep_axis="ep", tp_axis="tp")
     return ExpertParallel()
 
 
-def model_parallelism(model: ModelConfig, parallel: ParallelConfig) -> ModelParallelism:
+def model_parallelism(model: ModelConfig, parallel: JobDims) -> ModelParallelism:
     """Which modules of the trainer's Transformer take which style (module docstring)."""
     experts: tuple[str, ...] = ()
     if parallel.ep > 1 and model.moe is not None:
@@ -98,7 +96,7 @@ def plan_run(model: ModelConfig, parallel: ParallelConfig, config: TrainConfig) 
     check_combination(model, parallel, config)
     return plan_job(
         stage_models(model, parallel.pp),
-        JobDims(**asdict(parallel)),
+        parallel,
         model_parallelism(model, parallel),
         training_policy(config),
     )

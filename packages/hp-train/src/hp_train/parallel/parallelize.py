@@ -33,7 +33,7 @@ from hp_dtensor.parallel import (
 from hp_dtensor.parallel.plan import Boundary, PlanError
 from hp_fsdp import CPUOffloadPolicy, fully_shard
 from hp_layout import Mesh, Placement, Replicate, Shard
-from hp_planner import StagePlan
+from hp_planner import JobDims, StagePlan
 from hp_train.config.schema import ConfigError, ModelConfig, ParallelConfig, TrainConfig
 from hp_train.model.llama import TiedHead, Transformer
 from hp_train.parallel.activations import apply_activation_policy
@@ -119,9 +119,10 @@ _TP_SPLITS = (
 )
 
 
-def check_model_fits(model: ModelConfig, parallel: ParallelConfig) -> None:
+def check_model_fits(model: ModelConfig, parallel: JobDims) -> None:
     """Raise :class:`ConfigError` when the model cannot be split ``parallel.tp`` ways or into
-    ``parallel.pp`` stages (the one check of the trainer and the dry run, ``hp_train.dryrun``).
+    ``parallel.pp`` stages (the one check of the trainer and of its pricing,
+    ``hp_train.dryrun.TrainerModel``).
 
     Raises:
         ConfigError: ``tp`` does not divide ``n_heads``, ``n_kv_heads``, ``ffn_dim`` or

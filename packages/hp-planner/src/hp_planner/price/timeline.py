@@ -1,6 +1,6 @@
 """One rank's step as a program of compute and collectives, simulated on streams.
 
-A program lists what the runtime does, in its order (:mod:`~hp_train.dryrun.runtime_order`
+A program lists what the runtime does, in its order (:mod:`~hp_planner.price.runtime_order`
 writes hp-fsdp's): :class:`Compute` runs on the compute stream; :class:`Issue` starts a
 collective on the stream of its topology tier (collectives on one tier share its links and run
 one after another; different tiers run side by side), no earlier than the collective it comes
@@ -8,7 +8,7 @@ one after another; different tiers run side by side), no earlier than the collec
 runtime computes on its result, or frees its buffer); :class:`Mark` notes the compute stream's
 clock. :func:`simulate` runs the program.
 
-Postconditions of :func:`simulate` (``tests/test_dryrun_timeline.py`` checks them over
+Postconditions of :func:`simulate` (``tests/test_price_timeline.py`` checks them over
 generated programs):
 
 * ``makespan == compute + sum(exposed)``: the compute stream is either computing or waiting,
@@ -42,7 +42,7 @@ class Issue:
 
     Attributes:
         name: its name; a :class:`Wait` refers to it.
-        kind: its collective kind (:data:`hp_train.dryrun.comm.KINDS`), what its exposed time
+        kind: its collective kind (:data:`hp_planner.price.comm.KINDS`), what its exposed time
             is charged to.
         tier: the topology tier its group spans (its stream).
         seconds: how long it runs once started.

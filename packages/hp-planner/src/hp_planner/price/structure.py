@@ -1,18 +1,18 @@
-"""What the dry run prices of the parameters, read from the trainer's JobPlan: shapes,
+"""What the pricing reads of the parameters, from the model's JobPlan: shapes,
 tensor-parallel placement, optimizer, the FSDP groups as flat-buffer layouts, every
 parameter's layout.
 
-The dry run plans nothing itself. :func:`job_plan` is the :class:`hp_planner.JobPlan` the
-trainer makes (:func:`hp_train.parallel.job.plan_run`'s inputs: the Transformer on ``meta``,
-one per pipeline stage; the trainer's model parallelism; its training policy, with Muon's
-optimizer split by the trainer's router patterns), cached per configuration because the
-search prices many layouts, each several times, and planned only where it is read:
+The pricing plans nothing itself. :func:`job_plan` is the :class:`hp_planner.JobPlan` of a
+:class:`~hp_planner.price.model.PricedModel` (its stage models on ``meta``, its model
+parallelism, its training policy with Muon's optimizer split), cached per model and degrees
+because the search prices many layouts, each several times, and planned only where it is
+read:
 
 * on the FSDP meshes holding the priced rank and each stage's first rank
   (:func:`priced_ranks`), through ``plan_job(ranks=)``: a 768-rank job plans two meshes, not
   hundreds;
 * without the Muon step (``plan_job(muon=False)``) unless the exact Muon figures are asked
-  for (:mod:`hp_train.dryrun.muon_traffic`);
+  for (:mod:`hp_planner.price.muon_traffic`);
 * with the meta models in the priced storage dtype, so hp-fsdp aligns the buffers in it.
 
 From it: :func:`model_parameters` (each trainable parameter's global shape, optimizer group
@@ -21,18 +21,18 @@ style shards), :func:`fsdp_groups` (hp-fsdp's :class:`~hp_fsdp.GroupPlan` of eve
 ``fully_shard`` call on the FSDP mesh of one tensor-parallel coordinate: parameters in buffer
 order, packed local shapes, the flat buffer, the tail reduced over ``tp`` or ``ep``),
 :func:`predicted_layouts` (``StagePlan.layouts``: what ``hp_dtensor.contract.layout_of``
-reports once ``hp_train.parallel.parallelize.parallelize`` has laid the model out),
+reports once the executors have laid the model out),
 :func:`planned_model` (the stage's parallel plan with the rank's flat slots and optimizer
 groups: what ``hp-dryrun --print-plan`` prints), :func:`resolved_plan` (the same without
-them) and :func:`tp_collectives` (the plan's boundaries). The one fits check is the
-trainer's, :func:`hp_train.parallel.parallelize.check_model_fits`; pipeline stages keep the
-blocks :func:`hp_train.parallel.pipeline.stage_boundaries` gives them.
+them) and :func:`tp_collectives` (the plan's boundaries). The fits check is the model's
+(``PricedModel.check_fits``: a trainer's own); pipeline stages keep the blocks
+``PricedModel.stage_boundaries`` gives them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 import torch
@@ -42,12 +42,11 @@ from hp_dtensor.parallel import ParallelPlan
 from hp_fsdp import GroupPlan, plan_group
 from hp_fsdp import ParamSpec as FSDPParamSpec
 from hp_layout import FlatBufferLayout, Layout, Mesh, Shard, chunk_length
-from hp_planner import FsdpGroup, JobDims, JobPlan, PlanInputError, StagePlan, job_grid, plan_job
-from hp_train.config.schema import ConfigError, ModelConfig, ParallelConfig, TrainConfig
-from hp_train.dryrun.presets import DryRunError
-from hp_train.parallel.job import model_parallelism, stage_models, training_policy
-from hp_train.parallel.parallelize import check_model_fits
-from hp_train.parallel.pipeline import stage_boundaries
+from hp_planner.inputs import JobDims, PlanInputError
+from hp_planner.job import FsdpGroup, JobPlan, StagePlan
+from hp_planner.meshes import job_grid
+from hp_planner.plan_job import plan_job
+from hp_planner.price.model import PricedModel, PricingError
 
 __all__ = [
     "GroupSpec",
@@ -118,20 +117,15 @@ def tp_dim_of(layout: Layout, axis: str = _TP) -> int | None:
 #: packs and aligns each buffer in the dtype the dry run prices (``Precision.param``).
 _DTYPES = {2: torch.bfloat16, 4: torch.float32, 8: torch.float64}
 
-#: The recipe the priced plans are made for. Muon: every parameter's optimizer group is the
-#: trainer's split (the dry run prices AdamW alone by reading none of it). Nothing else in a
-#: recipe changes the FSDP groups, the layouts or the optimizer groups.
-_RECIPE = TrainConfig(optimizer="muon")
-
 
 @lru_cache(maxsize=16)
-def _stage_models(model: ModelConfig, pp: int, param_bytes: int) -> tuple[nn.Module, ...]:
-    """The trainer's stage models on ``meta`` in the storage dtype, built once per
-    configuration (planning reads them and changes nothing)."""
+def _stage_models(model: PricedModel, pp: int, param_bytes: int) -> tuple[nn.Module, ...]:
+    """The model's stage models on ``meta`` in the storage dtype, built once per model
+    (planning reads them and changes nothing)."""
     dtype = _DTYPES.get(param_bytes)
     if dtype is None:
-        raise DryRunError(f"param_bytes must be one of {sorted(_DTYPES)}, got {param_bytes}")
-    stages = stage_models(model, pp)
+        raise PricingError(f"param_bytes must be one of {sorted(_DTYPES)}, got {param_bytes}")
+    stages = model.stage_models(pp)
     if dtype is not torch.float32:
         for stage in stages:
             stage.to(dtype)
@@ -140,26 +134,31 @@ def _stage_models(model: ModelConfig, pp: int, param_bytes: int) -> tuple[nn.Mod
 
 @lru_cache(maxsize=64)
 def _planned(
-    model: ModelConfig,
-    parallel: ParallelConfig,
+    model: PricedModel,
+    parallel: JobDims,
     param_bytes: int,
     ranks: frozenset[int] | None,
     muon: bool,
 ) -> JobPlan:
+    """Muon's policy: every parameter's optimizer group is the model's split (AdamW alone is
+    priced by reading none of it); nothing else in a recipe changes the FSDP groups, the
+    layouts or the optimizer groups."""
     try:
         return plan_job(
             _stage_models(model, parallel.pp, param_bytes),
-            JobDims(**asdict(parallel)),
-            model_parallelism(model, parallel),
-            training_policy(_RECIPE),
+            parallel,
+            model.parallelism(parallel),
+            replace(model.policy(), optimizer="muon"),
             ranks=ranks,
             muon=muon,
         )
+    except PricingError:
+        raise
     except PlanInputError as exc:
-        raise DryRunError(str(exc)) from None
+        raise PricingError(str(exc)) from None
 
 
-def priced_ranks(parallel: ParallelConfig) -> frozenset[int]:
+def priced_ranks(parallel: JobDims) -> frozenset[int]:
     """The ranks every plan the dry run makes is planned on: each pipeline stage's first rank
     (its slots fill the stage's parallel plan). A reader adds the ranks it prices (the dry
     run prices one rank per stage; every other rank of its tensor-parallel coordinate holds
@@ -169,25 +168,24 @@ def priced_ranks(parallel: ParallelConfig) -> frozenset[int]:
 
 
 def job_plan(
-    model: ModelConfig,
-    parallel: ParallelConfig,
+    model: PricedModel,
+    parallel: JobDims,
     *,
     param_bytes: int = 4,
     ranks: frozenset[int] | None = None,
     muon: bool = False,
 ) -> JobPlan:
-    """The trainer's :class:`hp_planner.JobPlan` of ``model`` under ``parallel``: what
-    :func:`hp_train.parallel.job.plan_run` plans (its stage models, model parallelism and
-    training policy, with Muon's optimizer split), cached per configuration: the search
-    prices many layouts, each several times.
+    """The :class:`hp_planner.JobPlan` of ``model`` under ``parallel`` (its stage models,
+    model parallelism and training policy, with Muon's optimizer split), cached per model and
+    degrees: the search prices many layouts, each several times.
 
     ``param_bytes`` is the storage dtype's size (the meta models are cast to it, so hp-fsdp
     packs in that dtype); ``ranks`` and ``muon`` are :func:`hp_planner.plan_job`'s (plan only
     the FSDP meshes holding those ranks and :func:`priced_ranks`; plan the Muon step or not:
-    at scale :mod:`hp_train.dryrun.muon_traffic` prices it analytically).
+    at scale :mod:`hp_planner.price.muon_traffic` prices it analytically).
 
     Raises:
-        DryRunError: a configuration the trainer refuses, or a storage size with no dtype.
+        PricingError: degrees the model refuses, or a storage size with no dtype.
     """
     check_fits(model, parallel)
     held = priced_ranks(parallel) if ranks is None else ranks | priced_ranks(parallel)
@@ -202,18 +200,18 @@ class _Structure:
     blocks: tuple[tuple[int, tuple[str, ...]], ...]
 
 
-def _tp2_plan(model: ModelConfig) -> ParallelPlan:
+def _tp2_plan(model: PricedModel) -> ParallelPlan:
     """The JobPlan's parallel plan of the whole model at ``tp = 2``, over rank 0's meshes.
 
     The dim a plan shards a parameter on, and the collectives its boundaries run, do not
     depend on the degree: two ranks, the smallest degree at which a style shards, show them.
     """
-    parallel = ParallelConfig(tp=2)
+    parallel = JobDims(tp=2)
     return _planned(model, parallel, 4, priced_ranks(parallel), False).stages[0].parallel
 
 
 @lru_cache(maxsize=32)
-def _structure(model: ModelConfig) -> _Structure:
+def _structure(model: PricedModel) -> _Structure:
     plan = _tp2_plan(model)
     specs = tuple(
         ParamSpec(p.fqn, p.global_shape, p.optimizer_group, tp_dim_of(p.layout))
@@ -221,25 +219,25 @@ def _structure(model: ModelConfig) -> _Structure:
         if p.optimizer_group is not None
     )
     blocks: dict[int, list[str]] = {}
+    prefix = f"{model.blocks}."
     for spec in specs:
-        parts = spec.name.split(".")
-        if parts[0] == "layers":
-            blocks.setdefault(int(parts[1]), []).append(spec.name)
+        if spec.name.startswith(prefix):
+            blocks.setdefault(int(spec.name[len(prefix) :].split(".")[0]), []).append(spec.name)
     return _Structure(specs, tuple((i, tuple(names)) for i, names in sorted(blocks.items())))
 
 
-def model_parameters(model: ModelConfig) -> tuple[ParamSpec, ...]:
-    """Every trainable parameter of :class:`~hp_train.model.llama.Transformer` built from
-    ``model``, in ``named_parameters`` order, as the trainer's JobPlan resolves it.
+def model_parameters(model: PricedModel) -> tuple[ParamSpec, ...]:
+    """Every trainable parameter of ``model``'s stage models (``pp = 1``), in
+    ``named_parameters`` order, as its JobPlan resolves it.
 
     Postconditions: the shapes are those of the real module (built on ``meta``: no memory);
     each parameter is tagged with its optimizer group (``hp_muon.split_params`` with the
-    trainer's router patterns) and the tensor-parallel dim of the trainer's resolved plan.
+    model's policy's AdamW patterns) and the tensor-parallel dim of its resolved plan.
     """
     return _structure(model).params
 
 
-def parameter_count(model: ModelConfig) -> int:
+def parameter_count(model: PricedModel) -> int:
     """Total parameters of the model (from the meta model)."""
     return sum(p.numel for p in model_parameters(model))
 
@@ -247,63 +245,55 @@ def parameter_count(model: ModelConfig) -> int:
 # The fits check --------------------------------------------------------------------------------
 
 
-def check_fits(model: ModelConfig, parallel: ParallelConfig) -> None:
-    """The trainer's check (:func:`hp_train.parallel.parallelize.check_model_fits`), as a dry-run
-    error.
+def check_fits(model: PricedModel, parallel: JobDims) -> None:
+    """The model's own check (``PricedModel.check_fits``; a trainer's: the one it runs).
 
     Raises:
-        DryRunError: the model cannot be split ``tp`` ways or into ``pp`` stages (the
-            trainer's message).
+        PricingError: the model cannot be split ``tp`` ways or into ``pp`` stages (the
+            model's message).
     """
-    try:
-        check_model_fits(model, parallel)
-    except DryRunError:
-        raise
-    except ConfigError as exc:
-        raise DryRunError(str(exc)) from None
+    model.check_fits(parallel)
 
 
-def check_tp(model: ModelConfig, tp: int) -> None:
-    """Refuse a tensor-parallel degree the trainer refuses (:func:`check_fits`).
+def check_tp(model: PricedModel, tp: int) -> None:
+    """Refuse a tensor-parallel degree the model refuses (:func:`check_fits`).
 
     Raises:
-        DryRunError: ``tp`` does not divide the heads, the KV heads, the dense feed-forward or
+        PricingError: ``tp`` does not divide the heads, the KV heads, the dense feed-forward or
             the vocabulary.
     """
-    check_fits(model, ParallelConfig(tp=tp))
+    check_fits(model, JobDims(tp=tp))
 
 
 # Pipeline stages -------------------------------------------------------------------------------
 
 
 @lru_cache(maxsize=256)
-def _boundaries(model: ModelConfig, pp: int) -> tuple[int, ...]:
-    return stage_boundaries(model, pp)
+def _boundaries(model: PricedModel, pp: int) -> tuple[int, ...]:
+    return model.stage_boundaries(pp)
 
 
-def stage_layers(model: ModelConfig, pp: int, stage: int) -> tuple[int, int]:
-    """``[start, stop)`` of the blocks pipeline stage ``stage`` of ``pp`` keeps, as the trainer
-    cuts the model (:func:`hp_train.parallel.pipeline.stage_boundaries`: balanced by parameters).
+def stage_layers(model: PricedModel, pp: int, stage: int) -> tuple[int, int]:
+    """``[start, stop)`` of the blocks pipeline stage ``stage`` of ``pp`` keeps, as the model
+    cuts itself (``PricedModel.stage_boundaries``).
 
     Raises:
-        DryRunError: fewer blocks than stages.
+        PricingError: fewer blocks than stages.
     """
-    check_fits(model, ParallelConfig(pp=pp))
+    check_fits(model, JobDims(pp=pp))
     bounds = _boundaries(model, pp)
     return bounds[stage], bounds[stage + 1]
 
 
-def _stage_of(parallel: ParallelConfig, rank: int) -> int:
+def _stage_of(parallel: JobDims, rank: int) -> int:
     """``rank``'s pipeline stage (:func:`hp_planner.job_grid`: ``pp`` is its outermost axis)."""
-    grid = job_grid(JobDims(**asdict(parallel)))
+    grid = job_grid(parallel)
     if rank not in grid:
-        raise DryRunError(f"rank {rank} is outside the world of {grid.size} ranks")
+        raise PricingError(f"rank {rank} is outside the world of {grid.size} ranks")
     return grid.coordinate(rank)[0] if parallel.pp > 1 else 0
 
 
-def _rank_stage(
-    model: ModelConfig, parallel: ParallelConfig, rank: int, param_bytes: int
-) -> StagePlan:
+def _rank_stage(model: PricedModel, parallel: JobDims, rank: int, param_bytes: int) -> StagePlan:
     """The JobPlan's stage holding ``rank``, planned on the FSDP meshes holding it."""
     check_fits(model, parallel)
     stage = _stage_of(parallel, rank)
@@ -311,13 +301,13 @@ def _rank_stage(
     return plan.stages[stage]
 
 
-def resolved_plan(model: ModelConfig, parallel: ParallelConfig, rank: int = 0) -> ParallelPlan:
+def resolved_plan(model: PricedModel, parallel: JobDims, rank: int = 0) -> ParallelPlan:
     """The tensor-parallel plan the trainer resolves for ``rank``'s model (its pipeline stage
     under ``pp > 1``) over that stage's ``(dp_replicate, dp_shard, tp)`` ranks: the
     JobPlan's (:func:`job_plan`) without its flat slots and optimizer groups.
 
     Raises:
-        DryRunError: a configuration the trainer refuses, or a rank outside the world.
+        PricingError: degrees the model refuses, or a rank outside the world.
     """
     plan = _rank_stage(model, parallel, rank, 4).parallel
     bare = tuple(replace(p, flat=None, optimizer_group=None) for p in plan.params)
@@ -332,7 +322,8 @@ class GroupSpec:
     """One FSDP group (one ``fully_shard`` call) on one tensor-parallel coordinate.
 
     Attributes:
-        name: ``"layers.N"`` for a block, ``"root"`` for the root.
+        name: the module ``fully_shard`` was called on (``"layers.N"`` for a block,
+            ``"layers.N.ffn"`` for its experts), ``"root"`` for the root.
         params: its parameters in flat-buffer order.
         local_shapes: each parameter's tensor-parallel local shape (what is packed).
         flat: the packing (``dp_shard`` chunks).
@@ -340,6 +331,7 @@ class GroupSpec:
             before the reduce-scatter (``flat.padded_numel`` when there is none).
         tail_axis: ``"tp"`` (parameters replicated over tensor parallelism) or, for an
             expert group, ``"ep"`` (the router and shared experts, replicated over ep).
+        block: the block the group belongs to (None for the root).
     """
 
     name: str
@@ -348,6 +340,7 @@ class GroupSpec:
     flat: FlatBufferLayout
     extra_start: int
     tail_axis: str = "tp"
+    block: int | None = None
 
     @property
     def is_root(self) -> bool:
@@ -356,14 +349,9 @@ class GroupSpec:
 
     @property
     def is_experts(self) -> bool:
-        """Whether this is an MoE layer's own group under expert parallelism
-        (``layers.N.ffn``: sharded over the ranks holding the same experts)."""
-        return self.name.endswith(".ffn")
-
-    @property
-    def block(self) -> int | None:
-        """The block the group belongs to (None for the root)."""
-        return None if self.is_root else int(self.name.split(".")[1])
+        """Whether this is an MoE layer's own group under expert parallelism (sharded over
+        the ranks holding the same experts, its tail reduced over ``ep``)."""
+        return self.tail_axis == "ep"
 
     @property
     def owner(self) -> str:
@@ -378,7 +366,7 @@ class GroupSpec:
         return tuple(out)
 
 
-def _group_spec(group: FsdpGroup, experts: frozenset[str], model: ModelConfig) -> GroupSpec:
+def _group_spec(group: FsdpGroup, experts: frozenset[str], model: PricedModel) -> GroupSpec:
     """A ``fully_shard`` call of the JobPlan as the dry run prices it."""
     if len(group.plans) != 1:
         raise AssertionError(
@@ -395,7 +383,17 @@ def _group_spec(group: FsdpGroup, experts: frozenset[str], model: ModelConfig) -
         plan.flat,
         plan.extra_start,
         "ep" if group.unit in experts else "tp",
+        _block_of(group.unit, model.blocks),
     )
+
+
+def _block_of(unit: str, blocks: str) -> int | None:
+    """The block a ``fully_shard`` call's module is in (``"layers.3.ffn"``: 3; the root and
+    modules outside the blocks: None)."""
+    prefix = f"{blocks}."
+    if not unit.startswith(prefix):
+        return None
+    return int(unit[len(prefix) :].split(".")[0])
 
 
 def _whole(spec: GroupSpec, plan: GroupPlan) -> GroupSpec:
@@ -417,7 +415,7 @@ def _whole(spec: GroupSpec, plan: GroupPlan) -> GroupSpec:
 
 @lru_cache(maxsize=256)
 def fsdp_groups(
-    model: ModelConfig,
+    model: PricedModel,
     dp_shard: int,
     tp: int,
     *,
@@ -429,10 +427,10 @@ def fsdp_groups(
     ep_tp: bool = False,
 ) -> tuple[GroupSpec, ...]:
     """The FSDP groups of one pipeline stage on one tensor-parallel coordinate, in
-    ``fully_shard`` order: the trainer's JobPlan's (:func:`job_plan`), read, not re-planned.
+    ``fully_shard`` order: the model's JobPlan's (:func:`job_plan`), read, not re-planned.
 
     The stage is stage ``stage`` of ``pp``, the blocks :func:`stage_layers` gives it (the
-    embedding on the first, the head on the last), as the trainer cuts the model.
+    embedding on the first, the head on the last), as the model cuts itself.
     ``dp_shard`` is the number of chunks the dense groups are split into: the runtime's FSDP
     shard axis (``dp_shard x cp`` under context parallelism, which packs as a shard axis of
     that size does), 1 for Megatron's DDP (whole). With ``ep > 1`` every MoE layer's
@@ -446,12 +444,12 @@ def fsdp_groups(
     of the stage's first data-parallel rank.
 
     Raises:
-        DryRunError: ``tp`` or ``pp`` is a degree the trainer refuses.
+        PricingError: ``tp`` or ``pp`` is a degree the model refuses.
     """
     check_tp(model, tp)
     whole = dp_shard % ep != 0  # Megatron's DDP (one chunk) under expert parallelism
     shards = ep * max(1, dp_shard // ep) if whole else dp_shard
-    parallel = ParallelConfig(dp_shard=shards, tp=tp, pp=pp, ep=ep, ep_tp=ep_tp)
+    parallel = JobDims(dp_shard=shards, tp=tp, pp=pp, ep=ep, ep_tp=ep_tp)
     rank = stage * parallel.world_size // pp + tp_coordinate
     job = job_plan(model, parallel, param_bytes=param_bytes, ranks=frozenset({rank}))
     plan = job.stages[stage]
@@ -477,30 +475,30 @@ def fsdp_groups(
 
 
 def predicted_layouts(
-    model: ModelConfig, parallel: ParallelConfig, rank: int, *, param_bytes: int = 4
+    model: PricedModel, parallel: JobDims, rank: int, *, param_bytes: int = 4
 ) -> dict[str, Layout]:
-    """Every parameter's layout on ``rank`` once the trainer has laid the model out, by name:
-    what ``hp_dtensor.contract.layout_of`` reports for the parameters of ``rank``'s model (its
-    pipeline stage) after :func:`hp_train.parallel.parallelize.parallelize`: the JobPlan's
+    """Every parameter's layout on ``rank`` once the executors have laid the model out, by
+    name: what ``hp_dtensor.contract.layout_of`` reports for the parameters of ``rank``'s
+    model (its pipeline stage) after the executors ran the JobPlan: the JobPlan's
     (``StagePlan.layouts``), hp-fsdp's flat slot of each parameter as a RaggedShard on the
     FSDP shard axis, over its tensor- or expert-parallel layout. ``param_bytes`` is the
     storage dtype's size (the trainer's fp32 parameters: 4).
 
     Raises:
-        DryRunError: a configuration the trainer refuses, or a rank outside the world.
+        PricingError: degrees the model refuses, or a rank outside the world.
     """
     return _rank_stage(model, parallel, rank, param_bytes).layouts(rank)
 
 
 def planned_model(
-    model: ModelConfig, parallel: ParallelConfig, rank: int = 0, *, param_bytes: int = 4
+    model: PricedModel, parallel: JobDims, rank: int = 0, *, param_bytes: int = 4
 ) -> ParallelPlan:
     """The JobPlan's parallel plan of ``rank``'s stage with each parameter's FSDP flat slot on
     ``rank`` (as hp-fsdp records it) and its optimizer group (``"muon"``/``"adamw"`` by
     :func:`hp_muon.split_params`): the table ``hp-dryrun --print-plan`` prints.
 
     Raises:
-        DryRunError: a configuration the trainer refuses, or a rank outside the world.
+        PricingError: degrees the model refuses, or a rank outside the world.
     """
     stage = _rank_stage(model, parallel, rank, param_bytes)
     return stage.parallel.with_flat_slots(stage.flat_slots(rank))
@@ -510,9 +508,10 @@ def planned_model(
 
 
 @lru_cache(maxsize=32)
-def _unit_collectives(model: ModelConfig) -> Mapping[str, tuple[tuple[str, ...], tuple[str, ...]]]:
+def _unit_collectives(model: PricedModel) -> Mapping[str, tuple[tuple[str, ...], tuple[str, ...]]]:
     plan = _tp2_plan(model)
-    units = {f"layers.{i}" for i, _ in _structure(model).blocks} | {"tok_embeddings", "output"}
+    blocks = {f"{model.blocks}.{i}" for i, _ in _structure(model).blocks}
+    units = blocks | {model.embedding, model.head}
     output = plan.model_output()
     out: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {}
     for b in plan.boundaries:
@@ -526,11 +525,11 @@ def _unit_collectives(model: ModelConfig) -> Mapping[str, tuple[tuple[str, ...],
     return out
 
 
-def tp_collectives(model: ModelConfig, unit: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """The tensor-parallel collectives the module boundaries of ``unit`` (``"layers.N"``,
-    ``"tok_embeddings"`` or ``"output"``) run per forward and per backward of one microbatch,
-    from the trainer's resolved plan (``ParallelPlan.boundaries``): a dense block's
-    ``("all_reduce", "all_reduce")`` both ways (``o_proj`` and ``ffn.w2``), an MoE block's one
-    (its feed-forward is whole), the head's ``("all_gather",)`` forward and nothing backward
-    (the model's gathered output is sliced in backward)."""
+def tp_collectives(model: PricedModel, unit: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The tensor-parallel collectives the module boundaries of ``unit`` (a block,
+    ``"layers.N"``, the embedding or the head, by the model's names) run per forward and per
+    backward of one microbatch, from the model's resolved plan (``ParallelPlan.boundaries``): a
+    dense block's ``("all_reduce", "all_reduce")`` both ways (``o_proj`` and ``ffn.w2``), an MoE
+    block's one (its feed-forward is whole), the head's ``("all_gather",)`` forward and nothing
+    backward (the model's gathered output is sliced in backward)."""
     return _unit_collectives(model).get(unit, ((), ()))

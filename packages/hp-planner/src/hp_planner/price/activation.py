@@ -7,7 +7,7 @@ Per token of this rank (a context-parallel rank holds ``1 / cp`` of each sequenc
 
 * **none**: everything autograd keeps (:func:`block_activations`' ``full``: the norms' inputs
   and outputs, q/k/v, the attention output, the feed-forward's hidden activations, an MoE's
-  routed copies; see :mod:`~hp_train.dryrun.workload`);
+  routed copies; see :mod:`~hp_planner.price.workload`);
 * **full** (``FULL_RECOMPUTE``): only the block's input (``dim``); in backward one block's
   ``full`` activations exist again while it is recomputed, and its forward runs again;
 * **selective** (``SELECTIVE``: matmul and attention outputs saved): the input, q/k/v
@@ -46,8 +46,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from hp_train.config.schema import ModelConfig
-from hp_train.dryrun.presets import DryRunError
+from hp_planner.price.model import PricingError, TransformerShape
 
 __all__ = ["BlockActivations", "KeptActivations", "block_activations", "kept_activations"]
 
@@ -98,11 +97,11 @@ class KeptActivations:
         return self.kept - self.swapped
 
 
-def _q(model: ModelConfig) -> int:
+def _q(model: TransformerShape) -> int:
     return model.n_heads * model.head_dim
 
 
-def _kv(model: ModelConfig) -> int:
+def _kv(model: TransformerShape) -> int:
     return model.n_kv_heads * model.head_dim
 
 
@@ -129,7 +128,7 @@ class _FeedForward:
 
 
 def _feed_forward(
-    model: ModelConfig, index: int, tp: int, compute_bytes: int, ep_tp: bool
+    model: TransformerShape, index: int, tp: int, compute_bytes: int, ep_tp: bool
 ) -> _FeedForward:
     """What block ``index``'s feed-forward keeps (module doc): a dense SwiGLU's hidden
     activations (``selective``: ``w1``/``w3``'s and ``w2``'s outputs), or an MoE layer's."""
@@ -159,7 +158,7 @@ def _feed_forward(
 
 
 def _context(
-    model: ModelConfig, seq_len: int, tp: int, compute_bytes: int, cp: int, cp_variant: str
+    model: TransformerShape, seq_len: int, tp: int, compute_bytes: int, cp: int, cp_variant: str
 ) -> float:
     """Bytes per token of this rank the context-parallel attention keeps (module doc)."""
     q, heads = _q(model), model.n_heads / tp
@@ -190,7 +189,7 @@ def _unswapped(
 
 
 def block_activations(
-    model: ModelConfig,
+    model: TransformerShape,
     index: int,
     tokens: int,
     seq_len: int,
@@ -256,12 +255,12 @@ def kept_activations(
     Postcondition: ``0 <= swapped <= kept``; ``swapped == 0`` without ``swap``.
 
     Raises:
-        DryRunError: an unknown policy, or ``swap`` with ``full`` or a budget (the trainer
+        PricingError: an unknown policy, or ``swap`` with ``full`` or a budget (the trainer
             refuses both pairs: nothing to swap, or the budget decides what stays).
     """
     if swap:
         if budget is not None or ac not in ("none", "selective"):
-            raise DryRunError(
+            raise PricingError(
                 f"swap needs ac 'none' or 'selective', got {ac!r} (the trainer refuses --swap "
                 "with --ac full and --ac budget:<MiB>)"
             )
@@ -279,4 +278,4 @@ def kept_activations(
         return KeptActivations(acts.input, acts.full - acts.input, 1.0)
     if ac == "selective":
         return KeptActivations(acts.selective, acts.full - acts.selective, 0.0)
-    raise DryRunError(f"ac must be none, full, selective or budget:<MiB>, got {ac!r}")
+    raise PricingError(f"ac must be none, full, selective or budget:<MiB>, got {ac!r}")

@@ -6,7 +6,7 @@ int64), one all-to-all dispatching the token copies (``top_k`` rows of ``dim`` p
 and one combining the results back. Each all-to-all's buffer (``hp_fsdp.counting``'s
 convention: the larger of its send and receive tensors) is ``max(1, f) x tokens x top_k x dim``
 elements of the compute dtype, where ``f`` is the stated imbalance (rows received over rows
-sent, :attr:`~hp_train.dryrun.workload.StepShape.expert_imbalance`). Backward: the two
+sent, :attr:`~hp_planner.price.workload.StepShape.expert_imbalance`). Backward: the two
 all-to-alls again, reversed (the same buffers). A recomputing block (any ``ac`` but
 ``none``) runs its forward's collectives again.
 
@@ -23,8 +23,9 @@ tokens' gradient in backward (``tokens x dim``). Those are ``tp`` collectives.
 from __future__ import annotations
 
 from hp_layout import Collective
-from hp_train.config.schema import ModelConfig, ParallelConfig
-from hp_train.dryrun.comm import CollectiveRecord, RankGrid
+from hp_planner.inputs import JobDims
+from hp_planner.price.comm import CollectiveRecord, RankGrid
+from hp_planner.price.model import TransformerShape
 
 __all__ = ["expert_records"]
 
@@ -32,7 +33,7 @@ _INT64 = 8
 
 
 def expert_records(
-    model: ModelConfig,
+    model: TransformerShape,
     grid: RankGrid,
     moe_layers: int,
     tokens: int,
@@ -44,7 +45,7 @@ def expert_records(
 ) -> tuple[CollectiveRecord, ...]:
     """The expert-parallel collectives of ``moe_layers`` MoE layers over a step of
     ``microbatches`` microbatches of ``tokens`` tokens each (module doc)."""
-    p: ParallelConfig = grid.parallel
+    p: JobDims = grid.parallel
     moe = model.moe
     if p.ep == 1 or moe is None or moe_layers == 0:
         return ()

@@ -4,9 +4,9 @@ the step time and throughput."""
 
 from __future__ import annotations
 
-from hp_train.dryrun.memory import GIB
-from hp_train.dryrun.planner import DryRun
-from hp_train.dryrun.search import SearchResult
+from hp_planner.price.memory import GIB
+from hp_planner.price.run import DryRun
+from hp_planner.price.search import SearchResult
 
 __all__ = ["format_dry_run", "format_search"]
 

@@ -37,10 +37,10 @@ from dataclasses import dataclass
 from hp_muon import MuonStepPlan, plan_muon
 from hp_muon.plan import newton_schulz_cost, rank_program
 from hp_muon.step_plan import bucket_numel as step_bucket_numel
-from hp_planner import JobPlan
-from hp_train.config.schema import ParallelConfig
-from hp_train.dryrun.presets import DryRunError
-from hp_train.dryrun.shapes import GroupSpec
+from hp_planner.inputs import JobDims
+from hp_planner.job import JobPlan
+from hp_planner.price.model import PricingError
+from hp_planner.price.structure import GroupSpec
 
 __all__ = ["EXACT_LIMIT", "MuonTraffic", "job_muon_step", "muon_traffic", "planned_traffic"]
 
@@ -109,12 +109,12 @@ def job_muon_step(plan: JobPlan, rank: int, bucket_mb: float) -> MuonStepPlan:
     same order, with the JobPlan's layouts and group, as :func:`hp_planner.plan_job` calls it.
 
     Raises:
-        DryRunError: ``plan`` has no Muon step for ``rank`` (AdamW alone, or not planned).
+        PricingError: ``plan`` has no Muon step for ``rank`` (AdamW alone, or not planned).
     """
     stage = plan.stage_of(rank)
     step = stage.muon_plan(rank)
     if step is None:
-        raise DryRunError(f"the JobPlan has no Muon step for rank {rank}")
+        raise PricingError(f"the JobPlan has no Muon step for rank {rank}")
     size = step_bucket_numel(bucket_mb)
     if all(group.local or group.bucket_numel == size for group in step.groups):
         return step
@@ -178,7 +178,7 @@ def planned_traffic(plan: MuonStepPlan, rank: int, shard_block: int) -> MuonTraf
 
 def muon_traffic(
     groups: tuple[GroupSpec, ...],
-    parallel: ParallelConfig,
+    parallel: JobDims,
     *,
     rank: int = 0,
     bucket_mb: float = 32.0,
@@ -195,7 +195,7 @@ def muon_traffic(
     :func:`job_muon_step`); it is called only when they are used.
 
     Raises:
-        DryRunError: the exact figures are asked for and ``planned`` is None.
+        PricingError: the exact figures are asked for and ``planned`` is None.
 
     Postconditions: with ``source == "plan"``, ``sent_bytes`` is hp_muon's per-rank count;
     ``fast_bytes <= sent_bytes``; ``calls <= 2 * buckets``.
@@ -216,7 +216,7 @@ def muon_traffic(
         exact = even and matrices * world <= EXACT_LIMIT
     if exact:
         if planned is None:
-            raise DryRunError("muon_traffic: the exact figures need the JobPlan's Muon step")
+            raise PricingError("muon_traffic: the exact figures need the JobPlan's Muon step")
         return planned()
     r, st = parallel.dp_replicate, parallel.dp_shard * parallel.tp
     gather = scatter = 0.0

@@ -13,8 +13,8 @@
   ``params`` keeps the sharded parameters and gradients in host memory (and so the optimizer
   step and its state); ``both`` all of them;
 * activations: what every block keeps under the checkpointing policy
-  (:mod:`~hp_train.dryrun.activation`) times the microbatches in flight (1, or the pipeline
-  schedule's peak on the stage, :func:`~hp_train.dryrun.schedule.in_flight`), plus the
+  (:mod:`~hp_planner.price.activation`) times the microbatches in flight (1, or the pipeline
+  schedule's peak on the stage, :func:`~hp_planner.price.schedule.in_flight`), plus the
   largest transient of one block recomputed in backward; with ``swap`` a block keeps on the
   device only its tensors below the swapper's threshold, the rest is in host memory
   (:attr:`MemoryBreakdown.host`) and backward fetches two blocks' back at once (the one in
@@ -26,7 +26,7 @@
   copy a reduce-scatter sends when it differs from the compute dtype, and the FP8 wire buffer
   of an FP8 all-gather (one byte per element and a 4-byte scale per 128).
 
-Under the modeled baselines (:data:`~hp_train.dryrun.workload.RUNTIMES`): torch FSDP2 adds its
+Under the modeled baselines (:data:`~hp_planner.price.workload.RUNTIMES`): torch FSDP2 adds its
 copy-out buffer of the block being gathered; Megatron DDP holds every parameter of its split
 (the groups in one chunk), its gradients and optimizer state, plus the compute-dtype copy of
 the parameters, and gathers nothing.
@@ -44,18 +44,20 @@ The peak is the larger of two moments of backward, where every kept activation s
 
 Gradients are none between steps (``zero_grad`` sets them to None) and the arena's chunks are
 allocated at the first reduce-scatter. Checked against the peak of the bytes a real step's
-tensors hold at world 4 (FSDP, FSDP x TP, FSDP x EP: ``tests/test_dryrun_vs_measured.py``).
+tensors hold at world 4 (FSDP, FSDP x TP, FSDP x EP: hp-train's
+``tests/test_dryrun_vs_measured.py``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hp_train.config.schema import ModelConfig, ParallelConfig
-from hp_train.dryrun.activation import KeptActivations, block_activations, kept_activations
-from hp_train.dryrun.shapes import GroupSpec
-from hp_train.dryrun.workload import StepShape, head_activation_bytes, loss_gradient_bytes
-from hp_train.parallel.activations import SWAP_MIN_BYTES
+from hp_planner.inputs import JobDims
+from hp_planner.price.activation import KeptActivations, block_activations, kept_activations
+from hp_planner.price.model import TransformerShape
+from hp_planner.price.structure import GroupSpec
+from hp_planner.price.workload import StepShape, head_activation_bytes, loss_gradient_bytes
+from hp_planner.recipe import SWAP_MIN_BYTES
 
 __all__ = [
     "FP8_BLOCK",
@@ -201,11 +203,11 @@ def _optimizer_state(
 
 
 def block_kept(
-    model: ModelConfig, index: int, tokens: int, shape: StepShape, parallel: ParallelConfig
+    model: TransformerShape, index: int, tokens: int, shape: StepShape, parallel: JobDims
 ) -> KeptActivations:
     """What block ``index`` keeps for ``tokens`` tokens of a rank under ``shape``'s policy
-    and swap, at ``parallel``'s degrees (:func:`~hp_train.dryrun.activation.block_activations`
-    and :func:`~hp_train.dryrun.activation.kept_activations`)."""
+    and swap, at ``parallel``'s degrees (:func:`~hp_planner.price.activation.block_activations`
+    and :func:`~hp_planner.price.activation.kept_activations`)."""
     acts = block_activations(
         model,
         index,
@@ -244,10 +246,10 @@ class _Saved:
 
 
 def _saved(
-    model: ModelConfig,
+    model: TransformerShape,
     groups: tuple[GroupSpec, ...],
     shape: StepShape,
-    parallel: ParallelConfig,
+    parallel: JobDims,
     microbatch_tokens: int,
     head: bool,
 ) -> _Saved:
@@ -307,12 +309,12 @@ def _buffers(
 
 
 def memory_breakdown(
-    model: ModelConfig,
+    model: TransformerShape,
     groups: tuple[GroupSpec, ...],
     shape: StepShape,
     *,
     shard_coordinates: tuple[int, int],
-    parallel: ParallelConfig,
+    parallel: JobDims,
     microbatch_tokens: int,
     in_flight: int = 1,
     head: bool = True,

@@ -2,34 +2,34 @@
 
 Schedule model (per microbatch, on each pipeline stage; stated so its numbers can be checked):
 
-* **FSDP collectives** follow the runtime's own order (:mod:`~hp_train.dryrun.runtime_order`):
+* **FSDP collectives** follow the runtime's own order (:mod:`~hp_planner.price.runtime_order`):
   each ``fully_shard`` state's all-gather, prefetch, reshard, reduce-scatter and replicate
   all-reduce issued and waited for where hp-fsdp (or the modeled torch FSDP2 or Megatron DDP)
   issues and waits for them, nested expert groups included, simulated with one stream per
-  topology tier beside the compute stream (:mod:`~hp_train.dryrun.timeline`). The replicas'
+  topology tier beside the compute stream (:mod:`~hp_planner.price.timeline`). The replicas'
   all-reduce runs on the last microbatch of a step (torch FSDP2: on every one); what that
   microbatch takes beyond the others is the step's once-per-step exposed time.
-* **Tensor, expert and context parallel** collectives (:mod:`~hp_train.dryrun.expert_comm`,
-  :mod:`~hp_train.dryrun.context_comm`), pipeline sends and Muon's exchange are on the
+* **Tensor, expert and context parallel** collectives (:mod:`~hp_planner.price.expert_comm`,
+  :mod:`~hp_planner.price.context_comm`), pipeline sends and Muon's exchange are on the
   critical path (fully exposed): the runtime waits on each before computing on its result.
   Newton-Schulz runs on the owners after the exchange. The tensor-parallel activation
-  collectives are those of the trainer's resolved plan
-  (:func:`~hp_train.dryrun.shapes.tp_collectives`), each of one microbatch's activation
+  collectives are those of the model's resolved plan
+  (:func:`~hp_planner.price.structure.tp_collectives`), each of one microbatch's activation
   (``tokens x dim``), the head's of its logits; every recomputing policy runs the blocks'
   forward collectives again.
-* **Pipeline**: the trainer's schedule (``1f1b`` or ``gpipe``) built and timed by hp-mpmd
-  (:mod:`~hp_train.dryrun.schedule`), every stage at the slowest stage's forward and backward
-  microbatch times; stages keep the blocks the trainer gives them
-  (:func:`hp_train.parallel.pipeline.stage_boundaries`).
+* **Pipeline**: the schedule (``1f1b`` or ``gpipe``) built and timed by hp-mpmd
+  (:mod:`~hp_planner.price.schedule`), every stage at the slowest stage's forward and backward
+  microbatch times; stages keep the blocks the model gives them
+  (``PricedModel.stage_boundaries``).
 * **Activation swap** copies run on a host-link stream in the runtime's order (the swapper's
   offload at a block's forward end, its fetch at the block's backward start, one block ahead);
   the compute stream's waits for them are the step's swap time, reported with offload.
 
-Compute time is FLOPs (:mod:`hp_train.dryrun.workload`) over the device's achieved
+Compute time is FLOPs (:mod:`hp_planner.price.workload`) over the device's achieved
 throughput, the blocks' linears ``fp8_speedup`` times faster under ``fp8``. Elementwise
 optimizer work and kernel launch overheads are not modeled. The runtime's refused pairs of
-options (:mod:`hp_train.config.combinations`) are refused here too (for ``runtime="hp"``: the
-modeled baselines are other runtimes).
+options (``PricedModel.check_accepts``: a trainer's own) are refused here too (for
+``runtime="hp"``: the modeled baselines are other runtimes).
 """
 
 from __future__ import annotations
@@ -39,33 +39,33 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from hp_layout import Collective, Topology
-from hp_train.config.schema import ModelConfig, ParallelConfig
-from hp_train.dryrun.comm import KINDS, CollectiveRecord, RankGrid
-from hp_train.dryrun.context_comm import context_records
-from hp_train.dryrun.expert_comm import expert_records
-from hp_train.dryrun.memory import (
+from hp_planner.inputs import JobDims
+from hp_planner.price.comm import KINDS, CollectiveRecord, RankGrid
+from hp_planner.price.context_comm import context_records
+from hp_planner.price.devices import Device, device_for
+from hp_planner.price.expert_comm import expert_records
+from hp_planner.price.memory import (
     MemoryBreakdown,
     block_kept,
     fp8_record_bytes,
     memory_breakdown,
 )
-from hp_train.dryrun.muon_traffic import (
+from hp_planner.price.model import PricedModel
+from hp_planner.price.muon_traffic import (
     MuonTraffic,
     job_muon_step,
     muon_traffic,
     planned_traffic,
 )
-from hp_train.dryrun.presets import Device, device_for
-from hp_train.dryrun.refusals import check_runtime_accepts
-from hp_train.dryrun.runtime_order import (
+from hp_planner.price.runtime_order import (
     FORWARD_END,
     SWAP_KIND,
     Runtime,
     Unit,
     microbatch_program,
 )
-from hp_train.dryrun.schedule import in_flight, pipeline_timing
-from hp_train.dryrun.shapes import (
+from hp_planner.price.schedule import in_flight, pipeline_timing
+from hp_planner.price.structure import (
     GroupSpec,
     ParamSpec,
     check_fits,
@@ -75,8 +75,8 @@ from hp_train.dryrun.shapes import (
     stage_layers,
     tp_collectives,
 )
-from hp_train.dryrun.timeline import simulate
-from hp_train.dryrun.workload import (
+from hp_planner.price.timeline import simulate
+from hp_planner.price.workload import (
     Precision,
     StepShape,
     attention_forward_flops,
@@ -94,9 +94,9 @@ class KindSummary:
     """One collective kind over a step on one rank.
 
     Attributes:
-        kind: one of :data:`hp_train.dryrun.comm.KINDS`.
+        kind: one of :data:`hp_planner.price.comm.KINDS`.
         calls: collectives issued.
-        nbytes: bytes, unsharded-side convention (:mod:`hp_train.dryrun.comm`).
+        nbytes: bytes, unsharded-side convention (:mod:`hp_planner.price.comm`).
         sent_bytes: bytes this rank sends.
         time: seconds of communication.
         exposed: seconds not hidden behind compute under the schedule model.
@@ -174,7 +174,7 @@ class StageResult:
         fsdp_overhead: seconds per step of copies around the FSDP collectives (torch
             FSDP2's copy-in and copy-out; none for hp-fsdp).
         fsdp_units: its ``fully_shard`` states with their collectives and compute, the tree
-            :func:`~hp_train.dryrun.runtime_order.microbatch_program` orders.
+            :func:`~hp_planner.price.runtime_order.microbatch_program` orders.
         microbatch_swap_exposed: the part of :attr:`microbatch_exposed` that waits for
             activation swap copies (host transfers, not communication).
     """
@@ -223,9 +223,9 @@ class DryRun:
     """
 
     model_name: str
-    model: ModelConfig
+    model: PricedModel
     parameters: int
-    parallel: ParallelConfig
+    parallel: JobDims
     topology: str
     device: Device
     shape: StepShape
@@ -276,7 +276,7 @@ _MUON_TRAFFIC: dict[tuple[object, ...], tuple[tuple[GroupSpec, ...], MuonTraffic
 
 def _muon_traffic(
     groups: tuple[GroupSpec, ...],
-    parallel: ParallelConfig,
+    parallel: JobDims,
     rank: int,
     bucket_mb: float,
     exact: bool | None,
@@ -329,10 +329,10 @@ class _StageCompute:
 
 
 def _stage_compute(
-    model: ModelConfig,
+    model: PricedModel,
     shape: StepShape,
     device: Device,
-    p: ParallelConfig,
+    p: JobDims,
     blocks: Sequence[int],
     tokens: int,
     *,
@@ -348,24 +348,25 @@ def _stage_compute(
     recompute_share: dict[int, float] = {}
     redo: dict[int, float] = {}
     swap: dict[int, float] = {}
+    dims = model.shape
     for b in blocks:
         total = block_forward_flops(
-            model,
+            dims,
             b,
             p.tp,
             shape.seq_len,
             ep_tp=p.ep_tp,
             expert_imbalance=shape.expert_imbalance if p.ep > 1 else 1.0,
         )
-        scores = 2 * shape.seq_len * model.n_heads * model.head_dim / p.tp
+        scores = 2 * shape.seq_len * dims.n_heads * dims.head_dim / p.tp
         fwd[b] = ((total - scores) / speed + scores) * tokens / flops
-        attn = attention_forward_flops(model, p.tp, shape.seq_len)
+        attn = attention_forward_flops(dims, p.tp, shape.seq_len)
         attention[b] = ((attn - scores) / speed + scores) * tokens / flops
-        kept = block_kept(model, b, tokens, shape, p)
+        kept = block_kept(dims, b, tokens, shape, p)
         recompute_share[b] = kept.recompute_fraction
         redo[b] = recompute_share[b] * fwd[b]
         swap[b] = kept.swapped / device.host_bandwidth
-    head_fwd = head_forward_flops(model, p.tp) * tokens / flops if last else 0.0
+    head_fwd = head_forward_flops(dims, p.tp) * tokens / flops if last else 0.0
     mb_compute = 3 * (sum(fwd.values()) + head_fwd) + sum(redo.values())
     return _StageCompute(fwd, attention, recompute_share, swap, head_fwd, mb_compute)
 
@@ -518,7 +519,7 @@ def _fsdp_costs(
 
 
 def _tp_pp_records(
-    model: ModelConfig,
+    model: PricedModel,
     grid: RankGrid,
     shape: StepShape,
     blocks: Sequence[int],
@@ -532,10 +533,10 @@ def _tp_pp_records(
     embedding's and the head's of the logits (on the ``first`` and the ``last`` stage); then
     the pipeline sends."""
     prec, m = shape.precision, shape.microbatches
-    act = tokens * model.dim * prec.compute
+    act = tokens * model.shape.dim * prec.compute
     block_calls: dict[tuple[str, str], int] = {}
     for b in blocks:
-        forward, backward = tp_collectives(model, f"layers.{b}")
+        forward, backward = tp_collectives(model, f"{model.blocks}.{b}")
         for phase, kinds in (("forward", forward), ("backward", backward)):
             for kind in kinds:
                 block_calls[phase, kind] = block_calls.get((phase, kind), 0) + 1
@@ -547,8 +548,8 @@ def _tp_pp_records(
         for (of, kind), n in block_calls.items()
         if of == (phase if phase != "recompute" else "forward")
     ]
-    units = ([("tok_embeddings", act)] if first else []) + (
-        [("output", tokens * model.vocab_size * prec.compute)] if last else []
+    units = ([(model.embedding, act)] if first else []) + (
+        [(model.head, tokens * model.shape.vocab_size * prec.compute)] if last else []
     )
     for unit_name, nbytes in units:
         forward, backward = tp_collectives(model, unit_name)
@@ -563,7 +564,7 @@ def _tp_pp_records(
 
 
 def _model_parallel_records(
-    model: ModelConfig,
+    model: PricedModel,
     grid: RankGrid,
     shape: StepShape,
     blocks: Sequence[int],
@@ -576,10 +577,11 @@ def _model_parallel_records(
     (:func:`_tp_pp_records`), then expert- and context-parallel."""
     prec, m = shape.precision, shape.microbatches
     recomputes = shape.ac != "none"
-    moe_layers = sum(1 for b in blocks if model.moe is not None and model.moe.is_moe_layer(b))
+    moe = model.shape.moe
+    moe_layers = sum(1 for b in blocks if moe is not None and moe.is_moe_layer(b))
     records = _tp_pp_records(model, grid, shape, blocks, tokens, first=first, last=last)
     records += expert_records(
-        model,
+        model.shape,
         grid,
         moe_layers,
         tokens,
@@ -589,15 +591,15 @@ def _model_parallel_records(
         recompute=recomputes,
     )
     records += context_records(
-        model, grid, len(blocks), tokens, prec.compute, microbatches=m, recompute=recomputes
+        model.shape, grid, len(blocks), tokens, prec.compute, microbatches=m, recompute=recomputes
     )
     return records
 
 
 def _stage_muon(
-    model: ModelConfig,
+    model: PricedModel,
     groups: tuple[GroupSpec, ...],
-    p: ParallelConfig,
+    p: JobDims,
     shape: StepShape,
     stage: int,
     rank: int,
@@ -606,8 +608,8 @@ def _stage_muon(
     """Muon's exchange over the stage's ranks (none under AdamW); estimated, never planned,
     with expert parallelism and under Megatron's DDP (whose whole replicas no JobPlan
     describes). The exact figures are the trainer's JobPlan's Muon step of ``rank``
-    (:func:`~hp_train.dryrun.muon_traffic.job_muon_step`)."""
-    stage_parallel = ParallelConfig(p.dp_replicate, p.dp_shard * p.cp, p.tp, 1)
+    (:func:`~hp_planner.price.muon_traffic.job_muon_step`)."""
+    stage_parallel = JobDims(p.dp_replicate, p.dp_shard * p.cp, p.tp, 1)
     stage_rank = rank - stage * stage_parallel.world_size
     if shape.optimizer != "muon":
         return MuonTraffic("none", 0, 0, 0, 0, 0, 0, 0.0)
@@ -691,9 +693,9 @@ def _exposure(
 
 
 def _rank_groups(
-    model: ModelConfig,
+    model: PricedModel,
     shape: StepShape,
-    p: ParallelConfig,
+    p: JobDims,
     tp_coordinate: int,
     stage: int,
 ) -> tuple[GroupSpec, ...]:
@@ -713,7 +715,7 @@ def _rank_groups(
 
 
 def _stage(
-    model: ModelConfig,
+    model: PricedModel,
     grid: RankGrid,
     shape: StepShape,
     device: Device,
@@ -741,11 +743,11 @@ def _stage(
     muon = _stage_muon(model, groups, p, shape, stage, rank, muon_exact)
     if muon.calls:
         records.append(_muon_record(grid, muon))
-    tree = _unit_tree(fsdp.units, blocks, compute)
+    tree = _unit_tree(fsdp.units, groups, blocks, compute)
     done = tuple(r for r in records if r is not None)
     exposure = _exposure(tree, shape, compute.forward_total, done)
     memory = memory_breakdown(
-        model,
+        model.shape,
         groups,
         shape,
         shard_coordinates=(coord["fsdp"], coord["expert_shard"]),
@@ -774,17 +776,25 @@ def _stage(
     )
 
 
-def _unit_tree(units: Mapping[str, Unit], blocks: Sequence[int], compute: _StageCompute) -> Unit:
+def _unit_tree(
+    units: Mapping[str, Unit],
+    groups: Sequence[GroupSpec],
+    blocks: Sequence[int],
+    compute: _StageCompute,
+) -> Unit:
     """The stage's ``fully_shard`` states as :class:`Unit` s with their forward compute: the
     root (the embedding's compute taken as zero, the head's last) around the blocks, an MoE
     layer's expert group inside its block (the block's attention before it), each block with
-    the seconds its swapped activations take to copy one way."""
+    the seconds its swapped activations take to copy one way. Groups are found by the block
+    they belong to (``GroupSpec.block``), whatever the model names its modules."""
     forward, attention = compute.forward, compute.attention
+    dense = {g.block: g.name for g in groups if g.block is not None and not g.is_experts}
+    expert = {g.block: g.name for g in groups if g.is_experts}
     children = []
     for b in blocks:
-        name = f"layers.{b}"
+        name = dense.get(b, f"block {b}")
         block = units.get(name, Unit(name, (0.0,)))
-        experts = units.get(f"{name}.ffn")
+        experts = units.get(expert[b]) if b in expert else None
         if experts is None:
             block = replace(block, forward=(forward[b],))
         else:
@@ -864,8 +874,8 @@ def _summaries(stage: StageResult) -> tuple[KindSummary, ...]:
 
 
 def dry_run(
-    model: ModelConfig,
-    parallel: ParallelConfig,
+    model: PricedModel,
+    parallel: JobDims,
     topology: Topology,
     shape: StepShape,
     *,
@@ -880,17 +890,17 @@ def dry_run(
 
     ``rank`` picks the data-parallel and tensor-parallel coordinate the per-rank figures are
     for (each stage is evaluated at that coordinate). ``device`` defaults to the topology's
-    (:func:`hp_train.dryrun.presets.device_for`). With ``all_stages=False`` (the search) only
+    (:func:`hp_planner.price.devices.device_for`). With ``all_stages=False`` (the search) only
     the first, second and last pipeline stages and those holding the most blocks are evaluated
     (the ends hold the embedding and head, the first the most microbatches in flight), so with
     uniform blocks they include the largest and slowest.
 
     Postconditions: ``memory`` is the largest stage's; ``kinds`` and ``time`` are those of
     the stage with the longest microbatch time; every collective kind of
-    :data:`~hp_train.dryrun.comm.KINDS` appears in ``kinds`` (zero when unused).
+    :data:`~hp_planner.price.comm.KINDS` appears in ``kinds`` (zero when unused).
 
     Raises:
-        DryRunError: the degrees do not multiply to the topology's world size, the trainer
+        PricingError: the degrees do not multiply to the topology's world size, the trainer
             refuses the configuration (``hp_train.parallel.parallelize.check_model_fits``: ``tp``
             does
             not split the model, ``pp`` exceeds the blocks), or the batch does not split.
@@ -898,7 +908,7 @@ def dry_run(
     grid = RankGrid.build(parallel, topology)
     check_fits(model, parallel)
     if shape.runtime == "hp":
-        check_runtime_accepts(model, parallel, shape)
+        model.check_accepts(parallel, shape)
     microbatch_size = shape.microbatch_size(parallel.dp)
     dev = device or device_for(topology)
     coord = grid.coordinate(rank)
@@ -929,9 +939,7 @@ def dry_run(
     )
 
 
-def _evaluated_stages(
-    model: ModelConfig, parallel: ParallelConfig, all_stages: bool
-) -> Sequence[int]:
+def _evaluated_stages(model: PricedModel, parallel: JobDims, all_stages: bool) -> Sequence[int]:
     """Every pipeline stage, or (``all_stages=False``) the first, second and last and those
     holding the most blocks (:func:`dry_run`)."""
     if all_stages:
@@ -977,8 +985,8 @@ def _step_time(
 
 
 def _notes(
-    model: ModelConfig,
-    parallel: ParallelConfig,
+    model: PricedModel,
+    parallel: JobDims,
     shape: StepShape,
     device: Device,
     sources: set[str],
@@ -991,7 +999,7 @@ def _notes(
             "plan, every stage at the slowest stage's microbatch time; stages cut as the "
             "trainer cuts them"
         )
-    if model.moe is not None and parallel.tp > 1 and not parallel.ep_tp:
+    if model.shape.moe is not None and parallel.tp > 1 and not parallel.ep_tp:
         notes.append(
             "MoE feed-forwards (router, experts, shared experts) stay whole on every "
             "tensor-parallel rank, as the trainer keeps them without --ep-tp: their compute "
@@ -1038,6 +1046,6 @@ def exposed_of(stage: StageResult, kind: str) -> float:
     return dict(stage.exposed_by_kind).get(kind, 0.0)
 
 
-def stage_groups(model: ModelConfig, parallel: ParallelConfig, stage: int) -> tuple[GroupSpec, ...]:
+def stage_groups(model: PricedModel, parallel: JobDims, stage: int) -> tuple[GroupSpec, ...]:
     """The FSDP groups of pipeline stage ``stage`` (tensor-parallel coordinate 0, fp32)."""
     return fsdp_groups(model, parallel.dp_shard, parallel.tp, pp=parallel.pp, stage=stage)

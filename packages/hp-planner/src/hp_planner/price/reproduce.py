@@ -3,8 +3,8 @@
 The paper reports, for this model on one Ascend supernode (768 dies), 421k tokens/s with
 FSDP communication at 2.9% of the step, and a step time 29.7% below PyTorch FSDP2's and
 25.5% below Megatron DDP's (:data:`PAPER`). :func:`reproduce_paper` runs the search
-(:func:`~hp_train.dryrun.search.search`) over :data:`REPRODUCTION_SPACE` three times, once
-per data-parallel runtime (:data:`~hp_train.dryrun.workload.RUNTIMES`: hp-fsdp as hp-train
+(:func:`~hp_planner.price.search.search`) over :data:`REPRODUCTION_SPACE` three times, once
+per data-parallel runtime (:data:`~hp_planner.price.workload.RUNTIMES`: hp-fsdp as hp-train
 runs it, a modeled PyTorch FSDP2 and a modeled Megatron DDP), each keeping what fits the die's
 memory, and compares the best of each with the paper's figures. Every predicted number comes
 from the model; where one differs from the paper's by more than :data:`GAP` (relative), the
@@ -18,11 +18,12 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, replace
 
-from hp_train.dryrun.memory import GIB
-from hp_train.dryrun.planner import DryRun
-from hp_train.dryrun.presets import device_for, model_preset, topology_preset, topology_source
-from hp_train.dryrun.search import SearchResult, SearchSpace, search
-from hp_train.dryrun.workload import StepShape
+from hp_planner.price.devices import device_for, topology_preset, topology_source
+from hp_planner.price.memory import GIB
+from hp_planner.price.model import PricedModel
+from hp_planner.price.run import DryRun
+from hp_planner.price.search import SearchResult, SearchSpace, search
+from hp_planner.price.workload import StepShape
 
 __all__ = [
     "GAP",
@@ -245,31 +246,32 @@ def _comparisons(
 
 
 def reproduce_paper(
-    model: str = "moe_505b",
+    model: PricedModel,
+    shape: StepShape,
+    *,
+    model_name: str = "moe_505b",
     topology: str = "ascend_supernode",
     space: SearchSpace = REPRODUCTION_SPACE,
 ) -> Reproduction:
-    """Search the three runtimes for ``model`` on ``topology`` over ``space`` and compare
-    (module doc).
+    """Search the three runtimes for ``model`` (the paper's, :data:`PAPER`: a trainer's
+    preset of it) stepping ``shape`` on ``topology`` over ``space`` and compare (module doc).
 
     Raises:
-        DryRunError: nothing fits under hp-fsdp (the search's message), or a bad preset.
+        PricingError: nothing fits under hp-fsdp (the search's message), or a bad preset.
     """
-    preset = model_preset(model)
     topo = topology_preset(topology)
     device = device_for(topo)
     limit = device.memory_bytes
-    shape = StepShape(preset.global_batch, preset.seq_len)
     start = time.perf_counter()
     results = {
         runtime: search(
-            preset.model,
+            model,
             topo,
             replace(shape, runtime=runtime),
             limit,
             device=device,
             space=space,
-            model_name=preset.name,
+            model_name=model_name,
         )
         for runtime in ("hp", "torch_fsdp2", "megatron_ddp")
     }
@@ -290,7 +292,7 @@ def reproduce_paper(
         f"topology {topo.name}: {topology_source(topology)}",
     )
     return Reproduction(
-        model_name=preset.name,
+        model_name=model_name,
         topology=topo.name,
         memory_limit=limit,
         hp=results["hp"],

@@ -2,15 +2,13 @@
 
 Enumerated (:class:`SearchSpace`, by default every divisor): ``dp_replicate x dp_shard x cp x
 tp x pp == world`` with ``ep`` dividing ``dp_shard`` (and the experts), that the trainer
-accepts (:func:`hp_train.parallel.parallelize.check_model_fits`: ``tp`` dividing the attention
-heads,
-the KV heads, the dense feed-forward and the vocabulary, ``pp <= n_layers``; and the pairs
-:mod:`hp_train.config.combinations` refuses, such as ``ep`` with ``cp``), the global batch
-divisible by
-``dp``; microbatch counts that divide the per-rank batch (at least ``pp`` of them when
-pipelining); the checkpointing policies of the space. A configuration fits when its largest
-stage's peak memory (:attr:`~hp_train.dryrun.memory.MemoryBreakdown.total`) is at most the
-limit. Muon traffic is analytic here (fast); pipeline stages are sampled as in
+accepts (``PricedModel.check_fits``: for a trainer's model, ``tp`` dividing the attention
+heads, the KV heads, the dense feed-forward and the vocabulary, ``pp <= n_layers``; and
+``PricedModel.check_accepts``: the pairs the runtime refuses, such as ``ep`` with ``cp``), the
+global batch divisible by ``dp``; microbatch counts that divide the per-rank batch (at least
+``pp`` of them when pipelining); the checkpointing policies of the space. A configuration fits
+when its largest stage's peak memory (:attr:`~hp_planner.price.memory.MemoryBreakdown.total`) is
+at most the limit. Muon traffic is analytic here (fast); pipeline stages are sampled as in
 ``dry_run(all_stages=False)``.
 """
 
@@ -21,12 +19,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
 from hp_layout import Topology
-from hp_train.config.schema import CP_VARIANTS, ModelConfig, ParallelConfig
-from hp_train.dryrun.planner import DryRun, dry_run
-from hp_train.dryrun.presets import Device, DryRunError
-from hp_train.dryrun.refusals import check_runtime_accepts
-from hp_train.dryrun.shapes import check_fits
-from hp_train.dryrun.workload import StepShape
+from hp_planner.inputs import CP_VARIANTS, JobDims
+from hp_planner.price.devices import Device
+from hp_planner.price.model import PricedModel, PricingError
+from hp_planner.price.run import DryRun, dry_run
+from hp_planner.price.structure import check_fits
+from hp_planner.price.workload import StepShape
 
 __all__ = [
     "SWAPPABLE_POLICIES",
@@ -99,8 +97,9 @@ def _allowed(options: tuple[int, ...] | None, n: int) -> tuple[int, ...]:
     return tuple(d for d in (divisors(n) if options is None else options) if n % d == 0)
 
 
-def _layouts(model: ModelConfig, world: int, space: SearchSpace) -> Iterator[ParallelConfig]:
-    experts = model.moe.n_experts if model.moe is not None else 1
+def _layouts(model: PricedModel, world: int, space: SearchSpace) -> Iterator[JobDims]:
+    moe = model.shape.moe
+    experts = moe.n_experts if moe is not None else 1
     for tp in _allowed(space.tp, world):
         for pp in _allowed(space.pp, world // tp):
             for cp in _allowed(space.cp, world // (tp * pp)):
@@ -114,34 +113,34 @@ def _layouts(model: ModelConfig, world: int, space: SearchSpace) -> Iterator[Par
                         splits = space.ep_tp if ep > 1 and tp > 1 else (False,)
                         for variant in variants:
                             for ep_tp in splits:
-                                yield ParallelConfig(r, shard, tp, pp, cp, variant, ep, ep_tp)
+                                yield JobDims(r, shard, tp, pp, cp, variant, ep, ep_tp)
 
 
 def parallel_configs(
-    model: ModelConfig,
+    model: PricedModel,
     world: int,
     global_batch: int,
     space: SearchSpace | None = None,
     shape: StepShape | None = None,
-) -> list[ParallelConfig]:
-    """Every layout of ``space`` for ``world`` ranks the model (as the trainer checks it), the
-    batch and, given ``shape``, the trainer's refused pairs allow."""
-    out: list[ParallelConfig] = []
+) -> list[JobDims]:
+    """Every layout of ``space`` for ``world`` ranks the model (its own check), the batch and,
+    given ``shape``, the runtime's refused pairs allow."""
+    out: list[JobDims] = []
     for parallel in _layouts(model, world, space or SearchSpace()):
         if global_batch % parallel.dp:
             continue
         try:
             check_fits(model, parallel)
             if shape is not None and shape.runtime == "hp":
-                check_runtime_accepts(model, parallel, shape)
-        except DryRunError:
+                model.check_accepts(parallel, shape)
+        except PricingError:
             continue
         out.append(parallel)
     return out
 
 
 def search(
-    model: ModelConfig,
+    model: PricedModel,
     topology: Topology,
     shape: StepShape,
     memory_limit: int,
@@ -161,11 +160,11 @@ def search(
     results are sorted by ``time.total``, ascending.
 
     Raises:
-        DryRunError: ``memory_limit`` is not positive, or no configuration exists for the
+        PricingError: ``memory_limit`` is not positive, or no configuration exists for the
             world size (the message says why).
     """
     if memory_limit <= 0:
-        raise DryRunError(f"the memory limit must be positive, got {memory_limit} bytes")
+        raise PricingError(f"the memory limit must be positive, got {memory_limit} bytes")
     space = space or SearchSpace()
     if microbatch_options is not None:
         space = replace(space, microbatches=tuple(microbatch_options))
@@ -173,10 +172,11 @@ def search(
     base = replace(shape, microbatches=1, ac="none")
     configs = parallel_configs(model, world, shape.global_batch, space)
     if not configs:
-        raise DryRunError(
+        dims = model.shape
+        raise PricingError(
             f"no (dp_replicate, dp_shard, cp, tp, pp) for {world} ranks: tp must divide n_heads="
-            f"{model.n_heads}, n_kv_heads={model.n_kv_heads}, ffn_dim={model.ffn_dim} and "
-            f"vocab_size={model.vocab_size}, pp at most n_layers={model.n_layers}, and "
+            f"{dims.n_heads}, n_kv_heads={dims.n_kv_heads}, ffn_dim={dims.ffn_dim} and "
+            f"vocab_size={dims.vocab_size}, pp at most n_layers={dims.n_layers}, and "
             f"global_batch={shape.global_batch} must be divisible by dp"
         )
     fitting: list[DryRun] = []
@@ -203,7 +203,7 @@ def search(
                         model_name=model_name,
                         all_stages=False,
                     )
-                except DryRunError:
+                except PricingError:
                     refused += 1
                     continue
                 evaluated += 1

@@ -1,8 +1,5 @@
-"""Named topologies and devices the dry run knows, the model presets it shares with the
-trainer, and the errors of bad names.
-
-Model presets: :data:`MODEL_PRESETS` is :mod:`hp_train.config.presets`' table (the one the trainer's
-``--model`` uses too): ``tiny``, ``small``, ``tiny-moe``, ``llama_8b``, ``moe_505b``.
+"""Named topologies and devices the pricing knows, and the errors of bad names (the models
+are the caller's: a trainer's presets, or any :class:`~hp_planner.price.model.PricedModel`).
 
 Topology presets (:func:`topology_preset`): ``single_host[:N]``, ``cluster:HxR`` (hosts x ranks
 per host), ``ascend_supernode[:K]`` (K supernodes of 384 cards = 768 dies each); the figures are
@@ -14,45 +11,22 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hp_layout import Topology, TopologyError
-from hp_train.config import presets
-from hp_train.config.presets import MODEL_PRESETS, MOE_505B_PARAMS, ModelPreset
-from hp_train.config.schema import ConfigError
+from hp_planner.price.model import PricingError
 
 __all__ = [
     "DEVICE_PRESETS",
-    "MODEL_PRESETS",
-    "MOE_505B_PARAMS",
     "TOPOLOGY_SOURCES",
     "Device",
-    "DryRunError",
-    "ModelPreset",
     "device_for",
-    "model_preset",
     "topology_preset",
     "topology_source",
 ]
 
 
-class DryRunError(ConfigError):
-    """A dry-run input that cannot work (the message names it and what would be right)."""
-
-
-def model_preset(name: str) -> ModelPreset:
-    """The model preset called ``name`` (:func:`hp_train.config.presets.model_preset`).
-
-    Raises:
-        DryRunError: no such preset (the message lists the known ones).
-    """
-    try:
-        return presets.model_preset(name)
-    except ConfigError as exc:
-        raise DryRunError(str(exc)) from None
-
-
 def _ints(text: str, sep: str, count: int, spec: str) -> tuple[int, ...]:
     parts = text.split(sep)
     if len(parts) != count or not all(p.isdigit() and int(p) > 0 for p in parts):
-        raise DryRunError(f"topology {spec!r}: expected {count} positive integer(s) after ':'")
+        raise PricingError(f"topology {spec!r}: expected {count} positive integer(s) after ':'")
     return tuple(int(p) for p in parts)
 
 
@@ -64,7 +38,7 @@ def topology_preset(spec: str) -> Topology:
     or ``ascend_supernode:K`` (K supernodes joined by RDMA, a third tier ``cluster``).
 
     Raises:
-        DryRunError: an unknown name or malformed sizes (the message lists the forms).
+        PricingError: an unknown name or malformed sizes (the message lists the forms).
     """
     name, _, arg = spec.partition(":")
     forms = "single_host[:N], cluster:HxR, ascend_supernode[:K]"
@@ -77,8 +51,8 @@ def topology_preset(spec: str) -> Topology:
         if name == "ascend_supernode":
             return Topology.ascend_supernode(_ints(arg, "x", 1, spec)[0] if arg else 1)
     except TopologyError as exc:
-        raise DryRunError(f"topology {spec!r}: {exc}") from None
-    raise DryRunError(f"unknown topology preset {spec!r}; known forms: {forms}")
+        raise PricingError(f"topology {spec!r}: {exc}") from None
+    raise PricingError(f"unknown topology preset {spec!r}; known forms: {forms}")
 
 
 @dataclass(frozen=True)
@@ -110,11 +84,11 @@ class Device:
 
     def __post_init__(self) -> None:
         if not self.peak_flops > 0:
-            raise DryRunError(f"device peak_flops must be > 0, got {self.peak_flops}")
+            raise PricingError(f"device peak_flops must be > 0, got {self.peak_flops}")
         if not 0 < self.efficiency <= 1:
-            raise DryRunError(f"device efficiency must be in (0, 1], got {self.efficiency}")
+            raise PricingError(f"device efficiency must be in (0, 1], got {self.efficiency}")
         if not self.memory_bytes > 0 or not self.host_bandwidth > 0:
-            raise DryRunError("device memory_bytes and host_bandwidth must be > 0")
+            raise PricingError("device memory_bytes and host_bandwidth must be > 0")
 
     @property
     def flops(self) -> float:

@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from hp_layout import Collective, Mesh, Tier, Topology
-from hp_train.config.schema import ParallelConfig
-from hp_train.dryrun.presets import DryRunError
+from hp_planner.inputs import JobDims
+from hp_planner.price.model import PricingError
 
 __all__ = [
     "AXES",
@@ -93,22 +93,22 @@ class RankGrid:
         mesh: axes :data:`AXES` over ranks ``0 .. world - 1``.
     """
 
-    parallel: ParallelConfig
+    parallel: JobDims
     topology: Topology
     mesh: Mesh
     _tiers: dict[str, Tier] = field(default_factory=dict, compare=False, repr=False)
 
     @staticmethod
-    def build(parallel: ParallelConfig, topology: Topology) -> RankGrid:
+    def build(parallel: JobDims, topology: Topology) -> RankGrid:
         """The grid of ``parallel`` on ``topology``.
 
         Raises:
-            DryRunError: the topology does not span the configuration's world size.
+            PricingError: the topology does not span the configuration's world size.
         """
         world = parallel.world_size
         if topology.world_size != world:
             p = parallel
-            raise DryRunError(
+            raise PricingError(
                 f"topology {topology.name!r} has {topology.world_size} ranks but dp_replicate x "
                 f"dp_shard x cp x tp x pp = {p.dp_replicate} x {p.dp_shard} x {p.cp} x {p.tp} x "
                 f"{p.pp} = {world}; the degrees must multiply to the topology's world size"
@@ -137,10 +137,10 @@ class RankGrid:
         groups, ``dp_shard x cp``).
 
         Raises:
-            DryRunError: ``rank`` is outside the world.
+            PricingError: ``rank`` is outside the world.
         """
         if not 0 <= rank < self.mesh.size:
-            raise DryRunError(f"rank {rank} is outside the world of {self.mesh.size} ranks")
+            raise PricingError(f"rank {rank} is outside the world of {self.mesh.size} ranks")
         c = dict(zip(AXES, self.mesh.coordinate(rank), strict=True))
         c["dp_shard"] = c["expert_shard"] * self.mesh.axis_size("ep") + c["ep"]
         c["fsdp"] = c["dp_shard"] * self.mesh.axis_size("cp") + c["cp"]

@@ -1,6 +1,6 @@
 """The order one microbatch's FSDP collectives are issued and waited in, as the runtime does.
 
-:func:`microbatch_program` writes a :mod:`~hp_train.dryrun.timeline` program for one
+:func:`microbatch_program` writes a :mod:`~hp_planner.price.timeline` program for one
 microbatch's forward and backward over a tree of :class:`Unit` (one per ``fully_shard`` state:
 the root, its blocks, an MoE layer's expert group inside its block), following what the
 runtimes do:
@@ -46,7 +46,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from enum import Enum
 
-from hp_train.dryrun.timeline import Compute, Issue, Mark, Op, Wait
+from hp_planner.price.timeline import Compute, Issue, Mark, Op, Wait
 
 __all__ = ["HSDP_BUCKET_BYTES", "SWAP_KIND", "SWAP_TIER", "Runtime", "Unit", "microbatch_program"]
 
@@ -54,7 +54,7 @@ HSDP_BUCKET_BYTES = 25 * 1024 * 1024
 """hp-fsdp's replicate all-reduce bucket (``hp_fsdp._state._BUCKET_BYTES``); also DDP's."""
 
 FORWARD_END = "forward end"
-"""The :class:`~hp_train.dryrun.timeline.Mark` between forward and backward."""
+"""The :class:`~hp_planner.price.timeline.Mark` between forward and backward."""
 
 SWAP_KIND = "activation_swap"
 """The kind activation swap copies are charged to."""

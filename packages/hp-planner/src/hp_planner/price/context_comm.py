@@ -24,8 +24,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 from hp_layout import Collective
-from hp_train.config.schema import ModelConfig
-from hp_train.dryrun.comm import CollectiveRecord, RankGrid
+from hp_planner.price.comm import CollectiveRecord, RankGrid
+from hp_planner.price.model import TransformerShape
 
 __all__ = ["context_records"]
 
@@ -33,7 +33,7 @@ _FP32 = 4
 
 
 def context_records(
-    model: ModelConfig,
+    model: TransformerShape,
     grid: RankGrid,
     blocks: int,
     tokens: int,

@@ -17,8 +17,9 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from hp_mpmd.simulate import Simulation, simulate
-from hp_planner import JobDims, TrainingPolicy, plan_schedule
-from hp_train.dryrun.presets import DryRunError
+from hp_planner.inputs import JobDims, TrainingPolicy
+from hp_planner.plan_job import plan_schedule
+from hp_planner.price.model import PricingError
 
 __all__ = ["PipelineTiming", "in_flight", "pipeline_timing"]
 
@@ -48,7 +49,7 @@ def _simulate(
 ) -> Simulation:
     plan = plan_schedule(JobDims(pp=pp), TrainingPolicy(schedule=schedule, microbatches=m))
     if plan is None:
-        raise DryRunError(f"a pipeline schedule needs pp > 1, got pp={pp}")
+        raise PricingError(f"a pipeline schedule needs pp > 1, got pp={pp}")
     return simulate(plan, forward=forward, backward=backward, comm=comm)
 
 
@@ -59,7 +60,7 @@ def pipeline_timing(
     ``forward`` and ``backward`` seconds per microbatch and each transfer ``comm`` (module doc).
 
     Raises:
-        DryRunError: ``pp`` is 1 (no pipeline to time).
+        PricingError: ``pp`` is 1 (no pipeline to time).
         hp_planner.PlanInputError: a schedule hp-planner does not know.
     """
     sim = _simulate(schedule, pp, microbatches, max(forward, 1e-12), max(backward, 1e-12), comm)

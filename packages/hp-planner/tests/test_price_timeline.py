@@ -1,5 +1,5 @@
-"""``hp_train.dryrun.timeline`` (its postconditions over generated programs, its errors) and
-``hp_train.dryrun.runtime_order`` (hp-fsdp's order of gathers, prefetches and reduce-scatters
+"""``hp_planner.price.timeline`` (its postconditions over generated programs, its errors) and
+``hp_planner.price.runtime_order`` (hp-fsdp's order of gathers, prefetches and reduce-scatters
 on a small tree of units)."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from dataclasses import replace
 
 import pytest
 
-from hp_train.dryrun.runtime_order import SWAP_KIND, SWAP_TIER, Runtime, Unit, microbatch_program
-from hp_train.dryrun.timeline import Compute, Issue, Mark, Op, Wait, simulate
+from hp_planner.price.runtime_order import SWAP_KIND, SWAP_TIER, Runtime, Unit, microbatch_program
+from hp_planner.price.timeline import Compute, Issue, Mark, Op, Wait, simulate
 
 KINDS = ("fsdp_all_gather", "fsdp_reduce_scatter", "hsdp_all_reduce")
 TIERS = ("fast", "slow")

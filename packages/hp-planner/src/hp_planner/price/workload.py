@@ -38,8 +38,9 @@ model's modules, with flash attention keeping no ``seq x seq`` scores):
 
 Checked against the tensors autograd saves for hp-train's blocks and head on one process
 (exact, fp32 and bf16, dense, q/k-norm and MoE blocks, every policy but budgets:
-``tests/test_dryrun_saved_tensors.py``), and the resulting peak against a measured step
-(``tests/test_dryrun_vs_measured.py``).
+hp-train's ``tests/test_dryrun_saved_tensors.py``), and the resulting peak against a measured
+step (hp-train's ``tests/test_dryrun_vs_measured.py``); the formulas themselves by hp-planner's
+``tests/test_price_activation.py``.
 
 With ``recompute`` each block keeps only its input (``dim`` per token); one block's full
 activations exist again while it is recomputed in backward.
@@ -49,16 +50,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from hp_train.config.schema import (
-    FP8_RECIPES,
-    OFFLOAD_TARGETS,
-    PIPELINE_SCHEDULE_NAMES,
-    ConfigError,
-    ModelConfig,
-    TrainConfig,
-)
-from hp_train.dryrun.activation import block_activations
-from hp_train.dryrun.presets import DryRunError
+from hp_planner.inputs import PlanInputError
+from hp_planner.price.activation import block_activations
+from hp_planner.price.model import PricingError, TransformerShape
+from hp_planner.recipe import FP8_RECIPES, OFFLOAD_TARGETS, SCHEDULES, ac_budget_bytes
 
 __all__ = [
     "BF16_MIXED",
@@ -97,7 +92,7 @@ class Precision:
     def __post_init__(self) -> None:
         for name in ("param", "compute", "reduce", "optimizer"):
             if getattr(self, name) not in (1, 2, 4, 8):
-                raise DryRunError(f"precision.{name} must be 1, 2, 4 or 8 bytes")
+                raise PricingError(f"precision.{name} must be 1, 2, 4 or 8 bytes")
 
 
 FP32 = Precision()
@@ -112,14 +107,14 @@ def precision_of(mixed_precision: str, grad_reduce_dtype: str = "fp32") -> Preci
     its gradient reduction in ``grad_reduce_dtype`` (``"fp32"`` or ``"bf16"``).
 
     Raises:
-        DryRunError: a value the trainer does not take.
+        PricingError: a value the trainer does not take.
     """
     for name, value in (
         ("mixed_precision", mixed_precision),
         ("grad_reduce_dtype", grad_reduce_dtype),
     ):
         if value not in ("fp32", "bf16"):
-            raise DryRunError(f"{name} must be 'fp32' or 'bf16', got {value!r}")
+            raise PricingError(f"{name} must be 'fp32' or 'bf16', got {value!r}")
     base = BF16_MIXED if mixed_precision == "bf16" else FP32
     return replace(base, reduce=2) if grad_reduce_dtype == "bf16" else base
 
@@ -155,7 +150,7 @@ class StepShape:
             FSDP's gathers and reductions.
         ac: activation checkpointing of every block, as ``TrainConfig.ac`` names it:
             ``"none"``, ``"full"``, ``"selective"`` or ``"budget:<MiB>"``
-            (:mod:`~hp_train.dryrun.activation`).
+            (:mod:`~hp_planner.price.activation`).
         optimizer: ``"muon"`` (Muon on matrices, AdamW on the rest) or ``"adamw"``.
         precision: bytes per element.
         prefetch: FSDP prefetches the next group (accelerators: yes; hp_fsdp on CPU: no).
@@ -170,7 +165,7 @@ class StepShape:
         pp_schedule: ``"1f1b"`` or ``"gpipe"`` (``hp_train.parallel.pipeline.PIPELINE_SCHEDULES``).
         runtime: the data-parallel runtime modeled (:data:`RUNTIMES`): ``"hp"`` (hp-fsdp,
             what hp-train runs), ``"torch_fsdp2"`` or ``"megatron_ddp"`` (the baselines of
-            :mod:`~hp_train.dryrun.reproduce`).
+            :mod:`~hp_planner.price.reproduce`).
         swap: ``TrainConfig.swap``: the blocks' kept activations live in host memory between
             their forward and backward (with ``ac`` ``"none"`` or ``"selective"``).
     """
@@ -196,27 +191,27 @@ class StepShape:
         for name in ("global_batch", "seq_len", "microbatches"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise DryRunError(f"{name} must be a positive integer, got {value!r}")
+                raise PricingError(f"{name} must be a positive integer, got {value!r}")
         if self.optimizer not in ("muon", "adamw"):
-            raise DryRunError(f"optimizer must be 'muon' or 'adamw', got {self.optimizer!r}")
+            raise PricingError(f"optimizer must be 'muon' or 'adamw', got {self.optimizer!r}")
         if not self.muon_bucket_mb > 0:
-            raise DryRunError(f"muon_bucket_mb must be > 0, got {self.muon_bucket_mb}")
+            raise PricingError(f"muon_bucket_mb must be > 0, got {self.muon_bucket_mb}")
         for name, allowed in (
             ("offload", OFFLOAD_TARGETS),
             ("fp8", FP8_RECIPES),
-            ("pp_schedule", PIPELINE_SCHEDULE_NAMES),
+            ("pp_schedule", SCHEDULES),
             ("runtime", RUNTIMES),
         ):
             if getattr(self, name) not in allowed:
-                raise DryRunError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+                raise PricingError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
         if not 0 < self.expert_imbalance < float("inf"):
-            raise DryRunError(
+            raise PricingError(
                 f"expert_imbalance must be a finite number > 0 (1: balanced), got "
                 f"{self.expert_imbalance!r}"
             )
         self.ac_budget_bytes  # noqa: B018 - parses ``ac``
         if not isinstance(self.swap, bool):
-            raise DryRunError(f"swap must be True or False, got {self.swap!r}")
+            raise PricingError(f"swap must be True or False, got {self.swap!r}")
 
     @property
     def recompute(self) -> bool:
@@ -228,44 +223,44 @@ class StepShape:
         """The per-block budget of ``ac="budget:<MiB>"`` in bytes (None for other modes).
 
         Raises:
-            DryRunError: ``ac`` is none of the trainer's modes (its message).
+            PricingError: ``ac`` is none of the trainer's modes (its message).
         """
         try:
-            return TrainConfig(ac=self.ac).ac_budget_bytes
-        except ConfigError as exc:
-            raise DryRunError(str(exc)) from None
+            return ac_budget_bytes(self.ac)
+        except PlanInputError as exc:
+            raise PricingError(str(exc)) from None
 
     def microbatch_size(self, dp: int) -> int:
         """Sequences per microbatch on one data-parallel rank.
 
         Raises:
-            DryRunError: the global batch does not split evenly over ``dp`` ranks and the
+            PricingError: the global batch does not split evenly over ``dp`` ranks and the
                 microbatches.
         """
         if self.global_batch % dp:
-            raise DryRunError(
+            raise PricingError(
                 f"global_batch={self.global_batch} is not divisible by the data-parallel degree "
                 f"dp_replicate x dp_shard = {dp}"
             )
         local = self.global_batch // dp
         if local % self.microbatches:
-            raise DryRunError(
+            raise PricingError(
                 f"the {local} sequences per data-parallel rank do not split into "
                 f"microbatches={self.microbatches}; choose a divisor of {local}"
             )
         return local // self.microbatches
 
 
-def _kv_dim(model: ModelConfig) -> int:
+def _kv_dim(model: TransformerShape) -> int:
     return model.n_kv_heads * model.head_dim
 
 
-def _q_dim(model: ModelConfig) -> int:
+def _q_dim(model: TransformerShape) -> int:
     return model.n_heads * model.head_dim
 
 
 def block_forward_flops(
-    model: ModelConfig,
+    model: TransformerShape,
     index: int,
     tp: int,
     seq_len: int,
@@ -291,20 +286,20 @@ def block_forward_flops(
     return attn + ffn
 
 
-def attention_forward_flops(model: ModelConfig, tp: int, seq_len: int) -> float:
+def attention_forward_flops(model: TransformerShape, tp: int, seq_len: int) -> float:
     """Forward FLOPs per token of a block's attention (projections and scores) on one of
     ``tp`` ranks: the part of :func:`block_forward_flops` before its feed-forward."""
     d, q = model.dim, _q_dim(model)
     return 2 * (2 * d * q + 2 * d * _kv_dim(model)) / tp + 2 * seq_len * q / tp
 
 
-def head_forward_flops(model: ModelConfig, tp: int) -> float:
+def head_forward_flops(model: TransformerShape, tp: int) -> float:
     """Forward FLOPs per token of the output head on one of ``tp`` ranks."""
     return 2 * model.dim * model.vocab_size / tp
 
 
 def block_activation_bytes(
-    model: ModelConfig,
+    model: TransformerShape,
     index: int,
     tokens: int,
     seq_len: int,
@@ -314,13 +309,13 @@ def block_activation_bytes(
     flash_attention: bool = True,
 ) -> int:
     """Bytes block ``index`` saves for backward for ``tokens`` tokens without checkpointing
-    (:func:`hp_train.dryrun.activation.block_activations`' ``full``)."""
+    (:func:`hp_planner.price.activation.block_activations`' ``full``)."""
     return block_activations(
         model, index, tokens, seq_len, tp, precision.compute, flash_attention=flash_attention
     ).full
 
 
-def head_activation_bytes(model: ModelConfig, tokens: int, precision: Precision) -> int:
+def head_activation_bytes(model: TransformerShape, tokens: int, precision: Precision) -> int:
     """Bytes the final norm and the output head save for ``tokens`` tokens: the norm's input,
     its scaled input and output (the head's input), its reciprocal RMS (compute dtype), and
     what the cross entropy keeps: the fp32 log-softmax of the logits, the int64 targets and
@@ -329,7 +324,7 @@ def head_activation_bytes(model: ModelConfig, tokens: int, precision: Precision)
     return int(tokens * per_token) + 4
 
 
-def loss_gradient_bytes(model: ModelConfig, tokens: int) -> int:
+def loss_gradient_bytes(model: TransformerShape, tokens: int) -> int:
     """Bytes the first step of backward holds at once: the gradients of the log-softmax and
     of the fp32 logits, one vocabulary row of fp32 per token each."""
     return int(2 * tokens * model.vocab_size * 4)
