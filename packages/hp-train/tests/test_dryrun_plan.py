@@ -252,3 +252,28 @@ def test_print_plan_prints_the_resolved_plan_with_flat_slots(
     assert "layers.0." not in out
     assert "layers.1.attn.q_proj.weight" in out
     assert "output.weight" in out
+
+
+def test_print_plan_shows_expert_and_context_parallelism(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``hp-dryrun --print-plan --ep 2``: after the stage's plan, each MoE block's expert plan on
+    the rank (``n_experts / ep`` whole experts of each stack); ``--cp 2``: the attention cores
+    context parallelism replaces, one per block."""
+    moe = TINY_MOE.moe
+    assert moe is not None
+    assert main(["--model", "tiny-moe", "--dp-shard", "2", "--ep", "2", "--print-plan"]) == 0
+    out = capsys.readouterr().out
+    moe_blocks = [i for i in range(TINY_MOE.n_layers) if (i + 1) % moe.every == 0]
+    assert moe_blocks
+    sections = out.split("\n\nexpert parallel: ")[1:]
+    assert [s.split("\n", 1)[0] for s in sections] == [f"layers.{i}.ffn" for i in moe_blocks]
+    local = f"{moe.n_experts // 2}x{TINY_MOE.dim}x{moe.expert_ffn_dim}"
+    for section in sections:
+        rows = {line.split()[0]: line.split() for line in section.splitlines() if line}
+        assert rows["experts.w1"][1] == f"{moe.n_experts}x{TINY_MOE.dim}x{moe.expert_ffn_dim}"
+        assert local in rows["experts.w1"]
+    assert main(["--model", "tiny", "--dp-shard", "1", "--cp", "2", "--print-plan"]) == 0
+    out = capsys.readouterr().out
+    cores = ", ".join(f"layers.{i}.attn.core" for i in range(TINY.n_layers))
+    assert f"context parallel (ring) over cp=2: {cores}" in out

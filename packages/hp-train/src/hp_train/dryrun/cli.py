@@ -37,7 +37,6 @@ from hp_planner.price import (
     GIB,
     Device,
     Precision,
-    PricingError,
     SearchSpace,
     StepShape,
     device_for,
@@ -45,6 +44,7 @@ from hp_planner.price import (
     format_dry_run,
     format_reproduction,
     format_search,
+    job_plan,
     planned_model,
     precision_of,
     reproduce_paper,
@@ -304,11 +304,6 @@ def _run(args: argparse.Namespace) -> str:
     else:
         parallel = ParallelConfig(args.dp_replicate, args.dp_shard, args.tp, args.pp, **axes)
     if args.print_plan:
-        if parallel.ep > 1 or parallel.cp > 1:
-            raise PricingError(
-                "--print-plan shows the tensor-parallel and FSDP plan; it does not show the "
-                "expert- or context-parallel layouts yet (drop --ep/--cp to print the rest)"
-            )
         return _plan_text(name, model, parallel, args.rank)
     run = dry_run(
         TrainerModel(model),
@@ -323,14 +318,29 @@ def _run(args: argparse.Namespace) -> str:
 
 
 def _plan_text(name: str, model: ModelConfig, parallel: ParallelConfig, rank: int) -> str:
-    plan = planned_model(TrainerModel(model), parallel, rank)
+    """The rank's stage: its parallel plan with the rank's flat slots, then each MoE module's
+    expert-parallel plan on the rank and the context-parallel cores."""
+    priced = TrainerModel(model)
+    plan = planned_model(priced, parallel, rank)
     per_stage = parallel.world_size // parallel.pp
-    stage = f", pipeline stage {rank // per_stage}" if parallel.pp > 1 else ""
-    return (
+    index = rank // per_stage
+    stage = job_plan(priced, parallel, ranks=frozenset({rank})).stages[index]
+    parts = [
         f"hp-dryrun plan: model {name}; dp_replicate={parallel.dp_replicate} x "
-        f"dp_shard={parallel.dp_shard} x tp={parallel.tp} x pp={parallel.pp}; rank {rank}"
-        f"{stage}\n\n{plan.table(rank)}"
-    )
+        f"dp_shard={parallel.dp_shard} x cp={parallel.cp} x tp={parallel.tp} x "
+        f"pp={parallel.pp}; ep={parallel.ep}; rank {rank}"
+        + (f", pipeline stage {index}" if parallel.pp > 1 else ""),
+        plan.table(rank),
+    ]
+    parts += [
+        f"expert parallel: {expert.module}\n{expert.plan.table(rank)}" for expert in stage.experts
+    ]
+    if stage.context is not None:
+        parts.append(
+            f"context parallel ({stage.context.variant}) over cp={parallel.cp}: "
+            + ", ".join(stage.context.modules)
+        )
+    return "\n\n".join(parts)
 
 
 def main(argv: list[str] | None = None) -> int:

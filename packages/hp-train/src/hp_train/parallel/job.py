@@ -16,11 +16,12 @@ import torch
 
 from hp_dtensor.parallel import ExpertParallel, ExpertTensorParallel, ParallelStyle
 from hp_planner import JobDims, JobPlan, ModelParallelism, TrainingPolicy, plan_job
+from hp_planner.meshes import EXPERT_AXES
 from hp_train.config.combinations import check_combination
 from hp_train.config.schema import ModelConfig, ParallelConfig, TrainConfig
 from hp_train.model.llama import Transformer
 from hp_train.optim import ROUTER_PATTERNS
-from hp_train.parallel.parallelize import EXPERT_AXES, check_model_fits, tp_plan
+from hp_train.parallel.parallelize import check_model_fits, tp_plan
 from hp_train.parallel.pipeline import keep_stage, stage_boundaries
 
 __all__ = ["BLOCKS", "CONTEXT_MODULES", "model_parallelism", "plan_run", "training_policy"]

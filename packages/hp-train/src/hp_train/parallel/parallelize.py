@@ -33,7 +33,8 @@ from hp_dtensor.parallel import (
 from hp_dtensor.parallel.plan import Boundary, PlanError
 from hp_fsdp import CPUOffloadPolicy, fully_shard
 from hp_layout import Mesh, Placement, Replicate, Shard
-from hp_planner import JobDims, StagePlan
+from hp_planner import JobDims, StagePlan, job_grid, stage_meshes
+from hp_planner.meshes import CP_SHARD
 from hp_train.config.schema import ConfigError, ModelConfig, ParallelConfig, TrainConfig
 from hp_train.model.llama import TiedHead, Transformer
 from hp_train.parallel.activations import apply_activation_policy
@@ -51,13 +52,6 @@ __all__ = [
     "tp_plan",
 ]
 
-AXES = ("dp_replicate", "dp_shard", "tp")
-# With context parallelism the sequence axis sits between the shard axis and tp; tensor
-# parallelism and FSDP see the two flattened into one.
-CP_AXES = ("dp_replicate", "dp_shard", "cp", "tp")
-CP_SHARD_AXIS = "dp_shard_cp"
-# With expert parallelism the shard axis splits into (dp_shard / ep, ep), ep inner.
-EXPERT_AXES = ("dp_replicate", "expert_shard", "ep", "tp")
 # The tensor-parallel axis and the data axes, as parallelize() applies the TP plan.
 _TP_AXES: dict[str, Any] = {"tp_axis": "tp", "dp_axes": ("dp_replicate", "dp_shard")}
 
@@ -156,7 +150,11 @@ def check_model_fits(model: ModelConfig, parallel: JobDims) -> None:
 
 
 def build_layout(parallel: ParallelConfig, device_type: str) -> Layout3D:
-    """The device meshes for ``parallel`` over the initialized default process group.
+    """The device meshes of the planner's grids (:func:`hp_planner.job_grid`,
+    :func:`hp_planner.stage_meshes`) over the initialized default process group.
+
+    Every rank creates the same device meshes in the same order (creating one is collective):
+    with ``pp > 1`` the job's whole grid, of which this rank takes its stage's mesh.
 
     Raises:
         ConfigError: the world size differs from ``parallel.world_size``.
@@ -168,47 +166,27 @@ def build_layout(parallel: ParallelConfig, device_type: str) -> Layout3D:
             f"{parallel.world_size}; launch with torchrun --nproc-per-node {parallel.world_size} "
             "(or change the dimensions)"
         )
-    cp = parallel.cp
-    shape = (parallel.dp_replicate, parallel.dp_shard, parallel.tp)
+    rank = dist.get_rank()
+    grid = job_grid(parallel)
+    planned = stage_meshes(parallel, grid.coordinate(rank)[0] if parallel.pp > 1 else 0)
     pipeline_mesh = cp_mesh = None
-    if cp > 1:
-        # The cp ranks of a data-parallel rank hold the same parameters: tensor parallelism and
-        # FSDP see dp_shard x cp as one axis; the attention's exchanges run on the cp axis of
-        # the same ranks laid out as (dp_replicate, dp_shard, cp, tp).
-        grid = Mesh((parallel.dp_replicate, parallel.dp_shard, cp, parallel.tp), CP_AXES)
-        cp_mesh = DeviceMesh(device_type, grid)["cp"]
-        mesh = DeviceMesh(device_type, grid.flatten(["dp_shard", "cp"], CP_SHARD_AXIS))
-        coordinate = grid.coordinate(dist.get_rank())
-        shard_axis = CP_SHARD_AXIS
+    if parallel.pp > 1:
+        pipeline_mesh = DeviceMesh(device_type, grid)
+        mesh = pipeline_mesh[list(planned.stage.axis_names)]
     else:
-        if parallel.pp > 1:
-            pipeline_mesh = DeviceMesh(device_type, Mesh((parallel.pp, *shape), ("pp", *AXES)))
-            mesh = pipeline_mesh[list(AXES)]
-        else:
-            mesh = DeviceMesh(device_type, Mesh(shape, AXES))
-        coordinate = mesh.mesh.coordinate(dist.get_rank())
-        shard_axis = "dp_shard"
-    dp_rank = coordinate[0] * parallel.dp_shard + coordinate[1]
-    # HSDP over both data axes, or 1-d FSDP over the shard axis.
-    dp_axes = ["dp_replicate", shard_axis] if parallel.dp_replicate > 1 else [shard_axis]
-    dp_mesh = mesh[dp_axes]
+        mesh = DeviceMesh(device_type, planned.stage)
+    if planned.context is not None:
+        cp_mesh = DeviceMesh(device_type, planned.context)["cp"]
+    # The data-parallel coordinate is (dp_replicate, dp_shard) of the unflattened grid.
+    replica, shard = (planned.context or planned.stage).coordinate(rank)[:2]
     expert_mesh = expert_dp_mesh = None
-    if parallel.ep > 1:
-        grid = mesh.mesh
-        expert_grid = Mesh(
-            (parallel.dp_replicate, parallel.dp_shard // parallel.ep, parallel.ep, parallel.tp),
-            EXPERT_AXES,
-            grid.ranks,
-        )
-        expert_mesh = DeviceMesh(device_type, expert_grid)
-        expert_axes = (
-            ["dp_replicate", "expert_shard"] if parallel.dp_replicate > 1 else ["expert_shard"]
-        )
-        expert_dp_mesh = expert_mesh[expert_axes]
+    if planned.expert is not None:
+        expert_mesh = DeviceMesh(device_type, planned.expert)
+        expert_dp_mesh = expert_mesh[list(planned.expert_dp_axes)]
     return Layout3D(
         mesh,
-        dp_mesh,
-        dp_rank,
+        mesh[list(planned.dp_axes)],
+        replica * parallel.dp_shard + shard,
         parallel.dp,
         parallel.tp,
         pipeline_mesh,
@@ -285,9 +263,9 @@ def _names_part_of(stage: Transformer, key: str) -> bool:
 def _axes_of(grid: Mesh) -> dict[str, Any]:
     """The tensor-parallel and data axes the TP plan is applied with on ``grid`` (with
     ``cp > 1`` the shard axis is ``dp_shard_cp``)."""
-    if CP_SHARD_AXIS not in grid.axis_names:
+    if CP_SHARD not in grid.axis_names:
         return _TP_AXES
-    return {"tp_axis": "tp", "dp_axes": ("dp_replicate", CP_SHARD_AXIS)}
+    return {"tp_axis": "tp", "dp_axes": ("dp_replicate", CP_SHARD)}
 
 
 def parallelize(
