@@ -15,6 +15,7 @@ ranks of one data-parallel group (which see the same shapes and mesh) plan the s
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -315,6 +316,10 @@ def plan_group(
     module in error messages (default ``owner``). ``per_param``: FSDP2's layout (each
     parameter ``Shard(0)``, see :class:`RowShardLayout`) instead of the flat one.
 
+    A pure function of frozen values, so each distinct group is planned once per process
+    (the blocks of a model, the same call on many meshes of a planned job) and the frozen plan
+    shared.
+
     Postconditions: the plan holds every parameter once, those without an extra reduction
     first, each kind in the given order; ``flat == plan_flat_buffer(shapes, shards, align)``
     with ``align`` 16 bytes of the storage dtype; ``extra_start`` is the first extra-reduced
@@ -325,6 +330,31 @@ def plan_group(
         NotImplementedError: one group needing several extra reductions, or a non-sum one,
             or storage dtypes that differ under a ``param_dtype``.
     """
+    return _plan_group(
+        tuple(params),
+        mesh,
+        shard_axis,
+        replicate_axis,
+        param_dtype,
+        reduce_dtype,
+        owner,
+        label,
+        per_param,
+    )
+
+
+@functools.lru_cache(maxsize=4096)
+def _plan_group(
+    params: tuple[ParamSpec, ...],
+    mesh: Mesh,
+    shard_axis: str,
+    replicate_axis: str | None,
+    param_dtype: torch.dtype | None,
+    reduce_dtype: torch.dtype | None,
+    owner: str,
+    label: str | None,
+    per_param: bool,
+) -> GroupPlan:
     name = label if label is not None else owner
     ordered, extra = _order_by_extra_reduction(params, mesh)
     storage = _storage_dtype(ordered, param_dtype, name)

@@ -8,14 +8,13 @@ one planner ``fully_shard`` itself runs (parameter selection, nested units, dtyp
 nothing here restates its rules. What a parameter looks like once laid out comes from the
 resolved plans (:func:`hp_fsdp.spec_from_plan`): its tensor-parallel layout and gradient
 reduction when a plan is applied (``tp > 1``; with ``tp == 1`` none is and the parameter is
-whole), its expert-parallel layout for an expert module's parameters.
+whole), its expert-parallel layout for an expert module's parameters. A large model's blocks
+are planned once each by hp-fsdp, which plans each distinct group once per process.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
-from dataclasses import replace
-from typing import Any
+from collections.abc import Collection, Sequence
 
 import torch
 from torch import nn
@@ -59,61 +58,6 @@ def _owned(plans: tuple[GroupPlan, ...], unit: str) -> tuple[GroupPlan, ...]:
     return tuple(plan.with_owner(unit) for plan in plans)
 
 
-class _Calls:
-    """:func:`hp_fsdp.plan_fully_shard`, each distinct call planned once per stage.
-
-    Two calls plan alike when everything ``plan_fully_shard`` reads of them is equal: each
-    parameter's name in the module, its shape, dtype and ``requires_grad``, the spec it is
-    planned with (its fqn aside: the call names it), whether an earlier (nested) call owns it,
-    which of them are one object; the mesh and the policy. A stage's blocks and its MoE
-    modules are such calls: a large model plans a few, not one per block per mesh.
-    """
-
-    def __init__(self) -> None:
-        self._plans: dict[Any, tuple[GroupPlan, ...]] = {}
-
-    def __call__(
-        self,
-        module: nn.Module,
-        mesh: Mesh,
-        policy: MixedPrecisionPolicy | None,
-        nested: Sequence[nn.Module],
-        specs: Mapping[nn.Parameter, ParamSpec] | None,
-    ) -> tuple[GroupPlan, ...]:
-        key = (_signature(module, nested, specs), mesh, policy)
-        if key not in self._plans:
-            self._plans[key] = plan_fully_shard(
-                module, mesh, mp_policy=policy, nested=nested, specs=specs
-            )
-        return self._plans[key]
-
-
-def _signature(
-    module: nn.Module,
-    nested: Sequence[nn.Module],
-    specs: Mapping[nn.Parameter, ParamSpec] | None,
-) -> tuple[Any, ...]:
-    """What a ``fully_shard`` call on ``module`` reads of its parameters (:class:`_Calls`)."""
-    inner = {id(m) for m in nested}
-    owned = {id(p) for m in module.modules() if id(m) in inner for p in m.parameters()}
-    first: dict[int, int] = {}
-    out = []
-    for name, p in module.named_parameters(remove_duplicate=False):
-        spec = None if specs is None else specs.get(p)
-        out.append(
-            (
-                name,
-                first.setdefault(id(p), len(first)),
-                tuple(p.shape),
-                p.dtype,
-                p.requires_grad,
-                id(p) in owned,
-                None if spec is None else replace(spec, fqn=""),
-            )
-        )
-    return tuple(out)
-
-
 def _calls(
     model: nn.Module,
     mesh: Mesh,
@@ -121,7 +65,6 @@ def _calls(
     nested: Sequence[str],
     specs: dict[nn.Parameter, ParamSpec] | None,
     training: TrainingPolicy,
-    plan: _Calls,
 ) -> list[FsdpGroup]:
     """The units' and the root's calls on one FSDP mesh, in order. A call managing no
     parameter is kept with no plan (a middle pipeline stage's root: ``fully_shard`` is still
@@ -130,7 +73,9 @@ def _calls(
     groups = []
     for unit in [*units, ""]:
         module = model.get_submodule(unit)
-        plans = plan(module, mesh, _policy(training), done, specs)
+        plans = plan_fully_shard(
+            module, mesh, mp_policy=_policy(training), nested=done, specs=specs
+        )
         done.append(module)
         groups.append(FsdpGroup(unit, mesh, _owned(plans, unit)))
     return groups
@@ -163,15 +108,14 @@ def plan_fsdp_groups(
     """
     groups: list[FsdpGroup] = []
     policy = _policy(training)
-    plan = _Calls()
     for mesh in _holding(meshes.expert_fsdp_meshes(), held):
         for expert in experts:
             module = model.get_submodule(expert.module)
             specs = _specs(module, expert.plan, mesh.ranks[0])
-            plans = plan(module, mesh, policy, (), specs)
+            plans = plan_fully_shard(module, mesh, mp_policy=policy, specs=specs)
             groups.append(FsdpGroup(expert.module, mesh, _owned(plans, expert.module)))
     nested = [e.module for e in experts]
     for mesh in _holding(meshes.fsdp_meshes(), held):
         specs = _specs(model, tp, mesh.ranks[0])
-        groups += _calls(model, mesh, units, nested, specs, training, plan)
+        groups += _calls(model, mesh, units, nested, specs, training)
     return tuple(groups)
