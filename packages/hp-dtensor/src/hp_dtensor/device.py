@@ -10,23 +10,41 @@ import importlib
 
 import torch
 
-__all__ = ["backend_for", "local_device", "prepare_device_type"]
+__all__ = ["DeviceUnavailableError", "backend_for", "local_device", "prepare_device_type"]
 
 _BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
 
 
+class DeviceUnavailableError(RuntimeError):
+    """A device type this machine cannot run: its runtime does not import, or it reports no
+    device (the message names which, and what to use instead)."""
+
+
 def prepare_device_type(device_type: str) -> str:
-    """Check ``device_type`` and load what it needs (``torch_npu`` for ``npu``)."""
+    """Check ``device_type`` and load what it needs (``torch_npu`` for ``npu``).
+
+    Raises:
+        ValueError: a device type with no backend here.
+        DeviceUnavailableError: ``npu`` without an importable ``torch_npu``, or an accelerator
+            type whose device module reports no device (``torch.cuda.is_available()`` is
+            False on a machine without CUDA).
+    """
     if device_type not in _BACKENDS:
         raise ValueError(f"unsupported device type {device_type!r}; use one of {sorted(_BACKENDS)}")
     if device_type == "npu":
         try:
             importlib.import_module("torch_npu")
         except ImportError as exc:
-            raise RuntimeError(
+            raise DeviceUnavailableError(
                 "device type 'npu' needs torch_npu (Ascend's CANN runtime); it failed to import: "
                 f"{exc}"
             ) from exc
+    if device_type != "cpu" and not torch.get_device_module(device_type).is_available():
+        raise DeviceUnavailableError(
+            f"device type {device_type!r} is not available on this machine "
+            f"(torch.{device_type}.is_available() is False: no device or no driver); use "
+            "'cpu', or run where the device is"
+        )
     return device_type
 
 

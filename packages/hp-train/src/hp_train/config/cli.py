@@ -14,13 +14,13 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 
+from hp_dtensor.device import DeviceUnavailableError
 from hp_train.checkpoint.dcp import CheckpointError
 from hp_train.config.options import (
     TABLE_TITLES,
@@ -32,6 +32,7 @@ from hp_train.config.options import (
 from hp_train.config.presets import model_configs
 from hp_train.config.schema import ConfigError, ModelConfig, MoEConfig, ParallelConfig, TrainConfig
 from hp_train.config.toml_file import option_tables, read_config_file, resolved_tables
+from hp_train.observe.errors import report_error
 from hp_train.observe.nonfinite import NonFiniteError
 from hp_train.parallel.run_plan import plan_report
 from hp_train.runtime import init_runtime, shutdown
@@ -193,6 +194,12 @@ def parse(
         parallel = ParallelConfig.fill(world_size, **axes)
     else:
         parallel = ParallelConfig(**axes)
+        if parallel.world_size != world_size:
+            raise ConfigError(
+                f"the job has {world_size} ranks but dp_replicate x dp_shard x cp x tp x pp = "
+                f"{parallel.world_size}; launch with torchrun --nproc-per-node "
+                f"{parallel.world_size}, or leave --dp-shard out to give it every rank left"
+            )
     schedule = config_kwargs(options, args, TrainConfig)
     schedule.setdefault("microbatches", parallel.pp)
     config = TrainConfig(**schedule)
@@ -265,7 +272,7 @@ def _print_plan(argv: Sequence[str] | None, pre: argparse.Namespace) -> int:
         model, parallel, config, _, _ = parse(argv, world)
         report = plan_report(model, parallel, config)
     except ConfigError as exc:
-        print(f"hp-train: {exc}", file=sys.stderr)
+        report_error(str(exc))
         return 2
     if os.environ.get("RANK", "0") == "0":
         print(report, flush=True)
@@ -284,19 +291,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run training; returns the process exit code (every rank the same): 0, or
     :data:`EXIT_CONFIG`, :data:`EXIT_NONFINITE`, :data:`EXIT_CHECKPOINT`. The trainer logged
     the last two's message (rank 0's stderr, every rank's log file); a configuration error is
-    printed here."""
+    reported here, once for the job and before any rank exits
+    (:func:`hp_train.observe.errors.report_error`)."""
     try:
         pre = parse_args(argv)
     except ConfigError as exc:
-        print(f"hp-train: {exc}", file=sys.stderr)
+        report_error(str(exc))
         return 2
     if pre.print_plan:
         return _print_plan(argv, pre)
     try:
         runtime = init_runtime(pre.device, threads=pre.threads)
-    except ValueError as exc:
-        print(f"hp-train: {exc}", file=sys.stderr)
+    except (ValueError, DeviceUnavailableError) as exc:
+        report_error(str(exc))
         return 2
+    options: RunOptions | None = None
     try:
         model, parallel, config, options, _ = parse(argv, dist.get_world_size())
         if runtime.rank == 0:
@@ -306,8 +315,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if runtime.rank == 0 and summary.losses:
             _print_summary(summary, model, parallel, options.out_dir)
     except ConfigError as exc:
-        if dist.get_rank() == 0:
-            print(f"hp-train: {exc}", file=sys.stderr)
+        log = None if options is None else (Path(options.out_dir), runtime.rank)
+        report_error(str(exc), log=log)
         dist.destroy_process_group()
         return EXIT_CONFIG
     except NonFiniteError:

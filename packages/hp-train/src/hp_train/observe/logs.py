@@ -38,6 +38,7 @@ __all__ = [
     "LOG_DIR",
     "WARNINGS_LOGGER_NAME",
     "close_logging",
+    "file_formatter",
     "log_file",
     "setup_logging",
 ]
@@ -101,6 +102,11 @@ class _Installed:
 _installed: _Installed | None = None
 
 
+def file_formatter(rank: int) -> logging.Formatter:
+    """The format of a rank's log file: time, rank, level, logger, message."""
+    return logging.Formatter(f"%(asctime)s rank {rank} %(levelname)s %(name)s: %(message)s")
+
+
 def setup_logging(
     out_dir: str | Path, rank: int, *, quiet: bool = False, level: int = logging.INFO
 ) -> logging.Logger:
@@ -126,9 +132,7 @@ def setup_logging(
     path.parent.mkdir(parents=True, exist_ok=True)
     to_file = logging.FileHandler(path, mode="a", encoding="utf-8")
     to_file.setLevel(level)
-    to_file.setFormatter(
-        logging.Formatter(f"%(asctime)s rank {rank} %(levelname)s %(name)s: %(message)s")
-    )
+    to_file.setFormatter(file_formatter(rank))
     handlers: list[logging.Handler] = [to_file]
     if rank == 0:
         console = _ConsoleHandler(sys.stderr)

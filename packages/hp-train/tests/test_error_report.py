@@ -1,0 +1,164 @@
+"""An error the user can fix is reported once for the job, before any rank exits
+(``hp_train.observe.errors.report_error``), and as one line when the run is a torchrun job."""
+
+from __future__ import annotations
+
+import io
+import os
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+# Public as torch.distributed.FileStore and .Store; torch's stubs only export them here.
+from torch._C._distributed_c10d import FileStore, Store
+
+from hp_testing import run_on_ranks
+from hp_train.observe.errors import report_error
+
+
+class _Console(io.StringIO):
+    """A console that takes ``delay_s`` to write and notes when its last write ended."""
+
+    def __init__(self, delay_s: float = 0.0) -> None:
+        super().__init__()
+        self.delay_s = delay_s
+        self.done = 0.0
+
+    def write(self, text: str) -> int:
+        time.sleep(self.delay_s)
+        written = super().write(text)
+        self.done = time.time()
+        return written
+
+
+def _report(path: str, arrive: list[float], messages: list[str], delay_s: float) -> dict[str, Any]:
+    rank = dist.get_rank()
+    store = FileStore(path, 2)
+    time.sleep(arrive[rank])
+    console = _Console(delay_s)
+    report_error(messages[rank], job=(store, rank, 2), grace_s=0.5, wait_s=10.0, stream=console)
+    return {"out": console.getvalue(), "printed": console.done, "returned": time.time()}
+
+
+@pytest.mark.multiprocess
+def test_no_rank_returns_before_the_message_is_printed(tmp_path: Path) -> None:
+    """Rank 0 reports first and, alone after its grace period, prints, slowly; rank 1 reports
+    after that and must not return (exit) before rank 0's line is out."""
+    path = str(tmp_path / "store")
+    results = run_on_ranks(2, _report, path, [0.0, 1.0], ["no such file", "no such file"], 1.0)
+    assert results[0]["out"] == "hp-train: no such file\n"
+    assert results[1]["out"] == ""
+    assert results[1]["returned"] >= results[0]["printed"]
+
+
+@pytest.mark.multiprocess
+def test_one_line_per_distinct_message_naming_its_ranks(tmp_path: Path) -> None:
+    path = str(tmp_path / "store")
+    results = run_on_ranks(2, _report, path, [0.0, 0.0], ["bad data", "bad out"], 0.0)
+    printed = [r["out"] for r in results if r["out"]]
+    assert printed == ["hp-train: bad data (rank 0)\nhp-train: bad out (rank 1)\n"]
+
+
+@pytest.mark.multiprocess
+def test_the_same_message_from_every_rank_is_one_line(tmp_path: Path) -> None:
+    path = str(tmp_path / "store")
+    results = run_on_ranks(2, _report, path, [0.0, 0.0], ["tp=3 ...", "tp=3 ..."], 0.0)
+    assert sorted(r["out"] for r in results) == ["", "hp-train: tp=3 ...\n"]
+
+
+class _ClaimedStore(Store):
+    """A one-process store where another rank has claimed the printing and never prints."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.data: dict[str, bytes] = {}
+
+    def set(self, key: str, value: str | bytes) -> None:
+        self.data[key] = value.encode() if isinstance(value, str) else value
+
+    def get(self, key: str) -> bytes:
+        return self.data[key]
+
+    def add(self, key: str, amount: int) -> int:
+        value = int(self.data.get(key, b"0")) + amount + (1 if key.endswith("/printer") else 0)
+        self.data[key] = str(value).encode()
+        return value
+
+    def check(self, keys: list[str]) -> bool:
+        return all(k in self.data for k in keys)
+
+    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+        if not self.check(keys):
+            raise dist.DistStoreError(f"timed out waiting for {keys}")
+
+
+def test_a_rank_prints_its_own_line_when_the_printer_is_gone() -> None:
+    console = io.StringIO()
+    report_error("bad --out", job=(_ClaimedStore(), 1, 2), grace_s=0.0, wait_s=0.1, stream=console)
+    assert console.getvalue() == "hp-train: bad --out (rank 1)\n"
+
+
+def test_one_process_prints_at_once() -> None:
+    console = io.StringIO()
+    report_error("bad --steps", job=None, stream=console)
+    assert console.getvalue() == "hp-train: bad --steps\n"
+
+
+def _torchrun(tmp_path: Path, *flags: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+        "-m", "hp_train", "--model", "tiny", "--steps", "2", "--data", "synthetic",
+        "--out", str(tmp_path / "out"), *flags,
+    ]  # fmt: skip
+    return subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+
+
+def _one_line(done: subprocess.CompletedProcess[str]) -> str:
+    """The job's one ``hp-train:`` line; torchrun exits 1 for any failed rank, the ranks' own
+    code 2 is in its report."""
+    lines = [line for line in done.stderr.splitlines() if line.startswith("hp-train:")]
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert "(exitcode: 2)" in done.stderr, done.stderr[-3000:]
+    assert len(lines) == 1, done.stderr[-3000:]
+    return lines[0]
+
+
+@pytest.mark.multiprocess
+def test_a_missing_checkpoint_folder_is_one_line_and_in_every_log(tmp_path: Path) -> None:
+    """``--resume-from`` a folder that does not exist, at world 2: every rank finds it; the job
+    says so once on the console and in every rank's log, and the ranks exit 2."""
+    missing = tmp_path / "nowhere"
+    done = _torchrun(tmp_path, "--resume-from", str(missing))
+    assert _one_line(done) == f"hp-train: --resume-from {missing}: no such checkpoint directory"
+    assert done.stderr.count(f"{missing}: no such") == 1, done.stderr[-3000:]
+    for rank in (0, 1):
+        log = (tmp_path / "out" / "logs" / f"rank_{rank}.log").read_text()
+        assert f"rank {rank} ERROR hp_train.errors: --resume-from {missing}" in log
+
+
+@pytest.mark.multiprocess
+def test_degrees_that_do_not_fill_the_world_name_the_mesh(tmp_path: Path) -> None:
+    """``--dp-shard 3`` at world 2 names the ranks and the degrees (it named the global batch)."""
+    line = _one_line(_torchrun(tmp_path, "--dp-shard", "3"))
+    assert line.startswith("hp-train: the job has 2 ranks but dp_replicate x dp_shard x cp"), line
+
+
+def test_an_unavailable_device_is_an_input_error(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--device cuda`` where there is no CUDA: one line naming the device, exit 2 (it was an
+    ``AttributeError`` traceback from torch)."""
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is available here")
+    from hp_train.config.cli import main
+
+    assert main(["--device", "cuda", "--steps", "1", "--data", "synthetic"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("hp-train: device type 'cuda' is not available"), err
+    assert len(err.splitlines()) == 1
