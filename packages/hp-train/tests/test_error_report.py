@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import io
+import json
 import os
 import subprocess
 import sys
@@ -112,10 +113,13 @@ def test_one_process_prints_at_once() -> None:
 
 
 def _torchrun(tmp_path: Path, *flags: str) -> subprocess.CompletedProcess[str]:
+    """``python -m hp_train`` at world 2 on synthetic data, ``flags`` added (the tiny model
+    unless ``--init-from`` gives one)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    model = [] if "--init-from" in flags else ["--model", "tiny"]
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-        "-m", "hp_train", "--model", "tiny", "--steps", "2", "--data", "synthetic",
+        "-m", "hp_train", *model, "--steps", "2", "--data", "synthetic",
         "--out", str(tmp_path / "out"), *flags,
     ]  # fmt: skip
     return subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
@@ -149,6 +153,44 @@ def test_degrees_that_do_not_fill_the_world_name_the_mesh(tmp_path: Path) -> Non
     """``--dp-shard 3`` at world 2 names the ranks and the degrees (it named the global batch)."""
     line = _one_line(_torchrun(tmp_path, "--dp-shard", "3"))
     assert line.startswith("hp-train: the job has 2 ranks but dp_replicate x dp_shard x cp"), line
+
+
+@pytest.mark.multiprocess
+def test_weights_that_do_not_match_their_config_are_an_input_error(tmp_path: Path) -> None:
+    """``--init-from`` a Hugging Face folder whose ``config.json`` says a wider feed-forward
+    than its weights hold: one line naming the tensor, exit 2 (it was a traceback per rank,
+    exit 1)."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=256,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    folder = tmp_path / "hf"
+    transformers.LlamaForCausalLM(config).save_pretrained(folder)
+    settings = json.loads((folder / "config.json").read_text())
+    settings["intermediate_size"] = 96
+    (folder / "config.json").write_text(json.dumps(settings))
+    line = _one_line(_torchrun(tmp_path, "--init-from", str(folder), "--seq-len", "16"))
+    assert "mlp" in line, line
+    assert "96" in line or "64" in line, line
+
+
+@pytest.mark.multiprocess
+def test_an_output_folder_that_cannot_be_written_is_an_input_error(tmp_path: Path) -> None:
+    """``--out`` below a regular file (as a read-only folder, and as root can still write
+    read-only folders): every rank finds it before writing anything; one line, exit 2 (it was
+    an ``OSError`` traceback on every rank, or broken connections on ranks 1-3)."""
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a folder\n")
+    out = blocker / "run"
+    line = _one_line(_torchrun(tmp_path, "--out", str(out)))
+    assert line.startswith(f"hp-train: --out {out}: cannot write there ("), line
+    assert line.endswith("choose a folder this job can create and write"), line
 
 
 def test_an_unavailable_device_is_an_input_error(capsys: pytest.CaptureFixture[str]) -> None:

@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from hp_dtensor.device import DeviceUnavailableError
 from hp_train.checkpoint.dcp import CheckpointError
+from hp_train.checkpoint.hf import WeightsMismatchError
 from hp_train.config.options import (
     TABLE_TITLES,
     CliOption,
@@ -34,6 +35,7 @@ from hp_train.config.schema import ConfigError, ModelConfig, MoEConfig, Parallel
 from hp_train.config.toml_file import option_tables, read_config_file, resolved_tables
 from hp_train.observe.errors import report_error
 from hp_train.observe.nonfinite import NonFiniteError
+from hp_train.observe.out_dir import prepare_out_dir
 from hp_train.parallel.run_plan import plan_report
 from hp_train.runtime import init_runtime, shutdown
 from hp_train.trainer import RunOptions, Summary, train
@@ -308,13 +310,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     options: RunOptions | None = None
     try:
         model, parallel, config, options, _ = parse(argv, dist.get_world_size())
-        if runtime.rank == 0:
-            options.out_dir.mkdir(parents=True, exist_ok=True)
+        prepare_out_dir(Path(options.out_dir), runtime.rank)
         dist.barrier()
         summary = train(model, parallel, config, options, runtime)
         if runtime.rank == 0 and summary.losses:
             _print_summary(summary, model, parallel, options.out_dir)
-    except ConfigError as exc:
+    except (ConfigError, WeightsMismatchError) as exc:
         log = None if options is None else (Path(options.out_dir), runtime.rank)
         report_error(str(exc), log=log)
         dist.destroy_process_group()
