@@ -15,12 +15,10 @@ every degree, ``ep`` and ``cp`` included.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
-from torch import nn
 
 from hf_priced import HF_NAMES, HFPriced, llama_config
 from hp_dtensor.parallel import (
@@ -74,30 +72,18 @@ class LlamaWithExperts(HFPriced):
         n = self.config.num_hidden_layers
         return tuple(i for i in range(n) if (i + 1) % self.every == 0)
 
-    def stage_models(self, pp: int) -> Sequence[nn.Module]:
-        bounds = self.stage_boundaries(pp)
-        stages = []
-        for k in range(pp):
-            model: Any = self._build()  # a Hugging Face model: its submodules by name
-            layers = model.model.layers
-            with torch.device("meta"):
-                for i in self._moe_blocks():
-                    layers[i].mlp = MoE(
-                        self.config.hidden_size,
-                        self.expert_ffn,
-                        self.n_experts,
-                        self.top_k,
-                        shared_hidden=self.expert_ffn,
-                    )
-            keep = range(bounds[k], bounds[k + 1])
-            model.model.layers = nn.ModuleDict({str(i): layers[i] for i in keep})
-            if k:
-                model.model.embed_tokens = None
-            if k < pp - 1:
-                model.model.norm = None
-                model.lm_head = None
-            stages.append(model)
-        return stages
+    def _build(self) -> Any:
+        model = super()._build()  # a Hugging Face model: its submodules by name
+        with torch.device("meta"):
+            for i in self._moe_blocks():
+                model.model.layers[i].mlp = MoE(
+                    self.config.hidden_size,
+                    self.expert_ffn,
+                    self.n_experts,
+                    self.top_k,
+                    shared_hidden=self.expert_ffn,
+                )
+        return model
 
     def parallelism(self, dims: JobDims) -> ModelParallelism:
         plan: dict[str, ParallelStyle] = transformer_tp_plan(names=HF_NAMES)
