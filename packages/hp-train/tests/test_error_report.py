@@ -193,6 +193,51 @@ def test_an_output_folder_that_cannot_be_written_is_an_input_error(tmp_path: Pat
     assert line.endswith("choose a folder this job can create and write"), line
 
 
+def _binary(path: Path) -> Path:
+    path.write_bytes(bytes(range(256)) * 64)
+    return path
+
+
+@pytest.mark.multiprocess
+def test_a_binary_data_file_is_an_input_error(tmp_path: Path) -> None:
+    """``--data`` a binary ``.txt``: one line naming the file, what the reader found and what
+    the file must hold; exit 2 (it was a ``datasets`` traceback on every rank, exit 1)."""
+    data = _binary(tmp_path / "notes.txt")
+    line = _one_line(_torchrun(tmp_path, "--data", str(data)))
+    assert line.startswith(f"hp-train: --data {data}: cannot read it as text files ("), line
+    assert "UnicodeDecodeError" in line, line
+    assert line.endswith("each file must hold UTF-8 text"), line
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+@pytest.mark.parametrize(
+    ("name", "kind", "holds"),
+    [
+        ("a.txt", "text", "UTF-8 text"),
+        ("a.jsonl", "json", "JSON Lines"),
+        ("a.parquet", "parquet", "a Parquet table"),
+    ],
+)
+def test_each_kind_of_unreadable_file_is_named(
+    tmp_path: Path, name: str, kind: str, holds: str, streaming: bool
+) -> None:
+    from hp_train.config.schema import ConfigError
+    from hp_train.data.loader import DataSpec, build_data
+    from hp_train.data.tokenizer import ByteTokenizer
+
+    data = _binary(tmp_path / name)
+
+    def first_batch() -> None:
+        spec = DataSpec(str(data), streaming=streaming)
+        build_data(spec, ByteTokenizer(), seq_len=16, seed=0).batch(0, 4, 0, 1)
+
+    with pytest.raises(ConfigError) as raised:
+        first_batch()
+    text = str(raised.value)
+    assert text.startswith(f"--data {data}: cannot read it as {kind} files ("), text
+    assert holds in text, text
+
+
 def test_an_unavailable_device_is_an_input_error(capsys: pytest.CaptureFixture[str]) -> None:
     """``--device cuda`` where there is no CUDA: one line naming the device, exit 2 (it was an
     ``AttributeError`` traceback from torch)."""

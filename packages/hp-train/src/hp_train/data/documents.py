@@ -307,6 +307,39 @@ def _offline_datasets() -> Iterator[Any]:
             datasets.enable_progress_bars()
 
 
+#: What each kind of file must hold, for the message when one does not.
+_EXPECTED = {
+    "text": "UTF-8 text",
+    "json": "JSON Lines (one JSON object per line) or a JSON array of objects",
+    "parquet": "a Parquet table",
+}
+
+
+def _unreadable_errors() -> tuple[type[BaseException], ...]:
+    """What ``datasets`` and ``pyarrow`` raise for a file that is not what its suffix says."""
+    import datasets  # type: ignore[import-untyped,unused-ignore]
+    import pyarrow  # type: ignore[import-untyped,unused-ignore]
+
+    return (datasets.exceptions.DatasetGenerationError, pyarrow.ArrowException, UnicodeError)
+
+
+@contextlib.contextmanager
+def _readable(files: LocalFiles) -> Iterator[None]:
+    """Turn a file ``datasets`` cannot read as its kind into a :class:`ConfigError` naming the
+    input, what the reader found (the innermost cause) and what the kind must hold."""
+    try:
+        yield
+    except _unreadable_errors() as exc:
+        cause: BaseException = exc
+        while cause.__cause__ is not None or cause.__context__ is not None:
+            cause = cause.__cause__ or cause.__context__  # type: ignore[assignment]
+        raise ConfigError(
+            f"--data {files.path}: cannot read it as {files.kind} files "
+            f"({type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}); "
+            f"each file must hold {_EXPECTED[files.kind]}"
+        ) from exc
+
+
 def _files_args(files: LocalFiles) -> tuple[str, dict[str, Any]]:
     builder, options = files.builder()
     return builder, {"data_files": [str(f) for f in files.files], "split": "train", **options}
@@ -335,7 +368,8 @@ class _StreamReader:
         return self
 
     def __next__(self) -> tuple[int, str]:
-        example = next(self._iterator)
+        with _readable(self._owner.files):
+            example = next(self._iterator)
         field = self._owner.field
         if field not in example:
             raise _missing_field(field, list(example), self._owner.name)
@@ -360,7 +394,7 @@ class StreamedFiles(Documents):
     def iterable(self) -> Any:
         """A fresh ``datasets.IterableDataset`` over the files."""
         builder, args = _files_args(self.files)
-        with _offline_datasets() as datasets:
+        with _offline_datasets() as datasets, _readable(self.files):
             return datasets.load_dataset(builder, streaming=True, **args)
 
     def open(self, marker: Mapping[str, Any] | None = None) -> DocumentReader:
@@ -385,6 +419,7 @@ def _load_files(files: LocalFiles, field: str) -> TextDocuments:
     with (
         tempfile.TemporaryDirectory(prefix="hp_train_data_") as cache,
         _offline_datasets() as datasets,
+        _readable(files),
     ):
         table = datasets.load_dataset(builder, cache_dir=cache, keep_in_memory=True, **args)
         if field not in table.column_names:
