@@ -6,8 +6,10 @@ from __future__ import annotations
 import io
 import json
 import os
+import socket
 import subprocess
 import sys
+import tempfile
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -236,6 +238,61 @@ def test_each_kind_of_unreadable_file_is_named(
     text = str(raised.value)
     assert text.startswith(f"--data {data}: cannot read it as {kind} files ("), text
     assert holds in text, text
+
+
+def _lock(out: Path, pid: int, host: str | None = None) -> str:
+    out.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(
+        {"host": host or socket.gethostname(), "pid": pid, "started": "2026-12-05T00:00:00+00:00"}
+    )
+    (out / "run.lock").write_text(text)
+    return text
+
+
+@pytest.mark.multiprocess
+def test_a_folder_another_live_run_holds_is_refused_naming_it(tmp_path: Path) -> None:
+    """Two runs on one ``--out``: the second is refused, naming the first (its pid and host),
+    and writes nothing there, not even its logs (both used to exit 0, one run's metrics and
+    checkpoints gone)."""
+    out = tmp_path / "out"
+    held = _lock(out, os.getpid())  # this test's process: alive
+    line = _one_line(_torchrun(tmp_path))
+    assert line.startswith(
+        f"hp-train: --out {out} is in use by another run (pid {os.getpid()} on"
+    ), line
+    assert "which is still running" in line, line
+    assert (out / "run.lock").read_text() == held
+    assert sorted(p.name for p in out.iterdir()) == ["run.lock"]
+
+
+@pytest.mark.multiprocess
+def test_a_lock_whose_run_is_gone_is_taken_over_and_released(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    gone = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    pid = int(gone.stdout)
+    _lock(out, pid)
+    done = _torchrun(tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (
+        f"hp-train: warning: --out {out}: took over the lock of a run that is gone (pid {pid} on"
+        in done.stderr
+    )
+    assert not (out / "run.lock").exists()
+
+
+def test_a_lock_held_on_another_host_is_refused() -> None:
+    from hp_train.observe.out_dir import OutDirInUseError, claim_out_dir
+
+    with tempfile.TemporaryDirectory() as folder:
+        out = Path(folder)
+        _lock(out, 1, host="elsewhere.invalid")
+        with pytest.raises(OutDirInUseError, match="runs on another host"):
+            claim_out_dir(out)
 
 
 def test_an_unavailable_device_is_an_input_error(capsys: pytest.CaptureFixture[str]) -> None:

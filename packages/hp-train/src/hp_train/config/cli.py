@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -35,7 +36,12 @@ from hp_train.config.schema import ConfigError, ModelConfig, MoEConfig, Parallel
 from hp_train.config.toml_file import option_tables, read_config_file, resolved_tables
 from hp_train.observe.errors import report_error
 from hp_train.observe.nonfinite import NonFiniteError
-from hp_train.observe.out_dir import prepare_out_dir
+from hp_train.observe.out_dir import (
+    OutDirInUseError,
+    claim_out_dir,
+    prepare_out_dir,
+    release_out_dir,
+)
 from hp_train.parallel.run_plan import plan_report
 from hp_train.runtime import init_runtime, shutdown
 from hp_train.trainer import RunOptions, Summary, train
@@ -311,12 +317,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         model, parallel, config, options, _ = parse(argv, dist.get_world_size())
         prepare_out_dir(Path(options.out_dir), runtime.rank)
-        dist.barrier()
+        _claim(Path(options.out_dir), runtime.rank)
         summary = train(model, parallel, config, options, runtime)
         if runtime.rank == 0 and summary.losses:
             _print_summary(summary, model, parallel, options.out_dir)
     except (ConfigError, WeightsMismatchError) as exc:
-        log = None if options is None else (Path(options.out_dir), runtime.rank)
+        log = None
+        if options is not None and not isinstance(exc, OutDirInUseError):
+            log = (Path(options.out_dir), runtime.rank)  # not another run's logs
         report_error(str(exc), log=log)
         dist.destroy_process_group()
         return EXIT_CONFIG
@@ -326,5 +334,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     except CheckpointError:
         shutdown()
         return EXIT_CHECKPOINT
+    finally:
+        if options is not None and runtime.rank == 0:
+            release_out_dir(Path(options.out_dir))
     shutdown()
     return 0
+
+
+def _claim(out_dir: Path, rank: int) -> None:
+    """Rank 0 takes the output folder (:func:`hp_train.observe.out_dir.claim_out_dir`); every
+    rank raises the same error when another run holds it (collective)."""
+    outcome: list[tuple[str, str | None] | None] = [None]
+    if rank == 0:
+        try:
+            outcome = [("warning", claim_out_dir(out_dir))]
+        except OutDirInUseError as exc:
+            outcome = [("error", str(exc))]
+    dist.broadcast_object_list(outcome, src=0)
+    kind, text = outcome[0] or ("warning", None)
+    if kind == "error":
+        raise OutDirInUseError(text)
+    if rank == 0 and text:
+        print(f"hp-train: warning: {text}", file=sys.stderr, flush=True)
