@@ -11,7 +11,7 @@ import itertools
 
 import pytest
 
-from hp_planner import JobDims, PlanInputError, job_grid, stage_meshes
+from hp_planner import JobDims, PlanInputError, job_grid, stage_meshes, stage_of
 
 DIMS = [
     JobDims(dp_shard=4),
@@ -89,3 +89,15 @@ def test_bad_dims_are_named() -> None:
         JobDims(cp=2, cp_variant="spiral")
     with pytest.raises(ValueError, match=r"stage must be in 0\.\.1"):
         stage_meshes(JobDims(pp=2), 2)
+
+
+@pytest.mark.parametrize("dims", DIMS, ids=repr)
+def test_a_ranks_stage_is_its_block_of_world_over_pp(dims: JobDims) -> None:
+    """``stage_of``: ``pp`` is outermost, so stage ``s`` holds ranks ``s * world / pp`` up to
+    the next stage's first; a rank outside the world is named."""
+    per_stage = dims.world_size // dims.pp
+    for rank in range(dims.world_size):
+        assert stage_of(dims, rank) == rank // per_stage
+        assert rank in stage_meshes(dims, stage_of(dims, rank)).stage
+    with pytest.raises(ValueError, match=f"rank {dims.world_size} is outside the world"):
+        stage_of(dims, dims.world_size)

@@ -24,7 +24,7 @@ from hp_planner.job import (
     StagePlan,
     to_jsonable,
 )
-from hp_planner.meshes import StageMeshes, job_grid, stage_meshes
+from hp_planner.meshes import StageMeshes, job_grid, stage_meshes, stage_of
 from hp_planner.plan_job import plan_job, plan_schedule
 
 __all__ = [
@@ -44,5 +44,6 @@ __all__ = [
     "plan_job",
     "plan_schedule",
     "stage_meshes",
+    "stage_of",
     "to_jsonable",
 ]

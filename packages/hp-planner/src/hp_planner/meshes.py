@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from hp_layout import Mesh
 from hp_planner.inputs import JobDims
 
-__all__ = ["StageMeshes", "job_grid", "stage_meshes"]
+__all__ = ["StageMeshes", "job_grid", "stage_meshes", "stage_of"]
 
 REPLICATE = "dp_replicate"
 SHARD = "dp_shard"
@@ -87,6 +87,18 @@ def job_grid(dims: JobDims) -> Mesh:
     shape.append(dims.tp)
     names.append("tp")
     return Mesh(tuple(shape), tuple(names))
+
+
+def stage_of(dims: JobDims, rank: int) -> int:
+    """The pipeline stage ``rank`` belongs to (``pp`` is the grid's outermost axis).
+
+    Raises:
+        ValueError: ``rank`` is outside the job's ``world_size`` ranks.
+    """
+    grid = job_grid(dims)
+    if rank not in grid:
+        raise ValueError(f"rank {rank} is outside the world of {grid.size} ranks")
+    return grid.coordinate(rank)[0] if dims.pp > 1 else 0
 
 
 def stage_meshes(dims: JobDims, stage: int) -> StageMeshes:

@@ -53,6 +53,7 @@ from hp_planner.price.structure import (
     parameter_count,
     planned_model,
     predicted_layouts,
+    rank_stage,
     resolved_plan,
 )
 from hp_planner.price.workload import BF16_MIXED, FP32, RUNTIMES, Precision, StepShape, precision_of
@@ -108,6 +109,7 @@ __all__ = [
     "planned_model",
     "precision_of",
     "predicted_layouts",
+    "rank_stage",
     "reproduce_paper",
     "resolved_plan",
     "search",

@@ -44,7 +44,7 @@ from hp_fsdp import ParamSpec as FSDPParamSpec
 from hp_layout import FlatBufferLayout, Layout, Mesh, Shard, chunk_length
 from hp_planner.inputs import JobDims, PlanInputError
 from hp_planner.job import FsdpGroup, JobPlan, StagePlan
-from hp_planner.meshes import job_grid
+from hp_planner.meshes import stage_of
 from hp_planner.plan_job import plan_job
 from hp_planner.price.model import PricedModel, PricingError
 
@@ -60,6 +60,7 @@ __all__ = [
     "planned_model",
     "predicted_layouts",
     "priced_ranks",
+    "rank_stage",
     "resolved_plan",
     "stage_layers",
     "tp_collectives",
@@ -285,18 +286,20 @@ def stage_layers(model: PricedModel, pp: int, stage: int) -> tuple[int, int]:
     return bounds[stage], bounds[stage + 1]
 
 
-def _stage_of(parallel: JobDims, rank: int) -> int:
-    """``rank``'s pipeline stage (:func:`hp_planner.job_grid`: ``pp`` is its outermost axis)."""
-    grid = job_grid(parallel)
-    if rank not in grid:
-        raise PricingError(f"rank {rank} is outside the world of {grid.size} ranks")
-    return grid.coordinate(rank)[0] if parallel.pp > 1 else 0
+def rank_stage(
+    model: PricedModel, parallel: JobDims, rank: int, *, param_bytes: int = 4
+) -> StagePlan:
+    """The JobPlan's stage holding ``rank`` (:func:`hp_planner.stage_of`), planned on the
+    FSDP meshes holding it.
 
-
-def _rank_stage(model: PricedModel, parallel: JobDims, rank: int, param_bytes: int) -> StagePlan:
-    """The JobPlan's stage holding ``rank``, planned on the FSDP meshes holding it."""
+    Raises:
+        PricingError: degrees the model refuses, or a rank outside the world.
+    """
     check_fits(model, parallel)
-    stage = _stage_of(parallel, rank)
+    try:
+        stage = stage_of(parallel, rank)
+    except ValueError as exc:
+        raise PricingError(str(exc)) from None
     plan = job_plan(model, parallel, param_bytes=param_bytes, ranks=frozenset({rank}))
     return plan.stages[stage]
 
@@ -309,7 +312,7 @@ def resolved_plan(model: PricedModel, parallel: JobDims, rank: int = 0) -> Paral
     Raises:
         PricingError: degrees the model refuses, or a rank outside the world.
     """
-    plan = _rank_stage(model, parallel, rank, 4).parallel
+    plan = rank_stage(model, parallel, rank).parallel
     bare = tuple(replace(p, flat=None, optimizer_group=None) for p in plan.params)
     return replace(plan, params=bare)
 
@@ -487,7 +490,7 @@ def predicted_layouts(
     Raises:
         PricingError: degrees the model refuses, or a rank outside the world.
     """
-    return _rank_stage(model, parallel, rank, param_bytes).layouts(rank)
+    return rank_stage(model, parallel, rank, param_bytes=param_bytes).layouts(rank)
 
 
 def planned_model(
@@ -500,7 +503,7 @@ def planned_model(
     Raises:
         PricingError: degrees the model refuses, or a rank outside the world.
     """
-    stage = _rank_stage(model, parallel, rank, param_bytes)
+    stage = rank_stage(model, parallel, rank, param_bytes=param_bytes)
     return stage.parallel.with_flat_slots(stage.flat_slots(rank))
 
 

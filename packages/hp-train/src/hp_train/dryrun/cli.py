@@ -44,9 +44,9 @@ from hp_planner.price import (
     format_dry_run,
     format_reproduction,
     format_search,
-    job_plan,
     planned_model,
     precision_of,
+    rank_stage,
     reproduce_paper,
     search,
     topology_preset,
@@ -322,14 +322,12 @@ def _plan_text(name: str, model: ModelConfig, parallel: ParallelConfig, rank: in
     expert-parallel plan on the rank and the context-parallel cores."""
     priced = TrainerModel(model)
     plan = planned_model(priced, parallel, rank)
-    per_stage = parallel.world_size // parallel.pp
-    index = rank // per_stage
-    stage = job_plan(priced, parallel, ranks=frozenset({rank})).stages[index]
+    stage = rank_stage(priced, parallel, rank)
     parts = [
         f"hp-dryrun plan: model {name}; dp_replicate={parallel.dp_replicate} x "
         f"dp_shard={parallel.dp_shard} x cp={parallel.cp} x tp={parallel.tp} x "
         f"pp={parallel.pp}; ep={parallel.ep}; rank {rank}"
-        + (f", pipeline stage {index}" if parallel.pp > 1 else ""),
+        + (f", pipeline stage {stage.index}" if parallel.pp > 1 else ""),
         plan.table(rank),
     ]
     parts += [

@@ -33,7 +33,7 @@ from hp_dtensor.parallel import (
 from hp_dtensor.parallel.plan import Boundary, PlanError
 from hp_fsdp import CPUOffloadPolicy, fully_shard
 from hp_layout import Mesh, Placement, Replicate, Shard
-from hp_planner import JobDims, StagePlan, job_grid, stage_meshes
+from hp_planner import JobDims, StagePlan, job_grid, stage_meshes, stage_of
 from hp_planner.meshes import CP_SHARD
 from hp_train.config.schema import ConfigError, ModelConfig, ParallelConfig, TrainConfig
 from hp_train.model.llama import TiedHead, Transformer
@@ -168,7 +168,7 @@ def build_layout(parallel: ParallelConfig, device_type: str) -> Layout3D:
         )
     rank = dist.get_rank()
     grid = job_grid(parallel)
-    planned = stage_meshes(parallel, grid.coordinate(rank)[0] if parallel.pp > 1 else 0)
+    planned = stage_meshes(parallel, stage_of(parallel, rank))
     pipeline_mesh = cp_mesh = None
     if parallel.pp > 1:
         pipeline_mesh = DeviceMesh(device_type, grid)
