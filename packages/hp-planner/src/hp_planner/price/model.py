@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from hp_planner.price.workload import StepShape
 
 __all__ = [
+    "TP_SPLITS",
     "MetaModel",
     "MoEDims",
     "MoEShape",
@@ -42,6 +43,7 @@ __all__ = [
     "PricingError",
     "TransformerDims",
     "TransformerShape",
+    "tp_split_problem",
 ]
 
 
@@ -172,15 +174,32 @@ def _no_refusals(dims: JobDims, step: StepShape) -> None:
     del dims, step
 
 
-def _tp_fits(shape: TransformerShape, dims: JobDims) -> None:
+#: The sizes a tensor-parallel degree must divide, and why.
+TP_SPLITS = (
+    ("n_heads", "tensor parallelism splits attention by whole heads"),
+    ("n_kv_heads", "tensor parallelism splits attention by whole heads"),
+    ("ffn_dim", "the dense feed-forward's hidden units are split evenly"),
+    ("vocab_size", "the embedding and the output head split the vocabulary evenly"),
+)
+
+
+def tp_split_problem(shape: TransformerShape, tp: int) -> str | None:
+    """Why ``tp`` cannot split ``shape`` (the first size of :data:`TP_SPLITS` it does not
+    divide, why it must, and that size's divisors; ``ffn_dim`` only when some block is
+    dense), or None when it splits every one."""
     moe = shape.moe
     dense = moe is None or any(not moe.is_moe_layer(i) for i in range(shape.n_layers))
-    for name in ("n_heads", "n_kv_heads", "ffn_dim", "vocab_size"):
-        if name == "ffn_dim" and not dense:
-            continue
+    for name, why in TP_SPLITS:
         value = getattr(shape, name)
-        if value % dims.tp:
-            raise PricingError(f"tp={dims.tp} must divide {name}={value}")
+        if value % tp and (name != "ffn_dim" or dense):
+            divisors = [str(d) for d in range(1, value + 1) if value % d == 0]
+            if len(divisors) > 12:
+                divisors = [*divisors[:11], "...", str(value)]
+            return (
+                f"tp={tp} must divide {name}={value} ({why}); choose tp among its divisors "
+                f"{', '.join(divisors)}"
+            )
+    return None
 
 
 @dataclass(frozen=True, eq=False)
@@ -234,7 +253,9 @@ class MetaModel:
         """``tp`` divides the heads, the KV heads, the feed-forward and the vocabulary; no
         pipelining."""
         self._one_stage(dims.pp)
-        _tp_fits(self.shape, dims)
+        problem = tp_split_problem(self.shape, dims.tp)
+        if problem is not None:
+            raise PricingError(problem)
 
     def check_accepts(self, dims: JobDims, step: StepShape) -> None:
         """``accepts(dims, step)``."""

@@ -35,6 +35,7 @@ from hp_fsdp import CPUOffloadPolicy, fully_shard
 from hp_layout import Mesh, Placement, Replicate, Shard
 from hp_planner import JobDims, StagePlan, job_grid, stage_meshes, stage_of
 from hp_planner.meshes import CP_SHARD
+from hp_planner.price.model import tp_split_problem
 from hp_train.config.schema import ConfigError, ModelConfig, ParallelConfig, TrainConfig
 from hp_train.model.llama import TiedHead, Transformer
 from hp_train.parallel.activations import apply_activation_policy
@@ -105,14 +106,6 @@ class Layout3D:
 
 
 # Why each size must split evenly ``tp`` ways (the Megatron plan of ``tp_plan``).
-_TP_SPLITS = (
-    ("n_heads", "tensor parallelism splits attention by whole heads"),
-    ("n_kv_heads", "tensor parallelism splits attention by whole heads"),
-    ("ffn_dim", "the dense feed-forward's hidden units are split evenly"),
-    ("vocab_size", "the embedding and the output head split the vocabulary evenly"),
-)
-
-
 def check_model_fits(model: ModelConfig, parallel: JobDims) -> None:
     """Raise :class:`ConfigError` when the model cannot be split ``parallel.tp`` ways or into
     ``parallel.pp`` stages (the one check of the trainer and of its pricing,
@@ -124,18 +117,9 @@ def check_model_fits(model: ModelConfig, parallel: JobDims) -> None:
             when some block is dense), there are fewer blocks than stages, or tied embeddings
             would be split over pipeline stages.
     """
-    tp = parallel.tp
-    dense = model.moe is None or any(not model.moe.is_moe_layer(i) for i in range(model.n_layers))
-    for name, why in _TP_SPLITS:
-        value = getattr(model, name)
-        if value % tp and (name != "ffn_dim" or dense):
-            divisors = [str(d) for d in range(1, value + 1) if value % d == 0]
-            if len(divisors) > 12:
-                divisors = [*divisors[:11], "...", str(value)]
-            raise ConfigError(
-                f"tp={tp} must divide {name}={value} ({why}); choose tp among its divisors "
-                f"{', '.join(divisors)}"
-            )
+    problem = tp_split_problem(model, parallel.tp)  # the planner's rule, for any model
+    if problem is not None:
+        raise ConfigError(problem)
     if model.tie_embeddings and parallel.pp > 1:
         raise ConfigError(
             f"tie_embeddings with pp={parallel.pp}: the embedding (first stage) and the output "
