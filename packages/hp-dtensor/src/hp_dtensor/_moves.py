@@ -24,6 +24,7 @@ import hp_dtensor.collectives as collectives
 from hp_dtensor._comm import AxisGroup
 from hp_dtensor.collectives import _apply
 from hp_dtensor.device_mesh import DeviceMesh
+from hp_dtensor.watchdog import watch
 from hp_layout import (
     Layout,
     RaggedShard,
@@ -91,7 +92,8 @@ class _SumInPlace(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, mesh: DeviceMesh, axis: str) -> torch.Tensor:
         group = AxisGroup.of(mesh, axis)
         ctx.group = group
-        dist.all_reduce(x, op=dist.ReduceOp.SUM, group=group.process_group)
+        with watch("all_reduce (tensor-parallel sum, in place)", group.process_group):
+            dist.all_reduce(x, op=dist.ReduceOp.SUM, group=group.process_group)
         ctx.mark_dirty(x)
         return x
 

@@ -1,22 +1,34 @@
-"""Collective timeouts that say what hung: the collective, its group, the ranks that never came.
+"""Collective failures that say what happened: the collective, its group, and the rank that
+never came (a stall) or that is gone (a crash).
 
 A collective that a rank never joins leaves the others waiting. The backend ends the wait at the
 process group's timeout (gloo raises ``Timed out waiting ...ms for recv``), but its error names
-neither the collective, nor the group, nor the absent rank. With the watchdog on
-(:func:`configure`, or ``init_device_mesh(..., timeout_s=...)``), every collective hp_dtensor
-issues runs inside :func:`watch`, and one that fails at the timeout raises
-:class:`CollectiveTimeoutError` naming all three.
+neither the collective, nor the group, nor the absent rank; and a rank that exits mid-collective
+makes the others fail at once with ``Connection closed by peer``, naming an address. With the
+watchdog on (:func:`configure`, or ``init_device_mesh(..., timeout_s=...)``), every collective
+of the stack runs inside :func:`watch` (or is counted by :func:`watch_async`), and one that fails
+raises :class:`CollectiveTimeoutError` (a stall: who did not arrive) or :class:`PeerLostError`
+(a crash: who exited), both :class:`CollectiveError`; the decision is
+:func:`hp_dtensor.collective_errors.diagnose`. The diagnosis is also logged (logger
+``hp_dtensor.watchdog``, level ERROR) before it is raised, so it reaches a log file even when
+the launcher stops the process right after.
 
-How the absent ranks are found. Each rank counts, per group, the watched collectives it has
+How the ranks are found. Each rank counts, per group, the watched collectives it has
 entered, in memory (a few hundred nanoseconds per collective: no message, no store write). A
-daemon thread publishes these counts, and the collective the rank is inside right now, to the
-job's c10d store every ``min(1 s, timeout / 5)`` when they have changed (and every third period
-regardless, as a heartbeat): at most one small store write per rank and period, whatever the
-collective rate. When a collective fails after the timeout,
-the waiting rank reads its group members' reports: a member whose count for the group is below
-the waiting rank's is one that did not arrive, and its report says where it is instead. The
-reports are at most one period old, and the waiting rank has waited a whole timeout (five
-periods at least), so a rank that arrived in time is not reported missing.
+daemon thread publishes these counts, the collective the rank is inside right now, and where it
+runs (host, pid, process start time), to the job's c10d store every ``min(1 s, timeout / 5)``
+when they have changed (and every third period regardless, as a heartbeat): at most one small
+store write per rank and period, whatever the collective rate. A rank whose collective fails
+publishes at once, saying so. Then it reads its group members' reports:
+
+* after a wait to the timeout, a member whose count for the group is below the waiting rank's
+  did not arrive, and its report says where it is instead. The reports are at most one period
+  old, and the waiting rank has waited a whole timeout (five periods at least), so a rank that
+  arrived in time is not reported missing;
+* after a lost connection, counts prove nothing (they may be a period old: hundreds of
+  collectives); a member whose process has exited (same host: ``/proc``, the pid and its start
+  time) is gone; a member on another host that does not publish again within two periods (a
+  live one does: its own collective failed too, or its heartbeat) stopped reporting.
 
 Groups hp_dtensor creates get the timeout (:func:`group_timeout`); torch gives a new group 30
 minutes by default, whatever the default group's timeout, so without it a collective over a
@@ -28,9 +40,7 @@ timeout, which this module passes on but cannot put a name to.
 from __future__ import annotations
 
 import atexit
-import json
-import re
-import threading
+import logging
 import time
 import zlib
 from collections.abc import Callable, Sequence
@@ -41,8 +51,19 @@ from typing import Any
 
 import torch.distributed as dist
 
+from hp_dtensor._peer_reports import Publisher, peer_reports
+from hp_dtensor.collective_errors import (
+    CollectiveError,
+    CollectiveTimeoutError,
+    Failure,
+    PeerLostError,
+    diagnose,
+)
+
 __all__ = [
+    "CollectiveError",
     "CollectiveTimeoutError",
+    "PeerLostError",
     "configure",
     "enabled",
     "group_timeout",
@@ -52,6 +73,7 @@ __all__ = [
     "timeout_s",
     "watch",
     "watch_async",
+    "watch_p2p",
 ]
 
 EntryHook = Callable[[str, str, int], None]
@@ -59,82 +81,9 @@ EntryHook = Callable[[str, str, int], None]
 watched collective (1-based, all groups together; :func:`watch` only, not
 :func:`watch_async`); for fault injection in tests."""
 
-# Where each rank's report lives in the job's default store.
-_REPORT_KEY = "hp_dtensor/watchdog/{rank}"
-# A backend error that means the wait ended: a timeout, or a peer that left the collective.
-_TIMED_OUT = re.compile(r"timed? ?out", re.IGNORECASE)
-_PEER_GONE = ("connection closed", "connection reset", "broken pipe")
-# A rank whose report did not change publishes it again after this many periods.
-_HEARTBEAT = 3
-
-
-class CollectiveTimeoutError(RuntimeError):
-    """A collective did not complete within the timeout.
-
-    Attributes:
-        collective: what was issued (``"all_reduce"``, ``"all_gather"``, ...).
-        group: the group, as in the message (``"'tp' (ranks [0, 1])"``).
-        ranks: the group's global ranks.
-        missing: the ranks of the group that did not enter the collective (empty when every
-            rank did: then they entered different collectives, or one failed inside it).
-        timeout_s: the configured timeout.
-        elapsed_s: how long this rank waited.
-    """
-
-    def __init__(
-        self,
-        message: str,
-        *,
-        collective: str,
-        group: str,
-        ranks: Sequence[int],
-        missing: Sequence[int],
-        timeout_s: float,
-        elapsed_s: float,
-    ) -> None:
-        super().__init__(message)
-        self.collective = collective
-        self.group = group
-        self.ranks = tuple(ranks)
-        self.missing = tuple(missing)
-        self.timeout_s = timeout_s
-        self.elapsed_s = elapsed_s
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        # Keyword-only attributes: rebuild through a helper so the error pickles (rank pools
-        # and multiprocessing send exceptions between processes).
-        return (
-            _rebuild,
-            (
-                str(self),
-                self.collective,
-                self.group,
-                self.ranks,
-                self.missing,
-                self.timeout_s,
-                self.elapsed_s,
-            ),
-        )
-
-
-def _rebuild(
-    message: str,
-    collective: str,
-    group: str,
-    ranks: tuple[int, ...],
-    missing: tuple[int, ...],
-    timeout_s: float,
-    elapsed_s: float,
-) -> CollectiveTimeoutError:
-    return CollectiveTimeoutError(
-        message,
-        collective=collective,
-        group=group,
-        ranks=ranks,
-        missing=missing,
-        timeout_s=timeout_s,
-        elapsed_s=elapsed_s,
-    )
+_LOG = logging.getLogger(__name__)
+# A library's logger: silent unless the application configures logging (hp-train does).
+_LOG.addHandler(logging.NullHandler())
 
 
 @dataclass(eq=False)
@@ -146,8 +95,12 @@ class _Group:
     is_world: bool
     count: int = 0
     last: str = ""
+    # A point-to-point channel's label (see watch_p2p); None for a process group.
+    title: str | None = None
 
     def label(self) -> str:
+        if self.title is not None:
+            return self.title
         names = _NAMES.get(self.ranks, [])
         axes = "/".join(names)
         if self.is_world:
@@ -163,12 +116,15 @@ class _State:
     hook: EntryHook | None = None
     world: Any = None
     rank: int = -1
+    # By process group, and by ("p2p", src, dst) for point-to-point channels.
     groups: dict[Any, _Group] = field(default_factory=dict)
     # (group, its count, collective) of the watched collective this rank is inside, if any.
     current: tuple[_Group, int, str] | None = None
     entered: int = 0
     version: int = 0
-    publisher: _Publisher | None = None
+    publisher: Publisher | None = None
+    # This rank's failed collective, once one failed (published for the peers' diagnosis).
+    failed: str | None = None
 
 
 _STATE = _State()
@@ -203,6 +159,7 @@ def configure(timeout_s: float | None) -> None:
     _STATE.groups.clear()
     _STATE.current = None
     _STATE.entered = 0
+    _STATE.failed = None
 
 
 def enabled() -> bool:
@@ -353,9 +310,9 @@ class _WatchedWork:
         self.count = count
         self.started = time.monotonic()
 
-    def wait(self) -> Any:
+    def wait(self, *args: Any, **kwargs: Any) -> Any:
         try:
-            return self.work.wait()
+            return self.work.wait(*args, **kwargs)
         except RuntimeError as exc:
             _raise_diagnosed(self.name, self.info, self.count, self.started, exc)
             raise
@@ -375,6 +332,26 @@ def watch_async(collective: str, group: dist.ProcessGroup | None, work: Any) -> 
     info = _group_info(group)
     # Not numbered for the entry hook: the rank has issued it already.
     return _WatchedWork(work, collective, info, _count(info, collective))
+
+
+def watch_p2p(transfer: str, src: int, dst: int, work: Any) -> Any:
+    """Count ``work``, a point-to-point ``transfer`` from global rank ``src`` to ``dst`` that
+    this rank (one of the two) has just posted; returns what to wait on instead, as
+    :func:`watch_async` does.
+
+    A send and its receive are counted on a channel of their own, ``src -> dst``, so that the
+    counts of the two ranks match message for message (a process group's count would not:
+    the other ranks of the group take no part); a receive that fails at the timeout names the
+    sender when the sender's count on the channel is behind."""
+    if _STATE.timeout_s is None or work is None:
+        return work
+    key = ("p2p", src, dst)
+    info = _STATE.groups.get(key)
+    if info is None:
+        _group_info(None)  # the default group's ranks and the publisher, on first use
+        info = _Group((src, dst), f"p{src}-{dst}", is_world=False, title=f"'p2p {src}->{dst}'")
+        _STATE.groups[key] = info
+    return _WatchedWork(work, transfer, info, _count(info, transfer))
 
 
 def _group_info(group: dist.ProcessGroup | None) -> _Group:
@@ -398,7 +375,7 @@ def _raise_diagnosed(
     """Raise :class:`CollectiveTimeoutError` for ``exc``, from this rank's ``count``-th
     collective over ``info`` (entered at ``started``), when it means a wait that ended;
     return (the caller lets ``exc`` through) otherwise."""
-    if isinstance(exc, CollectiveTimeoutError):
+    if isinstance(exc, CollectiveError):
         return
     error = _diagnose(name, info, count, time.monotonic() - started, exc)
     if error is not None:
@@ -415,6 +392,7 @@ def _register(group: Any) -> _Group:
         state.groups.clear()
         state.current = None
         state.entered = 0
+        state.failed = None
         state.world = world
         state.rank = dist.get_rank()
     ranks = tuple(dist.get_process_group_ranks(group))
@@ -422,7 +400,9 @@ def _register(group: Any) -> _Group:
     info = _Group(ranks, key, is_world=group is world)
     state.groups[group] = info
     if state.publisher is None and dist.get_world_size() > 1 and state.timeout_s is not None:
-        state.publisher = _Publisher(state.rank, _period(state.timeout_s))
+        state.publisher = Publisher(
+            state.rank, _period(state.timeout_s), _snapshot, lambda: _STATE.version
+        )
         if not _ATEXIT:
             _ATEXIT.append(True)
             atexit.register(stop)
@@ -433,8 +413,8 @@ def _period(timeout: float) -> float:
     return min(1.0, max(0.05, timeout / 5))
 
 
-def _report() -> dict[str, Any]:
-    """This rank's counts per group and the collective it is inside."""
+def _snapshot() -> dict[str, Any]:
+    """This rank's counts per group, the collective it is inside, its failure if any."""
     state = _STATE
     groups = {g.key: [g.count, g.last] for g in list(state.groups.values())}
     current = state.current
@@ -442,135 +422,43 @@ def _report() -> dict[str, Any]:
     if current is not None:
         info, count, name = current
         now = [info.key, info.label(), count, name]
-    return {"t": time.time(), "groups": groups, "now": now}
-
-
-class _Publisher:
-    """Writes this rank's report to the default store whenever it changed, once a period."""
-
-    def __init__(self, rank: int, period: float) -> None:
-        self.store = dist.distributed_c10d._get_default_store()
-        self.key = _REPORT_KEY.format(rank=rank)
-        self.period = period
-        self.done = threading.Event()
-        self.thread = threading.Thread(target=self._run, name="hp-dtensor-watchdog", daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        published, quiet = -1, 0
-        while True:
-            version = _STATE.version
-            # On a change, and every few periods anyway: the report's time tells the waiting
-            # ranks whether this thread still runs.
-            if version != published or quiet >= _HEARTBEAT:
-                try:
-                    self.store.set(self.key, json.dumps(_report()))
-                except Exception:  # the store is gone (the job is ending): stop publishing
-                    return
-                published, quiet = version, 0
-            else:
-                quiet += 1
-            if self.done.wait(self.period):
-                return
-
-    def stop(self) -> None:
-        self.done.set()
-        if self.thread is not threading.current_thread():
-            self.thread.join(timeout=5.0)
-
-
-def _read_reports(ranks: Sequence[int]) -> dict[int, dict[str, Any]]:
-    """The reports of ``ranks`` found in the store (a rank that never published has none)."""
-    try:
-        store = dist.distributed_c10d._get_default_store()
-    except (RuntimeError, ValueError):
-        return {}
-    found: dict[int, dict[str, Any]] = {}
-    for rank in ranks:
-        key = _REPORT_KEY.format(rank=rank)
-        try:
-            if store.check([key]):
-                found[rank] = json.loads(store.get(key))
-        except (RuntimeError, ValueError):
-            continue
-    return found
-
-
-def _where(report: dict[str, Any], period: float) -> str:
-    now = report.get("now")
-    where = (
-        f"now inside {now[3]} (its collective #{now[2]} over group {now[1]})"
-        if now
-        else "now outside any watched collective"
-    )
-    age = time.time() - float(report.get("t", 0.0))
-    if age > (_HEARTBEAT + 2) * period + 0.5:
-        where += f"; its last report is {age:.1f} s old (dead, or stuck holding the GIL?)"
-    return where
+    return {"groups": groups, "now": now, "failed": state.failed}
 
 
 def _diagnose(
     name: str, info: _Group, count: int, elapsed: float, exc: RuntimeError
-) -> CollectiveTimeoutError | None:
+) -> CollectiveError | None:
     """The error to raise for ``exc`` from this rank's ``count``-th collective over ``info``,
     or None to let ``exc`` through."""
     timeout = _STATE.timeout_s
     if timeout is None:
         return None
-    text = str(exc)
-    timed_out = elapsed >= 0.9 * timeout or _TIMED_OUT.search(text) is not None
-    peer_gone = any(marker in text.lower() for marker in _PEER_GONE)
-    if not (timed_out or peer_gone):
-        return None
-    period = _period(timeout)
-    me = _STATE.rank
-    reports = _read_reports([r for r in info.ranks if r != me])
-    missing: list[int] = []
-    notes: list[str] = []
-    for rank in info.ranks:
-        if rank == me:
-            continue
-        report = reports.get(rank)
-        if report is None:
-            missing.append(rank)
-            notes.append(f"rank {rank}: no report (it entered no watched collective yet)")
-            continue
-        seen, last = report.get("groups", {}).get(info.key, [0, ""])
-        if int(seen) >= count:
-            if report.get("now") and report["now"][0] == info.key and report["now"][3] != name:
-                notes.append(f"rank {rank}: entered {report['now'][3]} as #{seen}")
-            continue
-        missing.append(rank)
-        before = f"#{seen} {last}" if seen else "none"
-        notes.append(
-            f"rank {rank}: its last collective over this group was {before}; "
-            f"{_where(report, period)}"
-        )
-    if not missing and not timed_out:
-        return None
-    group = info.label()
-    first_line = (text.strip().splitlines() or [""])[0]
-    if missing:
-        who = f"rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))}"
-        verdict = f"{who} of the group did not arrive"
-    else:
-        verdict = (
-            "every rank of the group entered its collective #"
-            f"{count} there: they issued different collectives, or one failed inside it"
-        )
-    message = (
-        f"{name} over group {group} did not complete within the {timeout:g} s timeout "
-        f"(rank {me}, its collective #{count} over this group, failed after {elapsed:.1f} s): "
-        f"{verdict}"
-        + "".join(f"\n  {note}" for note in notes)
-        + f"\n  backend error: {type(exc).__name__}: {first_line[:300]}"
-    )
-    return CollectiveTimeoutError(
-        message,
+    failure = Failure(
         collective=name,
-        group=group,
+        group=info.label(),
+        group_key=info.key,
         ranks=info.ranks,
-        missing=missing,
-        timeout_s=timeout,
+        rank=_STATE.rank,
+        count=count,
         elapsed_s=elapsed,
+        timeout_s=timeout,
+        error=f"{type(exc).__name__}: {exc}",
     )
+    if not (failure.timed_out or failure.peer_lost):
+        return None
+    # Say so at once: a peer diagnosing its own failure sees this rank alive and why it fails.
+    _STATE.failed = f"{name} over group {failure.group} (#{count} there): {failure.error[:200]}"
+    publisher = _STATE.publisher
+    if publisher is not None:
+        publisher.publish_now()
+    peers = [r for r in info.ranks if r != failure.rank]
+    reports = peer_reports(
+        peers,
+        info.key,
+        _period(timeout),
+        wait_for_news=failure.peer_lost and not failure.timed_out,
+    )
+    error = diagnose(failure, reports)
+    if error is not None:
+        _LOG.error("rank %d: %s", failure.rank, error)
+    return error

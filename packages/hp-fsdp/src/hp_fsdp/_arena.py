@@ -190,7 +190,7 @@ class GradArena:
         ):
             for target in targets:
                 assert target is not None
-                dist.all_reduce(target, group=self.replicate_group)
+                dist.all_reduce(target, group=self.replicate_group)  # watched: coalesced below
         bucket.work = watch_async("all_reduce (HSDP gradients)", self.replicate_group, fused)
         self.slow_collectives += 1
 

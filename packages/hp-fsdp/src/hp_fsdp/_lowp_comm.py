@@ -35,6 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hp_dtensor.watchdog import watch_async
 from hp_fsdp._purpose import collective_purpose
 from hp_fsdp.policy import FLOAT8_WIRE_DTYPES
 
@@ -178,7 +179,7 @@ def all_gather_records(
     out = torch.empty(world, record.numel(), dtype=torch.uint8, device=record.device)
     with collective_purpose(purpose):
         work = dist.all_gather_single(out.view(-1), record, group=group, async_op=True)
-    return out, work
+    return out, watch_async(f"all_gather (FSDP low-precision records, {purpose})", group, work)
 
 
 def reduce_scatter_lowp(
@@ -196,6 +197,7 @@ def reduce_scatter_lowp(
     recv = torch.empty_like(send)
     with collective_purpose(purpose):
         work = dist.all_to_all_single(recv.view(-1), send.view(-1), group=group, async_op=True)
+    work = watch_async(f"all_to_all (FSDP low-precision reduce-scatter, {purpose})", group, work)
     return Deferred(work, lambda: sum_decoded(codec, recv, output), send, recv)
 
 

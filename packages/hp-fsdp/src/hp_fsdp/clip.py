@@ -25,6 +25,7 @@ from torch import nn
 
 from hp_dtensor import DeviceMesh, DTensor, layout_of, redistribute_local
 from hp_dtensor.interop import is_torch_dtensor
+from hp_dtensor.watchdog import watch
 from hp_fsdp.state_dict import fsdp_params
 from hp_layout import Layout, Mesh, Partial, Replicate
 
@@ -136,7 +137,8 @@ def _norm_of(grads: list[_Grad], norm_type: float) -> torch.Tensor:
         if mesh.size > 1:
             group = DeviceMesh.lookup(device.type, mesh).get_mesh_group()
             op = dist.ReduceOp.MAX if infinite else dist.ReduceOp.SUM
-            dist.all_reduce(value, op=op, group=group)
+            with watch("all_reduce (gradient norm for clipping)", group):
+                dist.all_reduce(value, op=op, group=group)
         total = torch.maximum(total, value) if infinite else total + value
     return total if infinite else total.pow(1.0 / norm_type)
 

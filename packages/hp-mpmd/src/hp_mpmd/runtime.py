@@ -42,6 +42,7 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 
+from hp_dtensor.watchdog import watch_async, watch_p2p
 from hp_mpmd.actions import COMM_KINDS, Action, ActionKind, SchedulePlan
 from hp_mpmd.stage import PipelineStage, StageError, StagePlacement
 
@@ -296,16 +297,34 @@ class PipelineSchedule:
         ``eager_sends``: then they are waited at the end of the step, their tensors kept)."""
         if not ops:
             return
-        works = dist.batch_isend_irecv(ops)
+        works = dist.batch_isend_irecv(ops)  # watched: each op's work, by watch_p2p below
         if len(works) != len(ops):  # a coalesced batch (NCCL): one work for all
             for work in works:
                 work.wait(self.timeout)
             return
+        me = dist.get_rank()
+        for i, (op, work) in enumerate(zip(ops, works, strict=True)):
+            send = op.op is dist.isend
+            src, dst = (me, op.peer) if send else (op.peer, me)
+            work = watch_p2p(self._describe(op.tag, send), src, dst, work)
+            works[i] = work
         for op, work in zip(ops, works, strict=True):
             if eager_sends and op.op is dist.isend:
                 self._pending_sends.append((work, op.tensor))
             else:
                 work.wait(self.timeout)
+
+    def _describe(self, tag: int, send: bool) -> str:
+        """What a transfer with ``tag`` (see :meth:`_tag`, :meth:`_meta_tag`) carries."""
+        verb = "send" if send else "recv"
+        base = 2 * self.plan.num_stages * self.plan.num_microbatches
+        if tag >= base:
+            stage, reverse = divmod(tag - base, 2)
+            return f"pipeline {verb} (shapes of stage {stage}{' backward' if reverse else ''})"
+        slot, grad = divmod(tag, 2)
+        stage, microbatch = divmod(slot, self.plan.num_microbatches)
+        what = "gradient to stage" if grad else "activation of stage"
+        return f"pipeline {verb} ({what} {stage}, microbatch {microbatch})"
 
     def _wait_sends(self) -> None:
         pending: list[tuple[dist.Work, torch.Tensor]] = self._pending_sends
@@ -684,7 +703,7 @@ def all_reduce_gradients(
         flat = torch.cat([g.reshape(-1) for g in grads])
         work = dist.all_reduce(flat, group=group, async_op=True)
         assert work is not None
-        work.wait(timeout)
+        watch_async("all_reduce (pipeline replicas' gradients)", group, work).wait(timeout)
         if average:
             flat /= size
         offset = 0

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hp_dtensor.device_mesh import ensure_groups, process_group
+from hp_dtensor.watchdog import watch_async
 
 __all__ = ["TiedParameter"]
 
@@ -71,8 +72,7 @@ class TiedParameter:
         if self.param.grad is None:
             self.param.grad = torch.zeros_like(self.param)
         work = dist.all_reduce(self.param.grad, group=self.group, async_op=True)
-        assert work is not None
-        work.wait(self.timeout)
+        watch_async("all_reduce (tied parameter's gradient)", self.group, work).wait(self.timeout)
 
     @torch.no_grad()
     def sync_values(self) -> None:
@@ -80,8 +80,7 @@ class TiedParameter:
         if self.group is None or self.param is None:
             return
         work = dist.broadcast(self.param.data, src=self.owners[0], group=self.group, async_op=True)
-        assert work is not None
-        work.wait(self.timeout)
+        watch_async("broadcast (tied parameter's value)", self.group, work).wait(self.timeout)
 
     @torch.no_grad()
     def max_drift(self) -> float:
@@ -91,10 +90,8 @@ class TiedParameter:
             return 0.0
         first = self.param.detach().clone()
         work = dist.broadcast(first, src=self.owners[0], group=self.group, async_op=True)
-        assert work is not None
-        work.wait(self.timeout)
+        watch_async("broadcast (tied parameter drift check)", self.group, work).wait(self.timeout)
         drift = (self.param - first).abs().max().reshape(1)
         work = dist.all_reduce(drift, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
-        assert work is not None
-        work.wait(self.timeout)
+        watch_async("all_reduce (tied parameter drift check)", self.group, work).wait(self.timeout)
         return float(drift)

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from hp_dtensor.watchdog import watch_async
 from hp_muon.plan import BucketProgram, MatrixJob, MuonPlan, Piece, RankProgram
 
 __all__ = ["ExchangeStats", "Orthogonalizer", "piece_view", "run_program"]
@@ -77,7 +78,7 @@ class _Pending:
         self.send = send  # kept alive until the transfer completes
         self.work: dist.Work | None = None
         if exchange:
-            self.work = dist.all_to_all_single(
+            work = dist.all_to_all_single(
                 self.recv,
                 send,
                 list(splits[1]),
@@ -85,6 +86,7 @@ class _Pending:
                 group=group,
                 async_op=True,
             )
+            self.work = watch_async("all_to_all (Muon exchange)", group, work)
 
     def wait(self) -> torch.Tensor:
         if self.work is not None:

@@ -15,6 +15,10 @@ logger) for one run:
   stderr. A warning shown to an explicit file (``warnings.showwarning(..., file=f)``) still
   goes there.
 
+The libraries' own loggers in :data:`LIBRARY_LOGGERS` (the collective watchdog's diagnosis of
+a stalled or lost rank, logged before it is raised, so that it reaches the file even when the
+launcher stops the process at once) write into the same file, at WARNING and above.
+
 The ``hp_train`` logger stops propagating to the root logger meanwhile, so an application
 that configured root logging does not print each message twice. :func:`close_logging` undoes
 all of it; :func:`setup_logging` calls it first, so a second run in one process (as the tests
@@ -34,6 +38,7 @@ from typing import Protocol, TextIO
 from tqdm import tqdm  # type: ignore[import-untyped]
 
 __all__ = [
+    "LIBRARY_LOGGERS",
     "LOGGER_NAME",
     "LOG_DIR",
     "WARNINGS_LOGGER_NAME",
@@ -47,6 +52,8 @@ __all__ = [
 LOGGER_NAME = "hp_train"
 #: Where warnings of the :mod:`warnings` module are logged while logging is set up.
 WARNINGS_LOGGER_NAME = "hp_train.warnings"
+#: Loggers of the libraries whose warnings and errors go into the rank's log file too.
+LIBRARY_LOGGERS = ("hp_dtensor",)
 #: The folder of the per-rank log files, inside the run's output directory.
 LOG_DIR = "logs"
 
@@ -94,6 +101,9 @@ class _Installed:
     """What :func:`setup_logging` changed, for :func:`close_logging` to undo."""
 
     handlers: list[logging.Handler]
+    # The library loggers' file handler and their levels before.
+    library_handler: logging.Handler
+    library_levels: list[int]
     level: int
     propagate: bool
     previous_showwarning: _ShowWarning
@@ -116,8 +126,9 @@ def setup_logging(
     (appending to :func:`log_file`, created with its folder if missing), plus on rank 0 one
     console handler on the ``sys.stderr`` of this moment at ``level`` (``quiet``: at least
     WARNING); it does not propagate to the root logger; warnings of the :mod:`warnings`
-    module are logged as described in the module docstring. Any earlier call's handlers were
-    removed and closed first.
+    module are logged as described in the module docstring; the loggers of
+    :data:`LIBRARY_LOGGERS` have the same file handler and a level of WARNING or lower. Any
+    earlier call's handlers were removed and closed first.
 
     Raises:
         ValueError: ``rank`` not a non-negative int, or ``level`` not an int logging level.
@@ -140,8 +151,11 @@ def setup_logging(
         console.setFormatter(_ConsoleFormatter("%(message)s"))
         handlers.append(console)
     logger = logging.getLogger(LOGGER_NAME)
+    libraries = [logging.getLogger(name) for name in LIBRARY_LOGGERS]
     _installed = _Installed(
         handlers=handlers,
+        library_handler=to_file,
+        library_levels=[library.level for library in libraries],
         level=logger.level,
         propagate=logger.propagate,
         previous_showwarning=warnings.showwarning,
@@ -150,6 +164,10 @@ def setup_logging(
     logger.propagate = False
     for handler in handlers:
         logger.addHandler(handler)
+    for library in libraries:
+        library.addHandler(to_file)
+        if library.getEffectiveLevel() > logging.WARNING:
+            library.setLevel(logging.WARNING)
     warnings.showwarning = _log_warning
     return logger
 
@@ -171,6 +189,10 @@ def close_logging() -> None:
         handler.close()
     logger.setLevel(installed.level)
     logger.propagate = installed.propagate
+    for name, level in zip(LIBRARY_LOGGERS, installed.library_levels, strict=True):
+        library = logging.getLogger(name)
+        library.removeHandler(installed.library_handler)
+        library.setLevel(level)
     if warnings.showwarning is _log_warning:
         warnings.showwarning = installed.previous_showwarning
 

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hp_dtensor import DTensor
+from hp_dtensor.watchdog import watch
 from hp_fsdp import total_grad_norm
 
 __all__ = [
@@ -104,7 +105,8 @@ def clip_grads_to_norm_(parameters: Iterable[torch.Tensor], norm: float, max_nor
 def rank_losses(local_loss: float) -> list[float]:
     """Every rank's local loss, in rank order (collective)."""
     gathered: list[object] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, local_loss)
+    with watch("all_gather_object (per-rank losses)"):
+        dist.all_gather_object(gathered, local_loss)
     return [float(v) for v in gathered]  # type: ignore[arg-type]
 
 

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hp_dtensor import DTensor
+from hp_dtensor.watchdog import watch
 
 __all__ = [
     "Located",
@@ -136,7 +137,8 @@ def first_nonfinite(
     local = _first_local(model, stage, optimizer)
     gathered: list[object] = [None] * (dist.get_world_size() if dist.is_initialized() else 1)
     if dist.is_initialized():
-        dist.all_gather_object(gathered, local)
+        with watch("all_gather_object (first non-finite tensor)"):
+            dist.all_gather_object(gathered, local)
     else:
         gathered[0] = local
     firsts: list[Located | None] = []

@@ -15,6 +15,7 @@ from torch import nn
 from hp_dtensor import DeviceMesh
 from hp_dtensor.parallel import Mode, ParallelStyle, ShardingPlan
 from hp_dtensor.parallel import parallelize_module as hp_parallelize_module
+from hp_dtensor.watchdog import watch
 from hyper_parallel.errors import not_offered
 from hyper_parallel.migration import adapts
 
@@ -37,7 +38,8 @@ def _broadcast_from(module: nn.Module, mesh: DeviceMesh, src_data_rank: int) -> 
     with torch.no_grad():
         for tensor in [*module.parameters(), *module.buffers()]:
             if not tensor.is_meta:
-                dist.broadcast(tensor.data, src=ranks[src_data_rank], group=group)
+                with watch("broadcast (parallelize_module src_data_rank)", group):
+                    dist.broadcast(tensor.data, src=ranks[src_data_rank], group=group)
 
 
 @adapts(
