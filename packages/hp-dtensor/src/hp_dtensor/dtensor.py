@@ -19,16 +19,29 @@ keeps the dual convention (a rank's use of its local tensor is its own contribut
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, cast
 
 import torch
+import torch.distributed as dist
 
+from hp_dtensor._comm import counted_by_comm_debug_mode
 from hp_dtensor._routing import route
 from hp_dtensor.device_mesh import DeviceMesh
 from hp_dtensor.gradients import grad_layout
 from hp_dtensor.redistribute import redistribute_local
-from hp_layout import Layout, Partial, Placement, ReduceOp, Replicate, Shard, Topology
+from hp_dtensor.watchdog import watch
+from hp_layout import (
+    Layout,
+    Mesh,
+    Partial,
+    Placement,
+    RaggedShard,
+    ReduceOp,
+    Replicate,
+    Shard,
+    Topology,
+)
 
 __all__ = ["DTensor", "as_one_value", "distribute_tensor"]
 
@@ -150,14 +163,62 @@ class DTensor(torch.Tensor):
         *,
         shape: Sequence[int] | None = None,
         shard_order: Sequence[str] | None = None,
+        run_check: bool = True,
     ) -> DTensor:
         """Wrap each rank's ``local_tensor`` as the shards of one DTensor.
 
         ``shape`` is the global shape; without it, the global extent of each sharded dim is
-        found with one small all-gather of the local extents (uneven shards work).
+        the sum of the local extents along the axes sharding it (uneven shards work).
         ``local_tensor`` itself becomes the local tensor, so gradients of the result land in
         ``local_tensor.grad`` (in the dual layout, see :func:`hp_dtensor.grad_layout`).
+
+        ``run_check`` (default True) makes sure the ranks of ``device_mesh`` describe one
+        tensor, at the cost of one all-gather over the mesh of a fixed-size int64 row per rank
+        (rank, ndim, dtype, ``requires_grad``, local shape, ``shape``): the same ndim, dtype and
+        ``requires_grad`` everywhere, the same ``shape`` if given, the same extent on every
+        dim that no mesh axis shards (so replicas agree on their shape), local extents that
+        add up to one global extent on each sharded dim, and every rank's local shape the one
+        the layout gives it. Every rank reads the same gathered rows, so when they disagree
+        every rank raises the same ``ValueError``, naming the ranks and what differs, instead
+        of building DTensors that later hang or abort a collective. The row is the same size
+        whatever the ranks pass, so the gather itself always completes; it holds up to
+        16 dims (a tensor with more is refused with ``run_check=True``: pass ``shape`` and
+        ``run_check=False``). Only shapes and types are compared, never values: replicas
+        holding different data are not detected.
+
+        The check is a collective: every rank of the mesh must call ``from_local`` (SPMD code
+        does). Code that wraps a tensor on some ranks only must pass ``run_check=False`` (and
+        ``shape`` when a mesh axis shards), or the ranks that call wait for the others.
+
+        ``run_check=False`` skips the check. With ``shape`` given it then issues no
+        collective (use it where the layout holds by construction); without ``shape``, the
+        global shape is still found as before, by one all-gather of a single extent per
+        sharding axis (a fixed size, so it completes too), and only this rank's local shape is
+        checked against it: ranks that disagree get DTensors that do not fit together.
+
+        The gather runs over the group of all the mesh's ranks (created collectively on
+        first use, like an axis group); a mesh bound to a torch mesh of several axes over
+        part of the job has none, and there it is one all-gather per mesh axis.
+
+        Unlike ``torch.distributed.tensor.DTensor.from_local``: torch's ``run_check``
+        defaults to False; it compares dtype and ``requires_grad`` (and shape and stride when
+        ``shape`` is not given, so uneven shards fail it) with an ``all_gather_object`` over
+        the whole job and raises one message for any difference; and it also broadcasts the
+        data of every ``Replicate`` axis from coordinate 0 into the local tensor. Ours moves no
+        data: the local tensor is never overwritten.
+
+        Raises:
+            ValueError: (``run_check=True``) the ranks disagree, on every rank; this rank's
+                local tensor does not fit the layout.
         """
+        if any(isinstance(p, RaggedShard) for p in placements) and shape is None:
+            raise ValueError(
+                f"DTensor.from_local with placements {list(placements)} needs shape=: a "
+                "RaggedShard local tensor is 1-d, so the global shape cannot be inferred from it"
+            )
+        if run_check:
+            layout = _checked_layout(local_tensor, device_mesh, placements, shape, shard_order)
+            return cls(local_tensor, layout, device_mesh)
         if shape is None:
             shape = _infer_global_shape(local_tensor, device_mesh, placements, shard_order)
         layout = Layout(shape, device_mesh.mesh, placements, shard_order)
@@ -265,12 +326,236 @@ def _redistributed(x: DTensor, dst: Layout, topology: Topology | None) -> DTenso
     return DTensor(local, dst, x._device_mesh)
 
 
+# from_local's check ---------------------------------------------------------------------------
+
+# The rows from_local gathers have a fixed length, which depends on nothing a rank could get
+# wrong (not on its tensor's ndim), so the all-gather completes whatever the ranks pass.
+_CHECK_MAX_NDIM = 16
+_ROW_HEAD = 5  # rank, ndim, dtype code, requires_grad, len(shape) (-1: no shape given)
+# Every dtype torch names, in an order all ranks of a job (one torch build) agree on.
+_DTYPES: tuple[torch.dtype, ...] = tuple(
+    sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)}, key=str)
+)
+_DTYPE_CODES = {d: i for i, d in enumerate(_DTYPES)}
+
+
+def _padded(extents: Sequence[int]) -> list[int]:
+    head = [int(n) for n in extents[:_CHECK_MAX_NDIM]]
+    return head + [-1] * (_CHECK_MAX_NDIM - len(head))
+
+
+def _gather_rows(row: list[int], mesh: DeviceMesh) -> list[list[int]]:
+    """Every mesh rank's ``row`` (the same length on every rank), in no particular order.
+
+    One all-gather over the group of the mesh's ranks; a bound mesh without such a group
+    (:meth:`DeviceMesh.get_mesh_group`) gathers along each axis in turn, each step carrying
+    the rows of a sub-grid of the same size on every rank.
+    """
+    if mesh.size() == 1:
+        return [row]
+    try:
+        groups = [mesh.get_mesh_group()]
+    except NotImplementedError:
+        groups = [mesh.get_group(axis) for axis in reversed(range(mesh.ndim))]
+    block = torch.tensor([row], dtype=torch.int64, device=mesh.device)
+    for group in groups:
+        size = dist.get_world_size(group)
+        if size == 1:
+            continue
+        if counted_by_comm_debug_mode():
+            gathered = torch.ops._c10d_functional.all_gather_into_tensor(
+                block, size, str(group.group_name)
+            )
+            block = torch.ops._c10d_functional.wait_tensor(gathered)
+        else:
+            out = block.new_empty((size * block.shape[0], block.shape[1]))
+            with watch("from_local check", group):
+                dist.all_gather_single(out, block, group=group)
+            block = out
+    rows: list[list[int]] = block.tolist()
+    return rows
+
+
+def _ranks_text(ranks: Sequence[int]) -> str:
+    """``rank 3`` / ``ranks 0-3, 6``."""
+    ordered = sorted(ranks)
+    runs: list[str] = []
+    start = prev = ordered[0]
+    for r in [*ordered[1:], None]:
+        if r is not None and r == prev + 1:
+            prev = r
+            continue
+        runs.append(str(start) if start == prev else f"{start}-{prev}")
+        if r is not None:
+            start = prev = r
+    return ("rank " if len(ordered) == 1 else "ranks ") + ", ".join(runs)
+
+
+def _who_has(values: dict[int, Any], show: Callable[[Any], str] = str) -> str:
+    """``rank 0 has 8, ranks 1-3 have 6``: the ranks grouped by value, in rank order."""
+    groups: dict[Any, list[int]] = {}
+    for rank in sorted(values):
+        groups.setdefault(values[rank], []).append(rank)
+    parts = [
+        f"{_ranks_text(ranks)} {'has' if len(ranks) == 1 else 'have'} {show(value)}"
+        for value, ranks in groups.items()
+    ]
+    shown = 8
+    more = f", and {len(parts) - shown} more values" if len(parts) > shown else ""
+    return ", ".join(parts[:shown]) + more
+
+
+def _refuse(message: str) -> ValueError:
+    return ValueError(f"DTensor.from_local: {message}")
+
+
+def _shard_dims(placements: Sequence[Placement], ndim: int) -> dict[int, list[int]]:
+    """Tensor dim -> the mesh axes (indices) that shard it, for Shard placements in range
+    (one out of range is left for ``Layout`` to refuse)."""
+    dims: dict[int, list[int]] = {}
+    for axis, p in enumerate(placements):
+        if isinstance(p, Shard) and -ndim <= p.dim < ndim:
+            dims.setdefault(p.dim % ndim, []).append(axis)
+    return dims
+
+
+def _checked_layout(
+    local: torch.Tensor,
+    device_mesh: DeviceMesh,
+    placements: Sequence[Placement],
+    shape: Sequence[int] | None,
+    shard_order: Sequence[str] | None,
+) -> Layout:
+    """The layout of ``from_local(..., run_check=True)``, from one all-gather of every rank's
+    metadata; every rank reaches the same verdict from the same rows."""
+    given = None if shape is None else tuple(int(n) for n in shape)
+    row = [
+        device_mesh.get_rank(),
+        local.dim(),
+        _DTYPE_CODES[local.dtype],
+        int(local.requires_grad),
+        -1 if given is None else len(given),
+        *_padded(local.shape),
+        *_padded(given or ()),
+    ]
+    rows = {r[0]: r for r in _gather_rows(row, device_mesh)}
+    _check_header(rows)
+    ndim = local.dim()
+    locals_ = {rank: tuple(r[_ROW_HEAD : _ROW_HEAD + ndim]) for rank, r in rows.items()}
+    mesh = device_mesh.mesh
+    # A RaggedShard local tensor is 1-d (the flattened block): its dims are not the global
+    # ones, so only the comparison with the layout below applies.
+    ragged = any(isinstance(p, RaggedShard) for p in placements)
+    sharded = {} if ragged else _shard_dims(placements, ndim)
+    for dim in range(0 if ragged else ndim):
+        extents = {rank: s[dim] for rank, s in locals_.items()}
+        if dim not in sharded and len(set(extents.values())) > 1:
+            raise _refuse(
+                f"the ranks disagree on dim {dim}, which no mesh axis shards: {_who_has(extents)}"
+            )
+    if given is None:
+        inferred = list(locals_[device_mesh.get_rank()])
+        for dim, axes in sharded.items():
+            inferred[dim] = _agreed_total(dim, {r: s[dim] for r, s in locals_.items()}, mesh, axes)
+        given = tuple(inferred)
+    layout = Layout(given, mesh, placements, shard_order)
+    wanted = _local_shapes(layout, locals_)
+    misfits = {rank: s for rank, s in locals_.items() if s != wanted[rank]}
+    if misfits:
+        shown = sorted(misfits.items())[:8]
+        text = ", ".join(
+            f"rank {rank} has {s} where the layout gives it {wanted[rank]}" for rank, s in shown
+        )
+        more = f", and {len(misfits) - len(shown)} more ranks" if len(misfits) > len(shown) else ""
+        raise _refuse(
+            f"the local tensor of {_ranks_text(list(misfits))} does not fit {layout!r}: "
+            f"{text}{more}"
+        )
+    return layout
+
+
+def _local_shapes(layout: Layout, ranks: Iterable[int]) -> dict[int, tuple[int, ...]]:
+    """``layout.local_shape(rank)`` for each of ``ranks``, computed once per distinct
+    coordinate on the sharding axes (ranks that differ only along other axes hold the same
+    shape), so the check stays cheap on large meshes."""
+    mesh = layout.mesh
+    axes = [mesh.axis_index(name) for name in layout.sharded_axes]
+    by_coordinate: dict[tuple[int, ...], tuple[int, ...]] = {}
+    out: dict[int, tuple[int, ...]] = {}
+    for rank in ranks:
+        coordinate = mesh.coordinate(rank)
+        key = tuple(coordinate[a] for a in axes)
+        found = by_coordinate.get(key)
+        if found is None:
+            found = by_coordinate[key] = layout.region_at(coordinate).shape
+        out[rank] = found
+    return out
+
+
+def _check_header(rows: dict[int, list[int]]) -> None:
+    """The ranks agree on ndim, dtype, ``requires_grad`` and ``shape=`` (else ValueError)."""
+    start = _ROW_HEAD + _CHECK_MAX_NDIM
+    headers = {(*r[1:_ROW_HEAD], *r[start:]) for r in rows.values()}
+    if len(headers) == 1:
+        ((ndim, _, _, given_ndim, *_),) = headers
+        if max(ndim, given_ndim) <= _CHECK_MAX_NDIM:
+            return  # the common case, found with one set of whole headers
+    sizes = {rank: max(r[1], r[4]) for rank, r in rows.items()}
+    too_many = {rank: n for rank, n in sizes.items() if n > _CHECK_MAX_NDIM}
+    if too_many:
+        raise _refuse(
+            f"run_check compares up to {_CHECK_MAX_NDIM} dims, but {_who_has(too_many)} "
+            "(local tensor or shape=); pass shape= and run_check=False for such a tensor"
+        )
+    ndims = {rank: r[1] for rank, r in rows.items()}
+    if len(set(ndims.values())) > 1:
+        raise _refuse(f"the ranks' local tensors differ in ndim: {_who_has(ndims)}")
+    dtypes = {rank: _DTYPES[r[2]] for rank, r in rows.items()}
+    if len(set(dtypes.values())) > 1:
+        raise _refuse(f"the ranks' local tensors differ in dtype: {_who_has(dtypes, _dtype_name)}")
+    grads = {rank: bool(r[3]) for rank, r in rows.items()}
+    if len(set(grads.values())) > 1:
+        raise _refuse(f"the ranks' local tensors differ in requires_grad: {_who_has(grads)}")
+    shapes = {
+        rank: None if r[4] < 0 else tuple(r[start : start + r[4]]) for rank, r in rows.items()
+    }
+    if len(set(shapes.values())) > 1:
+        raise _refuse(f"the ranks pass different shape=: {_who_has(shapes)}")
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _agreed_total(dim: int, extents: dict[int, int], mesh: Mesh, axes: Sequence[int]) -> int:
+    """The global extent of ``dim``, sharded over mesh ``axes``: the sum of the local extents
+    over each sub-grid those axes span, the same for every sub-grid (else ValueError)."""
+    totals: dict[tuple[int, ...], list[int]] = {}
+    for rank in sorted(extents):
+        coordinate = mesh.coordinate(rank)
+        totals.setdefault(tuple(c for a, c in enumerate(coordinate) if a not in axes), []).append(
+            rank
+        )
+    sums = {tuple(ranks): sum(extents[r] for r in ranks) for ranks in totals.values()}
+    if len(set(sums.values())) > 1:
+        names = [mesh.axis_names[a] for a in axes]
+        text = ", ".join(f"{_ranks_text(ranks)} give {total}" for ranks, total in sums.items())
+        raise _refuse(
+            f"the local extents of dim {dim}, sharded over {names}, add up to different global "
+            f"extents: {text}"
+        )
+    return next(iter(sums.values()))
+
+
 def _infer_global_shape(
     local: torch.Tensor,
     mesh: DeviceMesh,
     placements: Sequence[Placement],
     shard_order: Sequence[str] | None,
 ) -> tuple[int, ...]:
+    """The global shape ``from_local(..., run_check=False)`` infers from this rank's view: one
+    all-gather of a single extent along each sharding axis (fixed size, so it completes
+    whatever the ranks hold; ranks that disagree infer different shapes)."""
     from hp_dtensor import collectives
 
     shape = list(local.shape)
@@ -321,11 +606,11 @@ def distribute_tensor(
 
 
 def _broadcast_from(data: torch.Tensor, mesh: DeviceMesh, src_rank: int) -> torch.Tensor:
-    import torch.distributed as dist
-
     out = data.clone().contiguous()
     if src_rank not in mesh.mesh:
         raise ValueError(f"src_data_rank {src_rank} is not in {mesh!r}")
     if mesh.size() > 1:
-        dist.broadcast(out, src=src_rank, group=mesh.get_mesh_group())
+        group = mesh.get_mesh_group()
+        with watch("broadcast", group):
+            dist.broadcast(out, src=src_rank, group=group)
     return out

@@ -11,7 +11,6 @@ lives here: every computation is an hp-* library's.
 
 from hp_dtensor import (
     DeviceMesh,
-    DTensor,
     Partial,
     Placement,
     Replicate,
@@ -23,7 +22,7 @@ from hp_fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from hp_mpmd import TiedParameter
 from hp_muon import ChainedOptimizer, Muon
 from hyper_parallel.core.activation_checkpoint import checkpoint_wrapper, swap_wrapper
-from hyper_parallel.core.dtensor import init_parameters, no_init_parameters
+from hyper_parallel.core.dtensor import DTensor, init_parameters, no_init_parameters
 from hyper_parallel.core.fully_shard import fully_shard
 from hyper_parallel.core.multicore import MegaMoeExperts
 from hyper_parallel.core.optimizer import get_hyper_optimizer

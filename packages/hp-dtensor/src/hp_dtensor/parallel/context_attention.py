@@ -281,6 +281,7 @@ def install_validation_forward(
         out = context_parallel_attention(
             q.to_local(), k.to_local(), v.to_local(), mesh, axis, resolved
         )
-        return DTensor.from_local(out, mesh, q.placements, shape=tuple(q.shape))
+        # Attention keeps q's layout by construction: no cross-rank check per forward.
+        return DTensor.from_local(out, mesh, q.placements, shape=tuple(q.shape), run_check=False)
 
     object.__setattr__(module, "forward", types.MethodType(forward, module))
