@@ -15,6 +15,7 @@ from hp_muon.newton_schulz import (
     orthogonalize_counted,
     orthogonalize_many,
 )
+from hp_muon.nonfinite import NonFiniteGradientError, NonFinitePolicy
 from hp_muon.plan import MatrixTensor, MuonPlan, MuonPlanError, plan_muon_step
 from hp_muon.step_plan import MuonGroupPlan, MuonStepPlan, plan_muon
 
@@ -32,6 +33,8 @@ __all__ = [
     "MuonPlanError",
     "MuonStepPlan",
     "MuonStepStats",
+    "NonFiniteGradientError",
+    "NonFinitePolicy",
     "ParamSplit",
     "__version__",
     "adjusted_lr",

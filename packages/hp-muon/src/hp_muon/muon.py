@@ -16,11 +16,16 @@ and the state dict is laid out like the parameters, which is what
 ``torch.distributed.checkpoint`` reshards. Keeping it on the owner instead would save nothing
 on the wire (the owner needs the gradient pieces every step anyway) and would tie the state to
 the owner assignment.
+
+A NaN or inf gradient is refused before any of this (:mod:`hp_muon.nonfinite`): Newton-Schulz
+would spread it over its whole matrix and the exchange to every rank holding a piece, so every
+rank of the step learns of it through one small all-reduce and raises (or skips the step).
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
@@ -34,6 +39,13 @@ from hp_muon.checks import check_muon_params
 from hp_muon.coefficients import KELLER, Coefficients, CoefficientSpec, coefficient_schedule
 from hp_muon.exchange import ExchangeStats, piece_view, run_program
 from hp_muon.newton_schulz import default_dtype, orthogonalize_counted
+from hp_muon.nonfinite import (
+    NONFINITE_POLICIES,
+    NonFiniteGradient,
+    NonFiniteGradientError,
+    NonFinitePolicy,
+    find_nonfinite_gradient,
+)
 from hp_muon.plan import MatrixTensor, MuonPlan, RankProgram, rank_program
 from hp_muon.plan_check import check_muon_plan
 from hp_muon.step_plan import MuonStepPlan, bucket_numel, plan_muon
@@ -205,6 +217,19 @@ class Muon(Optimizer):
             construction and the first step). A difference raises ``ValueError`` naming the
             rank group and the first difference (a matrix's owner, its pieces, the buckets,
             the bucket size) with both values. None: not checked.
+        nonfinite: what a step does when a gradient holds a NaN or inf on any rank of the step
+            (Newton-Schulz would spread it over the whole matrix, and the exchange to every
+            rank holding a piece of it). Checked at every :meth:`step` before any parameter or
+            momentum changes, with one fused reduction over this rank's gradients and, for a
+            distributed step, one 1-element all-reduce over ``process_group``, so that every
+            rank decides alike (:mod:`hp_muon.nonfinite`). ``"raise"`` (default): raise
+            :class:`hp_muon.NonFiniteGradientError` on every rank, naming the first such
+            parameter in parameter order (by its name where the parameters were given named,
+            else ``param_groups[g][i] (shape RxC)``) and the lowest rank holding a bad piece.
+            ``"skip"``: the step does nothing on every rank (no momentum or parameter change,
+            gradients left as they are), adds 1 to :attr:`skipped_steps` and warns
+            (``RuntimeWarning``) naming the parameter. Only this optimizer's parameters are
+            checked: chained with AdamW (:class:`hp_muon.ChainedOptimizer`), AdamW's are not.
 
     Raises:
         ValueError: as ``torch.optim.Muon`` for a bad ``lr``, ``momentum``, ``weight_decay`` or
@@ -213,7 +238,10 @@ class Muon(Optimizer):
             names the parameter); for a group with no parameters (torch accepts one and steps
             nothing); and for bad ``row_blocks`` or ``bucket_cap_mb``. At :meth:`step`, for
             ``ns_steps >= 100`` or bad ``ns_coefficients`` (``ValueError``), complex parameters
-            and sparse gradients (``RuntimeError``), as torch does.
+            and sparse gradients (``RuntimeError``), as torch does; for ``nonfinite`` other
+            than ``"raise"`` or ``"skip"``.
+        NonFiniteGradientError: (a ``ValueError``) at :meth:`step`, a gradient holding a NaN
+            or inf on any rank of the step, with ``nonfinite="raise"`` (see ``nonfinite``).
 
     Attributes:
         last_step_stats: what this rank did in the last :meth:`step`
@@ -223,6 +251,8 @@ class Muon(Optimizer):
             sum of ``last_step_stats.newton_schulz_runs``). Only :meth:`step` adds to it: under
             gradient accumulation it grows by one step's runs per optimizer step, never per
             micro-batch.
+        skipped_steps: steps skipped for a non-finite gradient (``nonfinite="skip"``) since
+            construction; not part of the state dict.
     """
 
     def __init__(
@@ -244,7 +274,13 @@ class Muon(Optimizer):
         fuse_shapes: bool | None = None,
         ns_dtype: torch.dtype | None = None,
         plan: MuonStepPlan | None = None,
+        nonfinite: NonFinitePolicy = "raise",
     ) -> None:
+        if nonfinite not in NONFINITE_POLICIES:
+            raise ValueError(
+                f"nonfinite must be one of {NONFINITE_POLICIES} (raise at a non-finite "
+                f"gradient, or skip such steps), got {nonfinite!r}"
+            )
         if isinstance(lr, torch.Tensor) and lr.numel() != 1:
             raise ValueError(f"Tensor lr must be 1-element, got {lr.numel()} elements")
         if not lr >= 0.0:
@@ -282,6 +318,8 @@ class Muon(Optimizer):
         self._last_plan: MuonStepPlan | None = None
         self.last_step_stats: MuonStepStats | None = None
         self.newton_schulz_runs = 0
+        self._nonfinite: NonFinitePolicy = nonfinite
+        self.skipped_steps = 0
         super().__init__(params, defaults)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -447,7 +485,12 @@ class Muon(Optimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         """One Muon step over every parameter with a gradient (collective over the ranks of
-        distributed parameters: every rank of ``process_group`` must call it)."""
+        distributed parameters: every rank of ``process_group`` must call it).
+
+        Raises:
+            NonFiniteGradientError: a gradient holds a NaN or inf on some rank of the step
+                (``nonfinite="raise"``); raised on every rank, before anything changed.
+        """
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -456,6 +499,12 @@ class Muon(Optimizer):
         me = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         spread = any(f.spec.layout.mesh.size > 1 for f in found)
         group = (self._process_group or dist.group.WORLD) if spread else None
+        # Before any state changes, and agreed over the exchange's group: a NaN on one rank
+        # would reach every holder of its matrix through the exchange.
+        bad = find_nonfinite_gradient([(f.index, f.grad) for f in found], group=group)
+        if bad is not None:
+            self._refuse(bad)
+            return loss
         prepared = self._prepare(found, me, group)  # checked before any state changes
         entries = self._entries(found)
         outputs: dict[int, torch.Tensor] = {
@@ -476,6 +525,59 @@ class Muon(Optimizer):
         )
         self.newton_schulz_runs += runs[0]
         return loss
+
+    def _label(self, index: int) -> tuple[str, str]:
+        """Parameter ``index`` (over all groups, in order) as an error names it and as its
+        message writes it: ``name`` and ``'name'`` where the optimizer has names, else
+        ``param_groups[g][i] (shape RxC)`` (the whole parameter's shape) for both."""
+        start = 0
+        for g, group in enumerate(self.param_groups):
+            params = group["params"]
+            if index < start + len(params):
+                position = index - start
+                names = group.get("param_names")
+                if names:
+                    name = str(names[position])
+                    return name, repr(name)
+                shape = "x".join(str(n) for n in global_shape(params[position]))
+                label = f"param_groups[{g}][{position}] (shape {shape})"
+                return label, label
+            start += len(params)
+        raise IndexError(f"parameter {index} is not in this optimizer ({start} parameters)")
+
+    def _refuse(self, bad: NonFiniteGradient) -> None:
+        """Raise :class:`NonFiniteGradientError` for ``bad``, or (``nonfinite="skip"``) count
+        and warn; nothing else changes either way."""
+        name, label = self._label(bad.index)
+        what = f"Muon.step: the gradient of {label} is non-finite ({bad.value}) on rank {bad.rank}"
+        local = [self._label(i) for i in bad.local]
+        if local and bad.local != (bad.index,):
+            what += f" (non-finite on this rank: {', '.join(shown for _, shown in local)})"
+        if self._nonfinite == "raise":
+            raise NonFiniteGradientError(
+                f"{what}; no parameter was updated. Lower the learning rate, clip gradients, "
+                "or pass nonfinite='skip' to skip such steps",
+                parameter=name,
+                index=bad.index,
+                rank=bad.rank,
+                value=bad.value,
+                local_parameters=tuple(named for named, _ in local),
+            )
+        self.skipped_steps += 1
+        self.last_step_stats = MuonStepStats(
+            matrices=0,
+            orthogonalized=0,
+            newton_schulz_runs=0,
+            elements_sent=0,
+            bytes_sent=0,
+            collectives=0,
+        )
+        warnings.warn(
+            f"{what}; skipped the step on every rank (no parameter or momentum changed, "
+            f"gradients left as they are; {self.skipped_steps} skipped so far)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
     def _exchange(
         self,
