@@ -546,6 +546,8 @@ def dag(session: nox.Session) -> None:
         ("check_dag.py", ["python", str(ROOT / "tools" / "check_dag.py")]),
         # No function over 80 lines and no import cycle inside a package (issue 40).
         ("check_structure.py", ["python", str(ROOT / "tools" / "check_structure.py")]),
+        # Every collective named by the watchdog on a stall or a lost peer (issue 41).
+        ("check_watched.py", ["python", str(ROOT / "tools" / "check_watched.py")]),
         (
             "mypy tools noxfile.py",
             [

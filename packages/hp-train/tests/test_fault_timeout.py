@@ -4,7 +4,8 @@
 user would, with a 3 s collective timeout (``HP_TRAIN_COLLECTIVE_TIMEOUT``) and
 ``HP_TRAIN_INJECT_STALL=1:1``: rank 1 stops for good before its first watched collective.
 Every other rank must raise :class:`hp_dtensor.watchdog.CollectiveTimeoutError` naming the
-collective, its group and the rank it waits for; torchrun then stops rank 1, and the launcher
+collective, its group and the rank it waits for, printed as ``hp-train: <diagnosis>`` (exit
+code 5); torchrun then stops rank 1, and the launcher
 exits non-zero, within the timeout and a margin of the stall (without the timeout reaching
 every group the job hung for 30 minutes).
 """
@@ -104,9 +105,11 @@ def test_a_rank_that_never_joins_fails_the_job_in_time(
     assert stalled, output[-3000:]
     assert ended - stalled[0] <= TIMEOUT_S + MARGIN_S, (ended - stalled[0], output[-3000:])
     # Rank 0 names the collective, the group and the rank that did not arrive.
-    errors = dict(
-        re.findall(r"\[rank(\d+)\]: hp_dtensor\.watchdog\.CollectiveTimeoutError: (.*)", output)
-    )
+    # (printed by hp_train's main as one `hp-train: <diagnosis>` per rank, exit code 5).
+    # The rank is in the diagnosis itself: "(rank <r>, its collective #<n> ...".
+    diagnosis = r"^hp-train: (.* did not complete within .*? \(rank (\d+), .*)$"
+    found = re.findall(diagnosis, output, re.MULTILINE)
+    errors = {rank: message for message, rank in found}
     # Every rank but the stalled one raised it; rank 0 names the collective, the group and
     # the rank that did not arrive.
     assert sorted(errors) == [str(r) for r in range(world) if r != 1], output[-3000:]
@@ -121,6 +124,8 @@ def test_a_rank_that_never_joins_fails_the_job_in_time(
     codes = {int(rank): int(code) for rank, code in _EXIT.findall(output)}
     assert sorted(codes) == list(range(world)), output[-3000:]
     assert all(code != 0 for code in codes.values()), codes
+    # The first to leave is a waiting rank, with the collective-failure exit code.
+    assert "(exitcode: 5)" in output, output[-3000:]
 
 
 def test_an_unknown_device_type_is_named_before_anything_starts() -> None:

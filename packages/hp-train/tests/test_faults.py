@@ -6,12 +6,14 @@ that message in what it said (:func:`_expect`), and the README's "Faults" table 
 the entries (:func:`fault_table`, checked by :func:`test_readme_fault_table_is_the_cases`).
 
 The runs go through the command line's code (``hp_train.config.cli.parse``, then the ``Trainer``) in
-the shared rank pool, as in ``test_resume.py``, at world 2 (world 4 for two cases); one job is
-launched with torchrun and one as a plain process to see the exit codes. Faults are injected
-from here: NaN into one rank's gradient, loss or weights (wrapping the trainer's methods in the
-worker), ``ENOSPC`` from the checkpoint writer of one rank, a rank killing itself mid-save,
-files of a checkpoint truncated, deleted, overwritten or emptied. A SIGKILL of a rank at a
-step is ``test_resume.py::test_resume_after_sigkill_of_one_rank``.
+the shared rank pool, as in ``test_resume.py``, at world 2 (world 4 for two cases); two jobs
+are launched with torchrun and one as a plain process to see the exit codes. Faults are
+injected from here: NaN into one rank's gradient, loss or weights (wrapping the trainer's
+methods in the worker), ``ENOSPC`` from the checkpoint writer of one rank, a rank killing
+itself mid-save, a load failing on one rank, files of a checkpoint truncated, deleted,
+overwritten, emptied or bit-flipped, its manifest deleted, its ``.metadata`` rewritten as an
+hp-train before manifests wrote it. A SIGKILL of a rank at a step is
+``test_resume.py::test_resume_after_sigkill_of_one_rank``.
 """
 
 from __future__ import annotations
@@ -21,11 +23,13 @@ import errno
 import json
 import math
 import os
+import pickle
 import re
 import shutil
 import signal
 import subprocess
 import sys
+import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,10 +38,12 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from hp_dtensor import DTensor
 from hp_testing import RankFailure, run_on_ranks
-from hp_train.checkpoint.dcp import MANIFEST_FILE, CheckpointError
+from hp_train.checkpoint.__main__ import main as checkpoint_command
+from hp_train.checkpoint.dcp import FORMAT_KEY, LEGACY_MARK, MANIFEST_FILE, CheckpointError
 from hp_train.config.cli import EXIT_CHECKPOINT, EXIT_NONFINITE, parse
 from hp_train.config.schema import ConfigError, TrainConfig
 from hp_train.observe.metrics import read_metrics
@@ -190,12 +196,58 @@ FAULTS: dict[str, Fault] = {
         "--resume-from <dir> is a folder of checkpoints, not one: pass one of them (the newest "
         "is <checkpoint>), or --resume to take the newest that verifies",
     ),
+    "manifest-deleted": Fault(
+        "`manifest.json` deleted from a checkpoint this version wrote, and one bit of a "
+        "`.distcp` file flipped (or 4 KiB overwritten)",
+        "skipped likewise, the newest one that verifies loaded (bit for bit): its `.metadata` "
+        "holds the format marker `hp_train_format`, so it is not taken for an old checkpoint; "
+        "`--resume-from` it: exit code 4",
+        "--resume: skipping checkpoint <checkpoint>: manifest.json: missing, though hp-train "
+        "wrote this checkpoint with one (its .metadata holds the format marker "
+        "hp_train_format): its files cannot be verified",
+    ),
+    "legacy-unmarked": Fault(
+        "a checkpoint without `manifest.json` nor format marker (written before manifests), "
+        "not marked as old",
+        "skipped likewise (`--resume-from` it: exit code 4), saying how to mark it",
+        "--resume: skipping checkpoint <checkpoint>: manifest.json: missing, and the "
+        "checkpoint is not marked as written before hp-train checksummed its checkpoints; if "
+        "it is that old, mark it with: python -m hp_train.checkpoint mark-legacy <checkpoint>",
+    ),
     "legacy": Fault(
-        "a checkpoint written before manifests (no `manifest.json`)",
+        "that checkpoint marked with `python -m hp_train.checkpoint mark-legacy DIR` (which "
+        "refuses a checkpoint with the format marker or a manifest)",
         "loaded unverified, with a warning (its `.metadata` must read and its files be long "
         "enough)",
-        "checkpoint <checkpoint> has no manifest.json (written before hp-train checksummed its "
-        "checkpoints): loading it unverified",
+        "checkpoint <checkpoint> has no manifest.json and is marked as written before hp-train "
+        "checksummed its checkpoints (legacy_format): loading it unverified",
+    ),
+    "load-fails": Fault(
+        "a checkpoint that passes its check but whose data torch cannot read (a marked old "
+        "one with 4 KiB of a `.distcp` file overwritten; a read failing on one rank)",
+        "`--resume` skips it on every rank alike (one gather agrees, whichever rank failed) "
+        "and loads the next older one whole, bit for bit; `--resume-from` it: exit code 4",
+        "--resume: skipping checkpoint <checkpoint>: it verified but did not load (rank <r>: "
+        "<error>); trying the next older one",
+    ),
+    "resume-nothing": Fault(
+        "`--resume` with no checkpoint in `<out>/checkpoints`",
+        "exit code 2 on every rank, one line, before any step (it used to start a new run)",
+        "--resume: no checkpoint to resume from in <dir>; leave --resume out to start a new "
+        "run, or pass --resume-if-present to start one when there is nothing to resume",
+    ),
+    "resume-partial": Fault(
+        "`--resume` with only an unfinished `step_<n>.partial` there",
+        "exit code 2 on every rank, one line naming it",
+        "--resume: no checkpoint to resume from in <dir> (only <partial>: a save that never "
+        "finished, since a job stopped while writing it; never resumed from); leave --resume "
+        "out to start a new run, or pass --resume-if-present to start one when there is "
+        "nothing to resume",
+    ),
+    "resume-if-present": Fault(
+        "`--resume-if-present` (`[run] resume_if_present`) with no checkpoint",
+        "starts a new run at step 0 (exit 0); with a checkpoint, as `--resume`",
+        "--resume-if-present: no checkpoint in <dir>; starting at step 0",
     ),
     "stall": Fault(
         "one rank never joins a collective (collective timeout `HP_TRAIN_COLLECTIVE_TIMEOUT`, "
@@ -252,7 +304,8 @@ def test_every_case_is_checked() -> None:
     """Each case's key is passed to :func:`_expect` in this file (directly or through
     :data:`CORRUPTIONS`), or it names its test file."""
     source = Path(__file__).read_text()
-    checked = set(CORRUPTIONS) | set(re.findall(r'_expect\(\s*"([\w-]+)"', source))
+    checked = {key for key, _ in CORRUPTIONS.values()}
+    checked |= set(re.findall(r'_expect\(\s*"([\w-]+)"', source))
     for key, fault in FAULTS.items():
         if fault.tested_in:
             assert (Path(__file__).parent / fault.tested_in).is_file()
@@ -619,26 +672,103 @@ def _manifest(d: Path) -> dict[str, object]:
     return {}
 
 
-CORRUPTIONS: dict[str, Callable[[Path], dict[str, object]]] = {
-    "truncated": _truncate,
-    "deleted": _delete,
-    "overwritten": _overwrite,
-    "empty-metadata": _empty_metadata,
-    "data-state": _data_state,
-    "manifest": _manifest,
+def _overwrite_4k(file: Path, at: int) -> None:
+    with file.open("r+b") as f:
+        f.seek(at)
+        f.write(b"\xa5" * 4096)
+
+
+def _no_manifest_bit_flipped(d: Path) -> dict[str, object]:
+    """The manifest deleted, then one bit of a tensor file flipped: the load itself would
+    succeed (a value changes)."""
+    (d / MANIFEST_FILE).unlink()
+    file = d / "__0_0.distcp"
+    data = bytearray(file.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    file.write_bytes(bytes(data))
+    return {}
+
+
+def _no_manifest_4k_overwritten(d: Path) -> dict[str, object]:
+    """The manifest deleted, then 4 KiB of a tensor file overwritten from its start (torch's
+    load would fail)."""
+    (d / MANIFEST_FILE).unlink()
+    _overwrite_4k(d / "__0_0.distcp", 0)
+    return {}
+
+
+def _as_old_checkpoint(d: Path) -> None:
+    """Make ``d`` what an hp-train from before manifests wrote: no manifest, no format
+    marker in ``.metadata`` (torch's DCP pickles it)."""
+    (d / MANIFEST_FILE).unlink()
+    file = d / ".metadata"
+    metadata = pickle.loads(file.read_bytes())
+    metadata.state_dict_metadata = {
+        k: v for k, v in metadata.state_dict_metadata.items() if not k.startswith(FORMAT_KEY)
+    }
+    metadata.storage_data = {
+        k: v for k, v in metadata.storage_data.items() if not k.fqn.startswith(FORMAT_KEY)
+    }
+    if isinstance(metadata.planner_data, dict):
+        metadata.planner_data = {
+            k: v for k, v in metadata.planner_data.items() if not k.startswith(FORMAT_KEY)
+        }
+    file.write_bytes(pickle.dumps(metadata))
+
+
+def _old_unmarked(d: Path) -> dict[str, object]:
+    _as_old_checkpoint(d)
+    return {}
+
+
+def _old_marked_4k_overwritten(d: Path) -> dict[str, object]:
+    """An old checkpoint, marked: it passes the structural check, then 4 KiB of a tensor file
+    are overwritten from its start, which torch's load cannot read."""
+    _as_old_checkpoint(d)
+    assert checkpoint_command(["mark-legacy", str(d)]) == 0
+    _overwrite_4k(d / "__0_0.distcp", 0)
+    return {}
+
+
+#: Each damage by its test id: the case whose message it gives, what damages the checkpoint.
+CORRUPTIONS: dict[str, tuple[str, Callable[[Path], dict[str, object]]]] = {
+    "truncated": ("truncated", _truncate),
+    "deleted": ("deleted", _delete),
+    "overwritten": ("overwritten", _overwrite),
+    "empty-metadata": ("empty-metadata", _empty_metadata),
+    "data-state": ("data-state", _data_state),
+    "manifest": ("manifest", _manifest),
+    "no-manifest-bit-flip": ("manifest-deleted", _no_manifest_bit_flipped),
+    "no-manifest-4k": ("manifest-deleted", _no_manifest_4k_overwritten),
+    "old-unmarked": ("legacy-unmarked", _old_unmarked),
+    "old-marked-4k": ("load-fails", _old_marked_4k_overwritten),
 }
 
 
+def _logged_losses(out: Path) -> dict[int, float]:
+    return {int(str(r["step"])): float(str(r["loss"])) for r in read_metrics(out / "metrics.jsonl")}
+
+
+def _after_step_2(saved: Path) -> dict[int, float]:
+    """The losses of steps 2 and 3 of the uninterrupted run: what a run resumed from its
+    step-2 checkpoint must repeat bit for bit (step 3's depends on the optimizer state too)."""
+    losses = _logged_losses(saved)
+    return {2: losses[2], 3: losses[3]}
+
+
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("key", list(CORRUPTIONS))
-def test_resume_skips_a_corrupt_checkpoint(key: str, saved: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("damage", list(CORRUPTIONS))
+def test_resume_skips_a_corrupt_checkpoint(damage: str, saved: Path, tmp_path: Path) -> None:
     """The newest checkpoint damaged: ``--resume`` says which file of which checkpoint is
-    wrong and starts from the one before."""
+    wrong (or that it did not load) and starts from the one before, on every rank; the steps
+    it runs have the uninterrupted run's losses bit for bit."""
+    key, corrupt = CORRUPTIONS[damage]
     latest = _copy(saved, tmp_path)
-    values = CORRUPTIONS[key](latest)
-    got = _pool(2, tmp_path, "--steps", "3", "--resume")
+    values = corrupt(latest)
+    got = _pool(2, tmp_path, "--resume")
     assert got.error is None, got.message
     assert got.first_step == 2
+    assert got.losses == _after_step_2(saved)
     _expect(key, _log(tmp_path), checkpoint=latest, **values)
     _expect(key, _log(tmp_path, 1), checkpoint=latest, **values)
 
@@ -656,8 +786,8 @@ def test_resume_at_world_4_skips_a_checkpoint_saved_at_world_2(saved: Path, tmp_
 @pytest.mark.multiprocess
 def test_resume_from_picks_one_checkpoint(saved: Path, tmp_path: Path) -> None:
     """``--resume-from`` an older checkpoint takes it although a newer one verifies; a
-    damaged, missing or folder argument is an error naming it; a checkpoint without a manifest
-    (older hp-train) loads with a warning."""
+    damaged, missing or folder argument is an error naming it; so is a checkpoint of this
+    version whose manifest was deleted, which ``mark-legacy`` refuses to mark as old."""
     latest = _copy(saved, tmp_path)
     older = _step_dir(tmp_path, 2)
     assert _pool(2, tmp_path, "--steps", "3", "--resume-from", str(older)).first_step == 2
@@ -675,8 +805,36 @@ def test_resume_from_picks_one_checkpoint(saved: Path, tmp_path: Path) -> None:
     assert got.error == "ConfigError"
     _expect("resume-from-folder", got.message, dir=tmp_path / "checkpoints", checkpoint=latest)
 
+    # Its manifest deleted: refused, and it cannot be marked as an old checkpoint.
     (older / MANIFEST_FILE).unlink()
-    assert _pool(2, tmp_path, "--steps", "3", "--resume-from", str(older)).first_step == 2
+    got = _pool(2, tmp_path, "--steps", "3", "--resume-from", str(older))
+    assert got.error == "CheckpointCorruptError"
+    assert got.message.startswith(f"--resume-from {older} does not verify: manifest.json: missing")
+    assert "holds the format marker hp_train_format" in got.message
+    assert checkpoint_command(["mark-legacy", str(older)]) == 2
+    assert not (older / LEGACY_MARK).exists()
+
+
+def test_an_old_checkpoint_loads_only_once_marked(
+    saved: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A checkpoint as an hp-train before manifests wrote it (no manifest, no format marker):
+    ``--resume-from`` refuses it saying how to mark it; ``mark-legacy`` marks it (and refuses a
+    checkpoint with a manifest); then it loads, with a warning."""
+    older = _step_dir(tmp_path, 2)
+    shutil.copytree(_step_dir(saved, 2), older)
+    assert checkpoint_command(["mark-legacy", str(older)]) == 2
+    assert f"{older} has a manifest.json" in capsys.readouterr().err
+    _as_old_checkpoint(older)
+    got = _pool(2, tmp_path, "--steps", "3", "--resume-from", str(older))
+    assert got.error == "CheckpointCorruptError"
+    assert got.message.startswith(f"--resume-from {older} does not verify: manifest.json: missing")
+    assert f"mark it with: python -m hp_train.checkpoint mark-legacy {older}" in got.message
+    assert checkpoint_command(["mark-legacy", str(older)]) == 0
+    assert (older / LEGACY_MARK).is_file()
+    got = _pool(2, tmp_path, "--resume-from", str(older))
+    assert got.first_step == 2, got.message
+    assert got.losses == _after_step_2(saved)
     _expect("legacy", _log(tmp_path), checkpoint=older)
 
 
@@ -697,6 +855,95 @@ def test_nothing_verifies_exits_4_naming_each_checkpoint(saved: Path, tmp_path: 
     _expect("none-verifies", done.stderr, dir=tmp_path / "checkpoints")
     assert f"{latest}: __1_0.distcp:" in done.stderr
     assert f"{_step_dir(tmp_path, 2)}: empty .metadata" in done.stderr
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def _load_fails_on_rank_1(argv: list[str], newest: str) -> Outcome:
+    """:func:`_train` where torch's load of ``newest`` fails on rank 1 alone, after reading
+    every byte on both ranks (rank 0's model then holds ``newest``'s weights)."""
+    from hp_train.checkpoint import dcp
+
+    real = getattr(dcp, "dcp_load")  # noqa: B009 - not exported: torch's load, as dcp uses it
+
+    def load(state: dict[str, Any], checkpoint_id: str) -> None:
+        real(state, checkpoint_id=checkpoint_id)
+        if dist.get_rank() == 1 and Path(checkpoint_id).name == newest:
+            error = OSError(errno.EIO, "injected read error")
+            raise CheckpointException("load", {1: (error, traceback.StackSummary())})
+
+    setattr(dcp, "dcp_load", load)  # noqa: B010
+    try:
+        return _train(argv)
+    finally:
+        setattr(dcp, "dcp_load", real)  # noqa: B010
+
+
+@pytest.mark.multiprocess
+def test_a_load_failing_on_one_rank_falls_back_on_every_rank(saved: Path, tmp_path: Path) -> None:
+    """The newest checkpoint verifies, but its load fails on rank 1 only: every rank skips it
+    (the ranks agree in one gather) and loads the one before whole, so the steps run have
+    the uninterrupted run's losses bit for bit (rank 0 had read the newest one's tensors,
+    in place)."""
+    latest = _copy(saved, tmp_path)
+    argv = [*SHORT, "--out", str(tmp_path), "--resume"]
+    outcomes = run_on_ranks(2, _load_fails_on_rank_1, argv, latest.name, timeout=60)
+    assert [(o.error, o.first_step) for o in outcomes] == [(None, 2), (None, 2)], outcomes
+    assert outcomes[0].losses == _after_step_2(saved)
+    for rank in (0, 1):
+        error = "OSError: [Errno 5] injected read error"
+        _expect("load-fails", _log(tmp_path, rank), checkpoint=latest, r=1, error=error)
+
+
+@pytest.mark.multiprocess
+def test_resume_with_nothing_to_resume_is_an_error_unless_asked(tmp_path: Path) -> None:
+    """``--resume`` with no checkpoint: a configuration error naming the folder, no step run;
+    ``--resume-if-present`` starts a new run instead, and resumes like ``--resume`` once a
+    checkpoint is there."""
+    got = _pool(2, tmp_path / "none", "--resume")
+    assert got.error == "ConfigError"
+    _expect("resume-nothing", got.message, dir=tmp_path / "none" / "checkpoints")
+    assert not (tmp_path / "none" / "metrics.jsonl").exists()
+
+    fresh = tmp_path / "fresh"
+    (fresh / "metrics.jsonl").parent.mkdir()
+    (fresh / "metrics.jsonl").write_text('{"step": 7, "loss": 1.0}\n')  # a run gone before a save
+    got = _pool(2, fresh, "--resume-if-present", "--steps", "2")
+    assert (got.error, got.first_step) == (None, 0), got.message
+    _expect("resume-if-present", _log(fresh), dir=fresh / "checkpoints")
+    assert sorted(_logged_losses(fresh)) == [0, 1]  # a new run's records only
+    assert _pool(2, fresh, "--resume-if-present").first_step == 2
+
+
+def test_resume_if_present_is_read_from_a_config_file_and_never_written(tmp_path: Path) -> None:
+    """``[run] resume_if_present = true`` in a ``--config`` file sets it, as ``resume`` is
+    set; like ``resume``, the written configuration leaves it out (it says what to do, not
+    what the run is)."""
+    config = tmp_path / "run.toml"
+    config.write_text("[run]\nresume_if_present = true\n")
+    options = parse(["--config", str(config)], 1)[3]
+    assert options.resume_if_present
+    assert not parse([], 1)[3].resume_if_present
+    assert options.options is not None
+    assert "resume_if_present" not in options.options["run"]
+    assert "resume" not in options.options["run"]
+
+
+@pytest.mark.multiprocess
+def test_resume_with_only_a_partial_checkpoint_exits_2_naming_it(tmp_path: Path) -> None:
+    """Under torchrun at world 2: only ``step_000004.partial`` in the folder; every rank exits
+    with code 2 and the job prints one line naming the folder and the partial save."""
+    partial = tmp_path / "checkpoints" / "step_000004.partial"
+    partial.mkdir(parents=True)
+    done = subprocess.run(
+        _command(2, tmp_path, "--resume"), env=_env(), capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode != 0
+    codes = re.findall(r"exitcode\s*:\s*(-?\d+)", done.stderr)
+    assert "2" in codes, done.stderr[-3000:]
+    assert set(codes) <= {"2", f"-{signal.SIGTERM.value}"}, codes
+    lines = [line for line in done.stderr.splitlines() if line.startswith("hp-train:")]
+    assert len(lines) == 1, done.stderr[-3000:]
+    _expect("resume-partial", lines[0], dir=tmp_path / "checkpoints", partial=partial.name)
     assert not (tmp_path / "metrics.jsonl").exists()
 
 

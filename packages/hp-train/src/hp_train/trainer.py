@@ -17,7 +17,8 @@ finite (:mod:`hp_train.observe.nonfinite`); a non-finite one stops the run with
 gradient
 (or, with ``skip_nonfinite``, skips the step), and no checkpoint is written from non-finite
 state. ``--resume`` loads the newest checkpoint that verifies against its manifest
-(:func:`hp_train.checkpoint.dcp.verify_checkpoint`), saying which it skipped and why.
+(:func:`hp_train.checkpoint.dcp.verify_checkpoint`) and loads, saying which it skipped and
+why; with nothing to resume from it is a configuration error unless ``--resume-if-present``.
 """
 
 from __future__ import annotations
@@ -38,12 +39,16 @@ import torch.distributed as dist
 from hp_dtensor.watchdog import watch
 from hp_offload import OffloadedOptimizer
 from hp_train.checkpoint.dcp import (
+    LEGACY_MARK,
     CheckpointCorruptError,
     CheckpointError,
+    CheckpointListing,
+    CheckpointLoadError,
     StageOf,
     Verification,
     checkpoints_newest_first,
     latest_checkpoint,
+    list_checkpoints,
     load_checkpoint,
     save_checkpoint,
     verify_checkpoint,
@@ -129,7 +134,10 @@ class RunOptions:
     Attributes:
         out_dir: metrics, plot, logs and checkpoints.
         resume: continue from the newest checkpoint in ``out_dir/checkpoints`` that verifies
-            against its manifest (skipping, with a warning naming the file, any that do not).
+            against its manifest and loads (skipping, with a warning naming the file or the
+            error, any that do not); a configuration error when there is none at all.
+        resume_if_present: ``resume``, but start a new run when there is no checkpoint at all
+            (for a command that both starts a job and restarts it).
         resume_from: continue from this checkpoint directory (verified; an error if it does
             not verify or does not exist); implies ``resume``.
         validate: before training, run the tensor-parallel plan in validation mode against a
@@ -148,6 +156,7 @@ class RunOptions:
     out_dir: Path
     resume: bool = False
     resume_from: Path | None = None
+    resume_if_present: bool = False
     validate: bool = False
     validate_steps: int = 2
     quiet: bool = False
@@ -341,32 +350,30 @@ class Trainer:
     def _will_resume(self) -> bool:
         if self.options.resume_from is not None:
             return True
-        return self.options.resume and bool(checkpoints_newest_first(self.checkpoints))
+        wanted = self.options.resume or self.options.resume_if_present
+        return wanted and bool(checkpoints_newest_first(self.checkpoints))
 
     def resume(self) -> int:
-        """With ``resume``: load the newest checkpoint that verifies (weights, optimizer,
-        data position, skipped steps) and return its step; with ``resume_from`` that one;
-        else 0 (collective).
+        """With ``resume`` (or ``resume_if_present``): load the newest checkpoint that
+        verifies and loads (weights, optimizer, data position, skipped steps) and return its
+        step; with ``resume_from`` that one; else 0 (collective).
 
         Raises:
             ConfigError: the checkpoint's run differs from this one in a field a resume cannot
                 change (the message names each); ``resume_from`` does not exist or is a folder
-                of checkpoints.
-            CheckpointCorruptError: ``resume_from`` does not verify, or checkpoints exist and
-                none verifies (the message names each and its bad file).
+                of checkpoints; ``resume`` without ``resume_if_present`` and no checkpoint to
+                resume from (the message names the folder and any unfinished save in it).
+            CheckpointCorruptError: ``resume_from`` does not verify or load, or checkpoints
+                exist and none verifies and loads (the message names each and its problem).
         """
         if self.options.resume_from is not None:
-            path = self._chosen_checkpoint(Path(self.options.resume_from))
-        elif not self.options.resume:
+            return self._load(self._chosen_checkpoint(Path(self.options.resume_from)))
+        if not (self.options.resume or self.options.resume_if_present):
             return 0
-        else:
-            found = self._newest_good_checkpoint()
-            if found is None:
-                self.log.info(
-                    "--resume: no complete checkpoint in %s; starting at step 0", self.checkpoints
-                )
-                return 0
-            path = found
+        return self._resume_newest()
+
+    def _load(self, path: Path) -> int:
+        """Load ``path`` after checking that its run is this one's (collective); its step."""
         saved = read_record(path)
         if saved is not None:
             conflicts = [
@@ -380,39 +387,66 @@ class Trainer:
                     f"settings differ (checkpoint -> now): {'; '.join(conflicts)}. Use the "
                     "checkpoint's values (its config.toml works with --config) or another --out"
                 )
+        data_state, skipped = _text_state(path)
         step = load_checkpoint(path, self.model, self.optimizer, self.stage_of)
-        state_file = path / DATA_STATE_FILE
-        if state_file.is_file():
-            self.data.load_state_dict(json.loads(state_file.read_text()))
-        skipped_file = path / SKIPPED_FILE
-        if skipped_file.is_file():
-            self.skipped = [int(s) for s in json.loads(skipped_file.read_text())["skipped_steps"]]
+        if data_state is not None:
+            self.data.load_state_dict(data_state)
+        if skipped is not None:
+            self.skipped = skipped
         self.log.info("resumed from %s (step %d)", path, step)
         return step
 
-    def _newest_good_checkpoint(self) -> Path | None:
-        """The newest checkpoint of ``out/checkpoints`` that verifies (None: there is none at
-        all), each one skipped logged with its problem (collective)."""
-        skipped: list[Verification] = []
-        for _, path in checkpoints_newest_first(self.checkpoints):
+    def _resume_newest(self) -> int:
+        """Load the newest checkpoint of ``out/checkpoints`` that verifies and loads, each one
+        skipped logged with its problem (collective); 0 when there is none at all and
+        ``resume_if_present`` asks for a fresh start."""
+        found = list_checkpoints(self.checkpoints)
+        if not found.checkpoints:
+            return self._nothing_to_resume(found)
+        skipped: list[str] = []
+        for path in found.checkpoints:
             verdict = verify_checkpoint(path)
-            if verdict.ok:
+            if not verdict.ok:
+                problem = "; ".join(verdict.problems)
+            else:
                 self._note_unverified(verdict)
-                return path
+                try:
+                    return self._load(path)
+                except CheckpointLoadError as exc:
+                    # Every rank raised it (load_checkpoint agrees): all go on to the same one.
+                    problem = f"it verified but did not load ({exc.causes})"
             self.log.warning(
-                "--resume: skipping checkpoint %s: %s; trying the next older one",
-                path,
-                "; ".join(verdict.problems),
+                "--resume: skipping checkpoint %s: %s; trying the next older one", path, problem
             )
-            skipped.append(verdict)
-        if skipped:
-            raise CheckpointCorruptError(
-                f"--resume: no checkpoint in {self.checkpoints} verifies ("
-                + "; ".join(v.describe() for v in skipped)
-                + "). Put a good copy back and pass it with --resume-from, or start over "
-                "without --resume"
+            skipped.append(f"{path}: {problem}")
+        raise CheckpointCorruptError(
+            f"--resume: no checkpoint in {self.checkpoints} verifies ("
+            + "; ".join(skipped)
+            + "). Put a good copy back and pass it with --resume-from, or start over "
+            "without --resume"
+        )
+
+    def _nothing_to_resume(self, found: CheckpointListing) -> int:
+        """No checkpoint to resume from: 0 with ``resume_if_present``, else ConfigError."""
+        unfinished = ""
+        if found.partial:
+            names = ", ".join(p.name for p in found.partial)
+            unfinished = (
+                f" (only {names}: a save that never finished, since a job stopped while "
+                "writing it; never resumed from)"
             )
-        return None
+        if self.options.resume_if_present:
+            self.log.info(
+                "--resume-if-present: no checkpoint in %s%s; starting at step 0",
+                self.checkpoints,
+                unfinished,
+            )
+            return 0
+        raise ConfigError(
+            f"--resume: no checkpoint to resume from in {self.checkpoints}{unfinished}; leave "
+            "--resume out to start a new run, or pass --resume-if-present to start one when "
+            "there is nothing to resume"
+        )
 
     def _chosen_checkpoint(self, path: Path) -> Path:
         """``resume_from``, verified (collective)."""
@@ -436,10 +470,11 @@ class Trainer:
     def _note_unverified(self, verdict: Verification) -> None:
         if not verdict.verified:
             self.log.warning(
-                "checkpoint %s has no manifest.json (written before hp-train checksummed its "
-                "checkpoints): loading it unverified (its .metadata reads and its files are "
-                "long enough)",
+                "checkpoint %s has no manifest.json and is marked as written before hp-train "
+                "checksummed its checkpoints (%s): loading it unverified (its .metadata reads "
+                "and its files are long enough)",
                 verdict.path,
+                LEGACY_MARK,
             )
 
     # ------------------------------------------------------------------------------ step
@@ -635,7 +670,8 @@ class Trainer:
             if self.is_main and warn:
                 warnings.warn(d.message(), stacklevel=1)
         peaks: list[object] = [None] * self.runtime.world_size
-        dist.all_gather_object(peaks, peak_memory_bytes(self.runtime.device))
+        with watch("all_gather_object (peak memory per rank)"):
+            dist.all_gather_object(peaks, peak_memory_bytes(self.runtime.device))
         record["peak_memory_bytes"] = peaks
 
     def _loss_ranks(self) -> list[int] | None:
@@ -716,8 +752,9 @@ class Trainer:
         self.schedule = build_schedule(self.optimizer, self.config, start)
         config = self.config
         metrics_path = self.out / "metrics.jsonl"
-        if self.is_main and not (self.options.resume or self.options.resume_from):
-            metrics_path.unlink(missing_ok=True)  # a new run; a resumed one appends
+        if self.is_main and start == 0:
+            # A new run (checkpoints are of steps >= 1); a resumed one appends.
+            metrics_path.unlink(missing_ok=True)
         metrics = MetricsWriter(metrics_path) if self.is_main else None
         board = self._tensorboard(start)
         bar = ProgressBar(enabled=self.is_main and not self.options.quiet)
@@ -795,7 +832,8 @@ class Trainer:
         last_checkpoint: str | None,
     ) -> Summary:
         peaks: list[object] = [None] * self.runtime.world_size
-        dist.all_gather_object(peaks, peak_memory_bytes(self.runtime.device))
+        with watch("all_gather_object (peak memory per rank)"):
+            dist.all_gather_object(peaks, peak_memory_bytes(self.runtime.device))
         median = sorted(times)[len(times) // 2] if times else math.nan
         if self.is_main and losses:
             self._plot()
@@ -825,6 +863,42 @@ class Trainer:
         write_curves(
             self.out / "loss.png", series, title="training loss", x_label="step", y_label="loss"
         )
+
+
+def _text_state(path: Path) -> tuple[dict[str, Any] | None, list[int] | None]:
+    """A checkpoint's data position and skipped steps (None: not in it), as rank 0 reads them
+    (collective: one broadcast, so every rank takes the same, or skips the checkpoint alike);
+    read before its tensors load, so that a damaged file skips the checkpoint before any
+    state changes.
+
+    Raises:
+        CheckpointLoadError: a file is there but not what this version writes.
+    """
+
+    def read() -> tuple[dict[str, Any] | None, list[int] | None] | str:
+        data_state: dict[str, Any] | None = None
+        skipped: list[int] | None = None
+        try:
+            state_file = path / DATA_STATE_FILE
+            if state_file.is_file():
+                data_state = json.loads(state_file.read_text())
+                if not isinstance(data_state, dict):
+                    raise ValueError(f"{DATA_STATE_FILE} holds no JSON object")
+            skipped_file = path / SKIPPED_FILE
+            if skipped_file.is_file():
+                skipped = [int(s) for s in json.loads(skipped_file.read_text())["skipped_steps"]]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            return f"rank 0: {type(exc).__name__}: {exc}"
+        return data_state, skipped
+
+    box: list[object] = [read() if dist.get_rank() == 0 else None]
+    with watch("checkpoint text state broadcast"):
+        dist.broadcast_object_list(box, src=0)
+    found = box[0]
+    if isinstance(found, str):
+        raise CheckpointLoadError(path, found)
+    assert isinstance(found, tuple)
+    return found
 
 
 def _as_float(value: object) -> float:

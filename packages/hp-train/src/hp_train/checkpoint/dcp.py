@@ -18,12 +18,27 @@ SHA-256) into the ``.partial`` directory before the rename; a complete checkpoin
 always has one. :func:`verify_checkpoint` checks a checkpoint against it before a load (each
 rank a share of the files, then one gather so that every rank reaches the same verdict): a
 missing file, another size (truncated, or appended to), another SHA-256 (bytes overwritten in
-place) or an empty ``.metadata`` is a problem that names the file. A checkpoint written before
-manifests existed (none in it) is accepted unverified, after a structural check (its
-``.metadata`` reads and every file it points into exists and is long enough), and the caller
-says so. A save that fails on any rank (a full disk) raises :class:`CheckpointWriteError` on
-every rank and leaves only the ``.partial`` directory: the latest complete checkpoint stays
-what it was.
+place) or an empty ``.metadata`` is a problem that names the file.
+
+Deleting the manifest does not switch the check off. Every checkpoint this version writes
+also holds a format marker in its DCP state dict (:data:`FORMAT_KEY`, listed in ``.metadata``,
+which the manifest covers but does not hold): a checkpoint with the marker and no manifest is
+refused. One without either was written before manifests existed, or lost its manifest and
+was written before the marker; it is refused too unless the user marked it as old
+(:func:`mark_legacy`, ``python -m hp_train.checkpoint mark-legacy DIR``: a file
+:data:`LEGACY_MARK` in it, refused for a checkpoint with the marker). A marked one is accepted
+unverified, after a structural check (its ``.metadata`` reads and every file it points into
+exists and is long enough), and the caller says so.
+
+A load that fails on data torch cannot read (a checkpoint that verified, or a marked old one,
+whose bytes changed after the check) raises :class:`CheckpointLoadError` on every rank alike:
+the ranks agree in one gather, since the failure may come on one rank only. A save that fails
+on any rank (a full disk) raises :class:`CheckpointWriteError` on every rank and leaves only
+the ``.partial`` directory: the latest complete checkpoint stays what it was.
+
+Every collective here runs inside :func:`hp_dtensor.watchdog.watch` under a name that says
+which checkpoint step it is (``checkpoint verify gather``, ...), so that a rank that never
+joins one makes the others raise ``CollectiveTimeoutError`` naming it.
 """
 
 from __future__ import annotations
@@ -35,30 +50,40 @@ import shutil
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
+from hp_dtensor.watchdog import watch
 from hp_fsdp import get_optimizer_state_dict, set_optimizer_state_dict
 
 __all__ = [
+    "FORMAT_KEY",
+    "FORMAT_VERSION",
+    "LEGACY_MARK",
     "MANIFEST_FILE",
     "PARTIAL_SUFFIX",
     "CheckpointCorruptError",
     "CheckpointError",
+    "CheckpointListing",
+    "CheckpointLoadError",
     "CheckpointMismatchError",
     "CheckpointWriteError",
     "StageOf",
     "Verification",
     "checkpoints_newest_first",
+    "has_format_marker",
     "latest_checkpoint",
+    "list_checkpoints",
     "load_checkpoint",
+    "mark_legacy",
     "save_checkpoint",
     "verify_checkpoint",
     "write_manifest",
@@ -68,6 +93,16 @@ PARTIAL_SUFFIX = ".partial"
 #: Every file of a checkpoint with its size and SHA-256, written last (before the rename).
 MANIFEST_FILE = "manifest.json"
 _MANIFEST_VERSION = 1
+#: The entry of the DCP state dict that every checkpoint of this version holds (its value is
+#: :data:`FORMAT_VERSION`): ``.metadata`` lists it, so a checkpoint whose manifest is gone is
+#: still known to have had one.
+FORMAT_KEY = "hp_train_format"
+#: The checkpoint format this version writes: 2, checkpoints with a manifest (1, implicit:
+#: those before, without marker or manifest).
+FORMAT_VERSION = 2
+#: The file that marks a checkpoint without a manifest as written before manifests existed
+#: (:func:`mark_legacy`); only such a checkpoint loads unverified.
+LEGACY_MARK = "legacy_format"
 _METADATA = ".metadata"
 _NAME = re.compile(r"^step_(\d+)$")
 _STAGE_GROUPS = re.compile(r"^optim_groups\.stage_\d+_of_(\d+)\.")
@@ -84,6 +119,24 @@ class CheckpointError(RuntimeError):
 class CheckpointCorruptError(CheckpointError):
     """A checkpoint whose files do not match its manifest (or, for ``--resume``, no
     checkpoint that verifies); the message names each checkpoint and file."""
+
+
+class CheckpointLoadError(CheckpointCorruptError):
+    """torch could not read a checkpoint's data (every rank raises it alike).
+
+    Attributes:
+        path: the checkpoint.
+        causes: each failing rank's error (``rank 1: UnpicklingError: ...``).
+    """
+
+    def __init__(self, path: Path, causes: str) -> None:
+        super().__init__(f"could not load checkpoint {path} ({causes})")
+        self.path = path
+        self.causes = causes
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Pickled whole (rank pools send exceptions between processes).
+        return (CheckpointLoadError, (self.path, self.causes))
 
 
 class CheckpointWriteError(CheckpointError):
@@ -130,14 +183,42 @@ class StageOf:
         return f"stage_{self.stage}_of_{self.stages}"
 
 
+_T = TypeVar("_T")
+
+
+def _from_rank_0(name: str, work: Callable[[], _T]) -> _T:
+    """``work()`` on rank 0, its result broadcast to every rank (collective, watched as
+    ``name``)."""
+    box: list[object] = [work() if dist.get_rank() == 0 else None]
+    with watch(name):
+        dist.broadcast_object_list(box, src=0)
+    return box[0]  # type: ignore[return-value]
+
+
 def _saved_stages(path: Path) -> int:
-    """The number of pipeline stages a checkpoint was saved with (1: not pipelined)."""
-    keys = FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    for key in keys:
-        match = _STAGE_GROUPS.match(key)
-        if match:
-            return int(match.group(1))
-    return 1
+    """The number of pipeline stages a checkpoint was saved with (1: not pipelined), as rank 0
+    reads its ``.metadata`` (collective, so that a rank that cannot read it does not leave the
+    others in torch's load).
+
+    Raises:
+        CheckpointLoadError: rank 0 could not read ``.metadata`` (on every rank).
+    """
+
+    def read() -> int | str:
+        try:
+            keys = FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        except Exception as exc:  # anything torch raises on a damaged file
+            return f"rank 0: {_METADATA} unreadable ({type(exc).__name__}: {exc})"
+        for key in keys:
+            match = _STAGE_GROUPS.match(key)
+            if match:
+                return int(match.group(1))
+        return 1
+
+    found = _from_rank_0("checkpoint load metadata broadcast", read)
+    if isinstance(found, str):
+        raise CheckpointLoadError(path, found)
+    return found
 
 
 def _state(
@@ -152,6 +233,13 @@ def _state(
     if stage is not None:
         state["optim_groups"] = {stage.key: optim.pop("param_groups")}
     return state
+
+
+def has_format_marker(metadata: Metadata) -> bool:
+    """Whether a checkpoint's ``.metadata`` lists :data:`FORMAT_KEY` (written by an hp-train
+    that writes manifests)."""
+    prefix = FORMAT_KEY + "."
+    return any(key == FORMAT_KEY or key.startswith(prefix) for key in metadata.state_dict_metadata)
 
 
 def _step_dir(root: Path, step: int) -> Path:
@@ -171,6 +259,41 @@ def checkpoints_newest_first(root: str | Path) -> list[tuple[int, Path]]:
         if match and entry.is_dir():
             found.append((int(match.group(1)), entry))
     return sorted(found, reverse=True)
+
+
+@dataclass(frozen=True)
+class CheckpointListing:
+    """The checkpoints of a folder, as :func:`list_checkpoints` found them.
+
+    Attributes:
+        checkpoints: the ``step_<n>`` directories, the highest step first (complete or not:
+            :func:`verify_checkpoint` says which can be loaded).
+        partial: the ``step_<n>.partial`` directories (saves that never finished, never
+            loaded), the highest step first.
+    """
+
+    checkpoints: tuple[Path, ...]
+    partial: tuple[Path, ...]
+
+
+def list_checkpoints(root: str | Path) -> CheckpointListing:
+    """The checkpoints under ``root`` as rank 0 sees them, the same on every rank
+    (collective: one broadcast, so that every rank tries the same ones in the same order)."""
+    base = Path(root)
+
+    def listing() -> CheckpointListing:
+        partial: list[tuple[int, Path]] = []
+        if base.is_dir():
+            for entry in base.iterdir():
+                match = _NAME.match(entry.name.removesuffix(PARTIAL_SUFFIX))
+                if entry.name.endswith(PARTIAL_SUFFIX) and match and entry.is_dir():
+                    partial.append((int(match.group(1)), entry))
+        return CheckpointListing(
+            tuple(path for _, path in checkpoints_newest_first(base)),
+            tuple(path for _, path in sorted(partial, reverse=True)),
+        )
+
+    return _from_rank_0("checkpoint list broadcast", listing)
 
 
 def latest_checkpoint(root: str | Path) -> tuple[int, Path] | None:
@@ -197,7 +320,8 @@ def save_checkpoint(
     """Save the state after ``step`` steps (collective; every rank calls it; ``stage`` under
     pipeline parallelism). ``files``: text files (name to content, the same on every rank)
     that rank 0 writes into the checkpoint beside the tensors before it is complete, such as
-    the data loader's position and the run's configuration."""
+    the data loader's position and the run's configuration. The state dict holds the format
+    marker (:data:`FORMAT_KEY`) beside the model, optimizer and step."""
     final = _step_dir(Path(root), step)
     partial = final.with_name(final.name + PARTIAL_SUFFIX)
 
@@ -216,24 +340,30 @@ def save_checkpoint(
 
     # Each step on rank 0 tells every rank how it went (the others wait for it), so that a
     # failure there raises everywhere instead of leaving the others in a barrier.
-    _on_rank_0(start, partial)
+    _on_rank_0(start, partial, "checkpoint save start broadcast")
+    state = _state(model, optimizer, step, stage)
+    state[FORMAT_KEY] = {"version": FORMAT_VERSION}
     try:
-        dcp_save(_state(model, optimizer, step, stage), checkpoint_id=str(partial))
+        with watch("checkpoint save (torch DCP)"):
+            dcp_save(state, checkpoint_id=str(partial))
     except CheckpointException as exc:
         raise CheckpointWriteError(_write_failure(partial, exc)) from exc
-    _on_rank_0(write_files, partial)
+    _on_rank_0(write_files, partial, "checkpoint save text files broadcast")
     write_manifest(partial)
-    _on_rank_0(complete, partial)
+    _on_rank_0(complete, partial, "checkpoint save rename broadcast")
     return final
 
 
 def _write_failure(partial: Path, exc: CheckpointException) -> str:
-    causes = "; ".join(
-        f"rank {rank}: {_cause(failure)}" for rank, failure in sorted(exc.failures.items())
-    )
     return (
-        f"could not write checkpoint {partial} ({causes}); it stays incomplete (.partial, "
+        f"could not write checkpoint {partial} ({_causes(exc)}); it stays incomplete (.partial, "
         "never taken by --resume) and the earlier checkpoints are untouched"
+    )
+
+
+def _causes(exc: CheckpointException) -> str:
+    return "; ".join(
+        f"rank {rank}: {_cause(failure)}" for rank, failure in sorted(exc.failures.items())
     )
 
 
@@ -242,18 +372,21 @@ def _cause(failure: object) -> str:
     return f"{type(error).__name__}: {error}" if isinstance(error, BaseException) else str(error)
 
 
-def _on_rank_0(work: Callable[[], None], partial: Path) -> None:
-    """``work()`` on rank 0, its failure (OSError) raised on every rank (collective)."""
-    failure: list[str | None] = [None]
-    if dist.get_rank() == 0:
+def _on_rank_0(work: Callable[[], None], partial: Path, name: str) -> None:
+    """``work()`` on rank 0, its failure (OSError) raised on every rank (collective, watched
+    as ``name``)."""
+
+    def attempt() -> str | None:
         try:
             work()
         except OSError as exc:
-            failure[0] = f"rank 0: {type(exc).__name__}: {exc}"
-    dist.broadcast_object_list(failure, src=0)
-    if failure[0] is not None:
+            return f"rank 0: {type(exc).__name__}: {exc}"
+        return None
+
+    failure = _from_rank_0(name, attempt)
+    if failure is not None:
         raise CheckpointWriteError(
-            f"could not write checkpoint {partial} ({failure[0]}); it stays incomplete "
+            f"could not write checkpoint {partial} ({failure}); it stays incomplete "
             "(.partial, never taken by --resume) and the earlier checkpoints are untouched"
         )
 
@@ -263,28 +396,28 @@ def _sha256(path: Path) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
-def _gather(value: object) -> list[object]:
+def _gather(value: object, name: str) -> list[object]:
+    """Every rank's ``value``, by rank (collective, watched as ``name``)."""
     gathered: list[object] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, value)
+    with watch(name):
+        dist.all_gather_object(gathered, value)
     return gathered
 
 
 def _names_from_rank_0(folder: Path) -> list[str]:
     """The files of ``folder`` as rank 0 lists them (broadcast: every rank the same list)."""
-    names: list[object] = [None]
-    if dist.get_rank() == 0:
-        names[0] = sorted(
-            p.name for p in folder.iterdir() if p.is_file() and p.name != MANIFEST_FILE
-        )
-    dist.broadcast_object_list(names, src=0)
-    assert isinstance(names[0], list)
-    return names[0]
+
+    def names() -> list[str]:
+        return sorted(p.name for p in folder.iterdir() if p.is_file() and p.name != MANIFEST_FILE)
+
+    return _from_rank_0("checkpoint manifest file list broadcast", names)
 
 
 def write_manifest(folder: str | Path) -> None:
     """Hash every file of the checkpoint being written in ``folder`` (each rank a share)
     and have rank 0 write :data:`MANIFEST_FILE` (collective; after every rank has written
-    its files).
+    its files). Its last broadcast is the barrier before the rename: no rank goes on before
+    the manifest is written.
 
     Raises:
         CheckpointWriteError: a file could not be read or the manifest written (every rank).
@@ -300,7 +433,7 @@ def write_manifest(folder: str | Path) -> None:
     except OSError as exc:
         mine = {"error": f"rank {rank}: {type(exc).__name__}: {exc}"}
     entries: dict[str, object] = {}
-    for part in _gather(mine):
+    for part in _gather(mine, "checkpoint manifest hash gather"):
         assert isinstance(part, dict)
         if "error" in part:
             raise CheckpointWriteError(f"could not hash checkpoint {base} ({part['error']})")
@@ -314,7 +447,7 @@ def write_manifest(folder: str | Path) -> None:
         }
         (base / MANIFEST_FILE).write_text(json.dumps(manifest, indent=1) + "\n")
 
-    _on_rank_0(write, base)
+    _on_rank_0(write, base, "checkpoint manifest write broadcast")
 
 
 def _read_manifest(path: Path) -> tuple[dict[str, dict[str, Any]] | None, list[str]]:
@@ -334,15 +467,40 @@ def _read_manifest(path: Path) -> tuple[dict[str, dict[str, Any]] | None, list[s
     return files, []
 
 
-def _structure_problems(path: Path) -> list[str]:
-    """A checkpoint without a manifest: ``.metadata`` reads and every file it points into
-    exists and holds the bytes it points at."""
+def _read_metadata(path: Path) -> Metadata | str:
+    """A checkpoint's ``.metadata``, or the problem reading it."""
     try:
-        storage = FileSystemReader(str(path)).read_metadata().storage_data
+        return FileSystemReader(str(path)).read_metadata()
     except Exception as exc:  # anything torch raises on a damaged file
-        return [f"{_METADATA}: unreadable ({type(exc).__name__}: {exc})"]
+        return f"{_METADATA}: unreadable ({type(exc).__name__}: {exc})"
+
+
+def _unmanifested_problems(path: Path) -> list[str]:
+    """A checkpoint without a manifest: refused when it has the format marker (its manifest
+    was deleted) or is not marked as old (:func:`mark_legacy`); a marked one must pass the
+    structural check (:func:`_structure_problems`)."""
+    metadata = _read_metadata(path)
+    if isinstance(metadata, str):
+        return [metadata]
+    if has_format_marker(metadata):
+        return [
+            f"{MANIFEST_FILE}: missing, though hp-train wrote this checkpoint with one (its "
+            f"{_METADATA} holds the format marker {FORMAT_KEY}): its files cannot be verified"
+        ]
+    if not (path / LEGACY_MARK).is_file():
+        return [
+            f"{MANIFEST_FILE}: missing, and the checkpoint is not marked as written before "
+            "hp-train checksummed its checkpoints; if it is that old, mark it with: python -m "
+            f"hp_train.checkpoint mark-legacy {path}"
+        ]
+    return _structure_problems(path, metadata)
+
+
+def _structure_problems(path: Path, metadata: Metadata) -> list[str]:
+    """A checkpoint without a manifest: every file its ``.metadata`` points into exists and
+    holds the bytes it points at."""
     needed: dict[str, int] = {}
-    for info in storage.values():
+    for info in metadata.storage_data.values():
         end = int(info.offset) + int(info.length)
         needed[info.relative_path] = max(needed.get(info.relative_path, 0), end)
     problems = []
@@ -371,7 +529,7 @@ def _plan(path: Path) -> dict[str, Any]:
     if problems:
         return {"problems": problems, "files": None}
     if files is None:
-        return {"problems": _structure_problems(path), "files": None}
+        return {"problems": _unmanifested_problems(path), "files": None}
     return {"problems": [], "files": files}
 
 
@@ -397,12 +555,11 @@ def verify_checkpoint(path: str | Path) -> Verification:
     same :class:`Verification`).
 
     Rank 0 reads the manifest and broadcasts it; each rank checks a share of the files (size,
-    then SHA-256); one gather gives every rank every problem, in the manifest's order."""
+    then SHA-256); one gather gives every rank every problem, in the manifest's order. Without
+    a manifest, only a checkpoint marked as old (:data:`LEGACY_MARK`) without the format marker
+    passes (unverified), after a structural check."""
     folder = Path(path)
-    plan: list[object] = [_plan(folder) if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(plan, src=0)
-    found = plan[0]
-    assert isinstance(found, dict)
+    found = _from_rank_0("checkpoint verify manifest broadcast", lambda: _plan(folder))
     files = found["files"]
     if files is None:
         return Verification(folder, tuple(found["problems"]), verified=False)
@@ -413,12 +570,51 @@ def verify_checkpoint(path: str | Path) -> Verification:
     except OSError as exc:
         mine = [f"rank {rank} could not read it: {type(exc).__name__}: {exc}"]
     problems: list[str] = []
-    for part in _gather(mine):
+    for part in _gather(mine, "checkpoint verify gather"):
         assert isinstance(part, list)
         problems += part
     order = {name: i for i, name in enumerate(names)}
     problems.sort(key=lambda p: order.get(p.split(":")[0], len(order)))
     return Verification(folder, tuple(problems), verified=not problems)
+
+
+def mark_legacy(path: str | Path) -> Path:
+    """Mark the checkpoint ``path``, written before hp-train wrote manifests, as such: write
+    :data:`LEGACY_MARK` into it, after which :func:`verify_checkpoint` accepts it unverified
+    (structural check only). Returns the mark's path.
+
+    Raises:
+        CheckpointError: ``path`` is no checkpoint (no readable ``.metadata``), has a manifest
+            (it is verified against it), or holds this version's format marker (its manifest
+            was deleted: marking it would load unverified data); or the mark cannot be
+            written.
+    """
+    folder = Path(path)
+    if not (folder / _METADATA).is_file():
+        raise CheckpointError(f"{folder} is not a checkpoint (no {_METADATA} in it)")
+    if (folder / MANIFEST_FILE).exists():
+        raise CheckpointError(
+            f"{folder} has a {MANIFEST_FILE}: it is verified against it, there is nothing to mark"
+        )
+    metadata = _read_metadata(folder)
+    if isinstance(metadata, str):
+        raise CheckpointError(f"{folder}: {metadata}")
+    if has_format_marker(metadata):
+        raise CheckpointError(
+            f"{folder} was written by an hp-train that writes a {MANIFEST_FILE} (its "
+            f"{_METADATA} holds the format marker {FORMAT_KEY}), so its manifest was deleted; "
+            "refusing to mark it as old, which would load it unverified: restore the manifest "
+            "or resume from another checkpoint"
+        )
+    mark = folder / LEGACY_MARK
+    try:
+        mark.write_text(
+            "This checkpoint was written before hp-train wrote manifest.json; hp-train loads "
+            "it unverified (structural check only).\n"
+        )
+    except OSError as exc:
+        raise CheckpointError(f"could not write {mark}: {type(exc).__name__}: {exc}") from exc
+    return mark
 
 
 def load_checkpoint(
@@ -432,11 +628,14 @@ def load_checkpoint(
 
     Raises:
         CheckpointMismatchError: the checkpoint was saved with another number of pipeline stages.
-        CheckpointCorruptError: torch could not read it (on every rank; the message names the
-            checkpoint and each rank's error). :func:`verify_checkpoint` first finds the damage
-            a manifest can show.
+        CheckpointLoadError: torch could not read it on some rank (raised on every rank, after
+            one gather: the message names the checkpoint and each failing rank's error); the
+            model may then hold part of its data, the optimizer is untouched. Loading another
+            checkpoint overwrites both whole. :func:`verify_checkpoint` first finds the
+            damage a manifest can show.
     """
-    saved = _saved_stages(Path(path))
+    folder = Path(path)
+    saved = _saved_stages(folder)
     wanted = 1 if stage is None else stage.stages
     if saved != wanted:
         raise CheckpointMismatchError(
@@ -444,13 +643,17 @@ def load_checkpoint(
             f"resume with --pp {saved} (the data and tensor-parallel sizes may change)"
         )
     state = _state(model, optimizer, 0, stage)
+    failure: str | None = None
     try:
-        dcp_load(state, checkpoint_id=str(path))
+        with watch("checkpoint load (torch DCP)"):
+            dcp_load(state, checkpoint_id=str(path))
     except CheckpointException as exc:
-        causes = "; ".join(
-            f"rank {rank}: {_cause(failure)}" for rank, failure in sorted(exc.failures.items())
-        )
-        raise CheckpointCorruptError(f"could not load checkpoint {path} ({causes})") from exc
+        failure = _causes(exc)
+    # torch's load raises on every rank when one fails to read; agreeing here keeps the ranks
+    # together whatever fails where (the model is only touched in place so far).
+    failures = [f for f in _gather(failure, "checkpoint load agreement gather") if f is not None]
+    if failures:
+        raise CheckpointLoadError(folder, "; ".join(dict.fromkeys(str(f) for f in failures)))
     model.load_state_dict(state["model"])
     optim_sd = state["optim"]
     if stage is not None:

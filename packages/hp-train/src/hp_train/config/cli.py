@@ -21,7 +21,9 @@ from typing import Any
 
 import torch.distributed as dist
 
+from hp_dtensor import watchdog
 from hp_dtensor.device import DeviceUnavailableError
+from hp_dtensor.watchdog import CollectiveError
 from hp_train.checkpoint.dcp import CheckpointError
 from hp_train.checkpoint.hf import WeightsMismatchError
 from hp_train.config.options import (
@@ -106,7 +108,16 @@ def _add_command_flags(groups: Mapping[str, argparse._ActionsContainer]) -> None
     d.add_argument("--threads", type=int, default=None, help="CPU threads per rank")
     r = groups["run"]
     r.add_argument("--out", type=Path, default=Path("hp_train_out"))
-    r.add_argument("--resume", action="store_true", help="from the newest checkpoint that verifies")
+    r.add_argument(
+        "--resume",
+        action="store_true",
+        help="from the newest checkpoint that verifies (an error if there is none)",
+    )
+    r.add_argument(
+        "--resume-if-present",
+        action="store_true",
+        help="as --resume, but start a new run when there is no checkpoint at all",
+    )
     r.add_argument(
         "--resume-from",
         type=Path,
@@ -215,6 +226,7 @@ def parse(
         out_dir=args.out,
         resume=args.resume,
         resume_from=args.resume_from,
+        resume_if_present=args.resume_if_present,
         validate=args.validate,
         validate_steps=args.validate_steps,
         quiet=args.quiet,
@@ -293,12 +305,18 @@ EXIT_CONFIG = 2
 EXIT_NONFINITE = 3
 #: A checkpoint could not be loaded (none verifies, ``--resume-from`` does not) or written.
 EXIT_CHECKPOINT = 4
+#: A collective failed: a rank never joined it (``CollectiveTimeoutError``) or left it
+#: (``PeerLostError``); each rank prints its own diagnosis (they differ by rank).
+EXIT_COLLECTIVE = 5
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run training; returns the process exit code (every rank the same): 0, or
-    :data:`EXIT_CONFIG`, :data:`EXIT_NONFINITE`, :data:`EXIT_CHECKPOINT`. The trainer logged
-    the last two's message (rank 0's stderr, every rank's log file); a configuration error is
+    :data:`EXIT_CONFIG`, :data:`EXIT_NONFINITE`, :data:`EXIT_CHECKPOINT`,
+    :data:`EXIT_COLLECTIVE`. The trainer logged the non-finite and checkpoint messages (rank
+    0's stderr, every rank's log file); hp_dtensor's watchdog logged a collective failure into
+    the rank's log file, and every rank it reached prints it as ``hp-train: ...``; a
+    configuration error is
     reported here, once for the job and before any rank exits
     (:func:`hp_train.observe.errors.report_error`)."""
     try:
@@ -334,11 +352,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     except CheckpointError:
         shutdown()
         return EXIT_CHECKPOINT
+    except CollectiveError as exc:
+        print(f"hp-train: {exc}", file=sys.stderr, flush=True)
+        _abandon_process_group()
+        return EXIT_COLLECTIVE
     finally:
         if options is not None and runtime.rank == 0:
             release_out_dir(Path(options.out_dir))
     shutdown()
     return 0
+
+
+def _abandon_process_group() -> None:
+    """Tear down a process group a failed collective left broken: no barrier (a peer is gone
+    or stuck), stop the watchdog's publisher first (it writes to the store)."""
+    watchdog.stop()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _claim(out_dir: Path, rank: int) -> None:
@@ -350,7 +380,8 @@ def _claim(out_dir: Path, rank: int) -> None:
             outcome = [("warning", claim_out_dir(out_dir))]
         except OutDirInUseError as exc:
             outcome = [("error", str(exc))]
-    dist.broadcast_object_list(outcome, src=0)
+    with watchdog.watch("broadcast_object_list (output folder claim)"):
+        dist.broadcast_object_list(outcome, src=0)
     kind, text = outcome[0] or ("warning", None)
     if kind == "error":
         raise OutDirInUseError(text)

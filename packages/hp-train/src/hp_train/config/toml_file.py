@@ -52,7 +52,7 @@ CONFIG_FILE = "config.toml"
 
 #: Options that never go into a written configuration (they say what to do, not what the
 #: run is).
-_NOT_WRITTEN = frozenset({"config", "print_plan", "resume", "resume_from"})
+_NOT_WRITTEN = frozenset({"config", "print_plan", "resume", "resume_from", "resume_if_present"})
 
 
 @dataclass(frozen=True)
