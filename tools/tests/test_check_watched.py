@@ -11,7 +11,7 @@ import check_watched
 
 CHECKER = Path(check_watched.__file__).resolve()
 
-WATCHED = '''
+WATCHED = """
 import torch.distributed as dist
 from hp_dtensor.watchdog import watch, watch_async, watch_p2p
 
@@ -29,9 +29,9 @@ def assigned_then_watched(x, group):
 def marked(ops):
     works = dist.batch_isend_irecv(ops)  # watched: each op's work, by watch_p2p below
     return [watch_p2p("send", 0, 1, w) for w in works]
-'''
+"""
 
-UNWATCHED = '''
+UNWATCHED = """
 import torch.distributed as dist
 
 def bare(x):
@@ -43,7 +43,7 @@ def assigned_never_watched(x):
 
 def not_a_collective(x):
     return dist.get_rank()
-'''
+"""
 
 
 def _write(root: Path, dist_name: str, module: str, text: str) -> None:
@@ -86,7 +86,7 @@ def test_unwatched_calls_are_named_with_their_line(tmp_path: Path) -> None:
 
 def test_a_watch_elsewhere_in_the_module_does_not_count(tmp_path: Path) -> None:
     """The name passed to watch_async must be in the same function as the call."""
-    text = '''
+    text = """
     import torch.distributed as dist
     from hp_dtensor.watchdog import watch_async
 
@@ -96,7 +96,7 @@ def test_a_watch_elsewhere_in_the_module_does_not_count(tmp_path: Path) -> None:
 
     def elsewhere(work):
         return watch_async("all_reduce", None, work)
-    '''
+    """
     _write(tmp_path, "hp-a", "hp_a/split.py", text)
     assert [u.line for u in check_watched.find_unwatched(tmp_path)] == [6]
 

@@ -2,7 +2,8 @@
 
 ``torchrun ... -m hp_train`` at world 2 (FSDP 2) and 4 (FSDP 2 x tp 2), launched as a
 user would, with a 3 s collective timeout (``HP_TRAIN_COLLECTIVE_TIMEOUT``) and
-``HP_TRAIN_INJECT_STALL=1:1``: rank 1 stops for good before its first watched collective.
+``HP_TRAIN_INJECT_STALL=1:2``: rank 1 stops for good before its second watched collective (the
+first is the output folder's claim).
 Every other rank must raise :class:`hp_dtensor.watchdog.CollectiveTimeoutError` naming the
 collective, its group and the rank it waits for, printed as ``hp-train: <diagnosis>`` (exit
 code 5); torchrun then stops rank 1, and the launcher
@@ -35,7 +36,7 @@ ARGS = [
     "--steps", "1", "--data", "synthetic", "--global-batch", "2", "--seq-len",
     "8", "--quiet", "--threads", "1",
 ]  # fmt: skip
-# Where rank 1 stalls: at world 2 under FSDP, at the step's loss all-reduce (its first
+# Where rank 1 stalls: at world 2 under FSDP, at the step's loss all-reduce (its second
 # watched synchronous collective); at world 4 inside the model (the first tensor-parallel
 # collective of the forward). Each case: (world, extra flags, the first waiting rank's
 # expected message parts). At world 4 (dp_shard 2 x tp 2) rank 0 waits in the tp group and
@@ -62,7 +63,7 @@ def _env() -> dict[str, str]:
     env["OMP_NUM_THREADS"] = "1"
     env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
     env[TIMEOUT_ENV] = str(TIMEOUT_S)
-    env[STALL_ENV] = "1:1"
+    env[STALL_ENV] = "1:2"
     return env
 
 
