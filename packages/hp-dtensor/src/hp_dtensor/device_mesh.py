@@ -33,7 +33,7 @@ import hp_dtensor.watchdog as watchdog
 from hp_dtensor.device import backend_for, local_device, prepare_device_type
 from hp_layout import Mesh
 
-__all__ = ["DeviceMesh", "init_device_mesh"]
+__all__ = ["DeviceMesh", "forget_groups", "init_device_mesh"]
 
 # The DeviceMesh to use for a (device type, mesh) when no bound one is known: see
 # DeviceMesh.lookup. Meshes not bound to torch ones look their groups up per world, so sharing
@@ -69,6 +69,19 @@ def _world() -> _World:
         found = _World(group)
         _WORLDS[id(group)] = found
     return found
+
+
+def forget_groups() -> None:
+    """Drop every reference this package keeps to the job's process groups: the groups created
+    per default group, the torch meshes built over them, the meshes bound to torch ones, the
+    known meshes and the watchdog's counts. Call it after
+    ``torch.distributed.destroy_process_group``: torch frees a group's backend only with its
+    last reference, and gloo's backend joins its worker threads then, which must happen while
+    the interpreter still runs (see :func:`hp_dtensor.watchdog.forget_groups`). Meshes held
+    elsewhere stay usable in a later job: they look their groups up per default group."""
+    _WORLDS.clear()
+    _KNOWN.clear()
+    watchdog.forget_groups()
 
 
 def _default_group() -> dist.ProcessGroup:

@@ -66,6 +66,7 @@ __all__ = [
     "PeerLostError",
     "configure",
     "enabled",
+    "forget_groups",
     "group_timeout",
     "name_group",
     "set_entry_hook",
@@ -220,6 +221,22 @@ def stop() -> None:
     publisher, _STATE.publisher = _STATE.publisher, None
     if publisher is not None:
         publisher.stop()
+
+
+def forget_groups() -> None:
+    """Stop publishing and drop this module's references to the job's process groups (their
+    counts); for after ``torch.distributed.destroy_process_group``. Torch frees a group's
+    backend only with its last reference, and gloo's backend joins its worker threads then: a
+    group kept until the interpreter's finalization is freed there, where a worker thread that
+    still has a tensor to release needs the GIL and is ended by Python mid-destructor, which
+    aborts the process ("terminate called without an active exception"). The watchdog stays
+    configured; the counts restart with the next watched collective."""
+    stop()
+    _STATE.groups.clear()
+    _STATE.world = None
+    _STATE.current = None
+    _STATE.entered = 0
+    _STATE.failed = None
 
 
 class _Watch:

@@ -12,17 +12,27 @@ the waiting ranks raise :class:`hp_dtensor.watchdog.CollectiveTimeoutError` at t
 naming the collective, its group and the ranks that did not arrive, so the job exits non-zero
 (torchrun then stops the remaining ranks) instead of hanging.
 
+Teardown: :func:`shutdown` (every rank, after a barrier) and :func:`release_process_groups`
+(no barrier: a rank leaving on an error) free the job's process groups before the interpreter
+finalizes. A gloo backend runs its collectives on worker threads; a worker that drops the last
+reference to a tensor whose Python object is gone must take the GIL to free it, and during
+finalization Python ends such a thread in the middle of a C++ destructor, which aborts the
+process ("terminate called without an active exception", SIGABRT) after correct work. Freeing
+a backend joins its workers, and torch releases the GIL while it does, so they finish first.
+
 Fault injection, for tests: ``HP_TRAIN_INJECT_STALL=<rank>:<n>`` makes rank ``<rank>`` stop
 for good before its ``n``-th collective issued through hp_dtensor, as a rank that never joins.
 """
 
 from __future__ import annotations
 
+import gc
 import math
 import os
 import socket
 import sys
 import time
+import weakref
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -36,8 +46,16 @@ from torch.distributed.rendezvous import rendezvous
 
 from hp_dtensor import watchdog
 from hp_dtensor.device import backend_for
+from hp_dtensor.device_mesh import forget_groups
 
-__all__ = ["STALL_ENV", "TIMEOUT_ENV", "Runtime", "init_runtime", "shutdown"]
+__all__ = [
+    "STALL_ENV",
+    "TIMEOUT_ENV",
+    "Runtime",
+    "init_runtime",
+    "release_process_groups",
+    "shutdown",
+]
 
 
 #: The collective timeout in seconds, when ``init_runtime`` is given none.
@@ -193,11 +211,31 @@ def init_runtime(
 
 
 def shutdown() -> None:
-    """Barrier, then destroy the default process group (teardown without the barrier can
-    abort on gloo). A rank that never reaches the barrier makes it raise
+    """Barrier, then :func:`release_process_groups` (teardown without the barrier can abort on
+    gloo). A rank that never reaches the barrier makes it raise
     :class:`hp_dtensor.watchdog.CollectiveTimeoutError` at the timeout."""
     if dist.is_initialized():
         with watchdog.watch("barrier (shutdown)"):
             dist.barrier()
-        watchdog.stop()
-        dist.destroy_process_group()
+        release_process_groups()
+
+
+def release_process_groups() -> int:
+    """Stop hp_dtensor's watchdog thread, destroy every process group of the job and free
+    their backends now, while the interpreter runs (module docstring); no collective, so a rank
+    leaving on an error may call it alone. Returns how many of the job's groups are still
+    referenced elsewhere afterwards (0: every backend and its worker threads are gone); such a
+    group is freed when its last holder lets go, at the latest during finalization.
+    """
+    if not dist.is_initialized():
+        return 0
+    # The publisher writes to the default group's store: it stops before the store can go.
+    watchdog.stop()
+    # torch keeps no public list of the job's groups; pg_map holds every one it created.
+    groups = [weakref.ref(group) for group in dist.distributed_c10d._world.pg_map]
+    dist.destroy_process_group()
+    # hp_dtensor's tables of groups and meshes, and the watchdog's counts, hold them too.
+    forget_groups()
+    # Groups referenced only from garbage cycles (a model and its sharding state) go now too.
+    gc.collect()
+    return sum(ref() is not None for ref in groups)

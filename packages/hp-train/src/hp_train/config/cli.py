@@ -45,7 +45,7 @@ from hp_train.observe.out_dir import (
     release_out_dir,
 )
 from hp_train.parallel.run_plan import plan_report
-from hp_train.runtime import init_runtime, shutdown
+from hp_train.runtime import init_runtime, release_process_groups, shutdown
 from hp_train.trainer import RunOptions, Summary, train
 
 __all__ = ["EXIT_CHECKPOINT", "EXIT_CONFIG", "EXIT_NONFINITE", "MODEL_PRESETS", "main", "parse"]
@@ -344,7 +344,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if options is not None and not isinstance(exc, OutDirInUseError):
             log = (Path(options.out_dir), runtime.rank)  # not another run's logs
         report_error(str(exc), log=log)
-        dist.destroy_process_group()
+        release_process_groups()
         return EXIT_CONFIG
     except NonFiniteError:
         shutdown()  # every rank raised it at the same step: none is left in a collective
