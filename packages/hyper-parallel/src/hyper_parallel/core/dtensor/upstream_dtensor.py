@@ -18,6 +18,7 @@ import torch
 import hp_dtensor
 from hp_dtensor import DeviceMesh
 from hp_layout import Placement
+from hyper_parallel.migration import adapts
 
 __all__ = ["DTensor"]
 
@@ -32,6 +33,10 @@ class _SameAsHpDTensor(type(hp_dtensor.DTensor)):  # type: ignore[misc]
         return issubclass(subclass, hp_dtensor.DTensor)
 
 
+@adapts(
+    "hp_dtensor.DTensor",
+    "upstream's `from_local` never communicates: `run_check=False` by default (hp-dtensor checks)",
+)
 class DTensor(hp_dtensor.DTensor, metaclass=_SameAsHpDTensor):
     """``hp_dtensor.DTensor`` as upstream's API has it (see the module docstring)."""
 
