@@ -32,7 +32,7 @@ Postconditions of :func:`diagnose` (tested in ``tests/test_collective_errors.py`
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -235,19 +235,34 @@ def _header(failure: Failure) -> str:
     )
 
 
-def _footer(failure: Failure) -> str:
+def _message(failure: Failure, what: str, verdict: str, notes: Sequence[str]) -> str:
+    """``<collective> over group <group> <what>: <verdict>``, a line per note, the backend's
+    first line."""
     first_line = (failure.error.strip().splitlines() or [""])[0]
-    return f"\n  backend error: {first_line[:300]}"
+    return (
+        f"{_header(failure)} {what}: {verdict}"
+        + "".join(f"\n  {note}" for note in notes)
+        + f"\n  backend error: {first_line[:300]}"
+    )
+
+
+def _peers(
+    failure: Failure, peers: Mapping[int, PeerReport | None]
+) -> Iterator[tuple[int, PeerReport | None]]:
+    """Every other rank of the failed collective's group, in group order, with its report."""
+    return ((rank, peers.get(rank)) for rank in failure.ranks if rank != failure.rank)
+
+
+def _who(ranks: Sequence[int]) -> str:
+    """``rank 2`` or ``ranks 2, 3``."""
+    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
 
 
 def _lost(failure: Failure, peers: Mapping[int, PeerReport | None]) -> PeerLostError:
     gone: list[int] = []
     silent: list[int] = []
     notes: list[str] = []
-    for rank in failure.ranks:
-        if rank == failure.rank:
-            continue
-        report = peers.get(rank)
+    for rank, report in _peers(failure, peers):
         if report is None:
             silent.append(rank)
             notes.append(f"rank {rank}: never reported (it entered no watched collective)")
@@ -264,10 +279,10 @@ def _lost(failure: Failure, peers: Mapping[int, PeerReport | None]) -> PeerLostE
     if gone or silent:
         parts = []
         if gone:
-            parts.append(f"rank{'s' if len(gone) > 1 else ''} {_ranks(gone)} exited")
+            parts.append(f"{_who(gone)} exited")
         if silent:
             parts.append(
-                f"rank{'s' if len(silent) > 1 else ''} {_ranks(silent)} stopped reporting "
+                f"{_who(silent)} stopped reporting "
                 "(exited or hung; on another host, so its process cannot be checked from here)"
             )
         verdict = " and ".join(parts) + " while the group was in it"
@@ -276,14 +291,12 @@ def _lost(failure: Failure, peers: Mapping[int, PeerReport | None]) -> PeerLostE
             "the backend lost its connection to a peer, but every rank of the group is still "
             "running (a rank leaving after its own error, or the network)"
         )
-    message = (
-        f"{_header(failure)} failed on rank {failure.rank} after {failure.elapsed_s:.1f} s "
-        f"(its collective #{failure.count} over this group): {verdict}"
-        + "".join(f"\n  {note}" for note in notes)
-        + _footer(failure)
+    what = (
+        f"failed on rank {failure.rank} after {failure.elapsed_s:.1f} s "
+        f"(its collective #{failure.count} over this group)"
     )
     return PeerLostError(
-        message,
+        _message(failure, what, verdict, notes),
         collective=failure.collective,
         group=failure.group,
         ranks=failure.ranks,
@@ -296,10 +309,7 @@ def _lost(failure: Failure, peers: Mapping[int, PeerReport | None]) -> PeerLostE
 def _stalled(failure: Failure, peers: Mapping[int, PeerReport | None]) -> CollectiveTimeoutError:
     missing: list[int] = []
     notes: list[str] = []
-    for rank in failure.ranks:
-        if rank == failure.rank:
-            continue
-        report = peers.get(rank)
+    for rank, report in _peers(failure, peers):
         if report is None:
             missing.append(rank)
             notes.append(f"rank {rank}: no report (it entered no watched collective yet)")
@@ -319,22 +329,19 @@ def _stalled(failure: Failure, peers: Mapping[int, PeerReport | None]) -> Collec
             note += "the GIL?)"
         notes.append(note)
     if missing:
-        who = f"rank{'s' if len(missing) > 1 else ''} {_ranks(missing)}"
-        verdict = f"{who} of the group did not arrive"
+        verdict = f"{_who(missing)} of the group did not arrive"
     else:
         verdict = (
             f"every rank of the group entered its collective #{failure.count} there: they "
             "issued different collectives, or one failed inside it"
         )
-    message = (
-        f"{_header(failure)} did not complete within the {failure.timeout_s:g} s timeout "
-        f"(rank {failure.rank}, its collective #{failure.count} over this group, failed after "
-        f"{failure.elapsed_s:.1f} s): {verdict}"
-        + "".join(f"\n  {note}" for note in notes)
-        + _footer(failure)
+    what = (
+        f"did not complete within the {failure.timeout_s:g} s timeout (rank {failure.rank}, "
+        f"its collective #{failure.count} over this group, failed after "
+        f"{failure.elapsed_s:.1f} s)"
     )
     return CollectiveTimeoutError(
-        message,
+        _message(failure, what, verdict, notes),
         collective=failure.collective,
         group=failure.group,
         ranks=failure.ranks,
@@ -342,7 +349,3 @@ def _stalled(failure: Failure, peers: Mapping[int, PeerReport | None]) -> Collec
         timeout_s=failure.timeout_s,
         elapsed_s=failure.elapsed_s,
     )
-
-
-def _ranks(ranks: Sequence[int]) -> str:
-    return ", ".join(map(str, ranks))
