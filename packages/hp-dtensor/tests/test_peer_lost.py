@@ -10,8 +10,6 @@ rank, not a timeout blaming the live ranks from their stale counts (as before th
 
 from __future__ import annotations
 
-import json
-import multiprocessing
 import os
 import signal
 import subprocess
@@ -26,7 +24,7 @@ import torch
 from hp_dtensor import collectives, init_device_mesh
 from hp_dtensor._peer_reports import identity, process_state
 from hp_dtensor.watchdog import CollectiveError
-from test_collective_timeout import _free_port, _sleep_forever, _write
+from hp_testing.fresh_job import run_fresh_job
 
 TIMEOUT_S = 60.0
 KILLED = 1
@@ -38,63 +36,44 @@ DIAGNOSIS_S = 10.0
 JOB_DEADLINE_S = 90.0
 
 
-def _rank_main(rank: int, port: int, out: str) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="3"
-    )
-    torch.set_num_threads(1)
-    mesh = init_device_mesh("cpu", (3,), mesh_dim_names=("x",), timeout_s=TIMEOUT_S)
+def _all_reduces_until_rank_1_dies(rank: int, world: int, out: str) -> dict[str, Any]:
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("x",), timeout_s=TIMEOUT_S)
     x = torch.ones(2)
     done = 0
     try:
         for n in range(1, ROUNDS + 1):
             if rank == KILLED and n == KILL_AT:
+                (Path(out) / "killed_at").write_text(repr(time.time()))
                 os.kill(os.getpid(), signal.SIGKILL)
             collectives.all_reduce(x, mesh, "x")
             done = n
     except CollectiveError as exc:
-        seen: dict[str, Any] = {
+        return {
             "error": type(exc).__name__,
             "message": str(exc),
             "gone": list(getattr(exc, "gone", [])),
             "done": done,
             "failed_at": time.time(),
         }
-    else:
-        seen = {"error": None, "done": done}
-    _write(Path(out), rank, {"seen": seen})
-    _sleep_forever()
+    return {"error": None, "done": done}
 
 
 @pytest.mark.multiprocess
 def test_a_killed_rank_is_named_as_gone_and_no_live_rank_is_blamed(tmp_path: Path) -> None:
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["torch", "torch.distributed", "hp_dtensor", __name__])
-    port = _free_port()
-    processes = [
-        context.Process(target=_rank_main, args=(rank, port, str(tmp_path)), daemon=True)
-        for rank in range(3)
-    ]
-    for process in processes:
-        process.start()
     survivors = [0, 2]
-    deadline = time.monotonic() + JOB_DEADLINE_S
-    try:
-        while not all((tmp_path / f"rank{r}.json").exists() for r in survivors):
-            reported = sorted(p.name for p in tmp_path.glob("rank*.json"))
-            dead = [r for r in survivors if processes[r].exitcode is not None]
-            assert not dead, f"ranks {dead} exited before reporting"
-            assert time.monotonic() < deadline, f"the job hung: reports {reported} only"
-            time.sleep(0.05)
-        killed_at = time.time()
-        assert processes[KILLED].exitcode == -signal.SIGKILL
-    finally:
-        for process in processes:
-            process.kill()
-        for process in processes:
-            process.join(timeout=10)
+    exits: dict[int, int | None] = {}
+    reports = run_fresh_job(
+        3,
+        _all_reduces_until_rank_1_dies,
+        str(tmp_path),
+        report=survivors,
+        deadline_s=JOB_DEADLINE_S,
+        exit_codes=exits,
+    )
+    assert exits[KILLED] == -signal.SIGKILL
+    killed_at = float((tmp_path / "killed_at").read_text())
     for rank in survivors:
-        seen = json.loads((tmp_path / f"rank{rank}.json").read_text())["seen"]
+        seen = reports[rank]
         assert seen["error"] == "PeerLostError", seen
         assert seen["gone"] == [KILLED], seen["message"]
         message = seen["message"]

@@ -15,9 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import multiprocessing
-import os
-import socket
 import time
 from collections.abc import Callable, Iterator
 from datetime import timedelta
@@ -32,6 +29,7 @@ from torch import nn
 from hp_dtensor import watchdog
 from hp_dtensor.watchdog import CollectiveTimeoutError
 from hp_testing import run_on_ranks
+from hp_testing.fresh_job import run_fresh_job
 from hp_train.checkpoint import dcp
 
 #: The collective functions of ``torch.distributed`` that hp-train's checkpoint code and
@@ -130,36 +128,15 @@ def test_every_checkpoint_collective_is_watched_by_name(tmp_path: Path) -> None:
 
 
 # ----------------------------------------------------------------------- a stalled rank
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
-def _write(out: Path, rank: int, result: dict[str, Any]) -> None:
-    path = out / f"rank{rank}.json"
-    path.with_suffix(".tmp").write_text(json.dumps(result))
-    path.with_suffix(".tmp").rename(path)
-
-
-def _sleep_forever() -> None:
-    while True:
-        time.sleep(60)
-
-
-def _rank_main(rank: int, port: int, out: str) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2"
-    )
-    torch.set_num_threads(1)
+def _verify_with_rank_1_stalled(rank: int, world: int, out: str) -> dict[str, Any]:
     dist.init_process_group("gloo", timeout=timedelta(seconds=TIMEOUT_S))
     watchdog.configure(TIMEOUT_S)
 
     def stall(collective: str, group: str, number: int) -> None:
         if rank == 1 and collective == "checkpoint verify gather":
-            _write(Path(out), rank, {"stalled": collective})
-            _sleep_forever()
+            (Path(out) / "rank1_stalled.json").write_text(json.dumps({"stalled": collective}))
+            while True:
+                time.sleep(60)
 
     watchdog.set_entry_hook(stall)
     model, optimizer = _model()
@@ -168,9 +145,8 @@ def _rank_main(rank: int, port: int, out: str) -> None:
         path = dcp.save_checkpoint(Path(out) / "checkpoints", 1, model, optimizer)
         started = time.monotonic()
         dcp.verify_checkpoint(path)
-        result: dict[str, Any] = {"error": None}
     except CollectiveTimeoutError as exc:
-        result = {
+        return {
             "error": "CollectiveTimeoutError",
             "collective": exc.collective,
             "missing": list(exc.missing),
@@ -178,38 +154,18 @@ def _rank_main(rank: int, port: int, out: str) -> None:
             "elapsed": time.monotonic() - started,
         }
     except Exception as exc:
-        result = {"error": type(exc).__name__, "message": str(exc)[:2000]}
-    _write(Path(out), rank, result)
-    _sleep_forever()
+        return {"error": type(exc).__name__, "message": str(exc)[:2000]}
+    return {"error": None}
 
 
 @pytest.mark.multiprocess
 def test_a_rank_stalled_before_the_verify_gather_is_named(tmp_path: Path) -> None:
     """Rank 1 never enters the verification's gather: rank 0 raises CollectiveTimeoutError
     at the timeout naming the checkpoint collective, its group and rank 1."""
-    # Forked from a server that imported torch and the checkpoint code once.
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["torch", "torch.distributed", "hp_train.checkpoint.dcp"])
-    port = _free_port()
-    processes = [
-        context.Process(target=_rank_main, args=(rank, port, str(tmp_path)), daemon=True)
-        for rank in range(2)
-    ]
-    for process in processes:
-        process.start()
-    deadline = time.monotonic() + JOB_DEADLINE_S
-    try:
-        while not all((tmp_path / f"rank{r}.json").exists() for r in range(2)):
-            dead = [r for r, p in enumerate(processes) if p.exitcode is not None]
-            assert not dead, f"ranks {dead} exited before reporting"
-            assert time.monotonic() < deadline, "the job hung: no report within the deadline"
-            time.sleep(0.05)
-    finally:
-        for process in processes:
-            process.kill()
-        for process in processes:
-            process.join(timeout=10)
-    seen = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    reports = run_fresh_job(
+        2, _verify_with_rank_1_stalled, str(tmp_path), report=[0], deadline_s=JOB_DEADLINE_S
+    )
+    seen = [reports[0], json.loads((tmp_path / "rank1_stalled.json").read_text())]
     assert seen[1] == {"stalled": "checkpoint verify gather"}
     assert seen[0]["error"] == "CollectiveTimeoutError", seen[0]
     assert seen[0]["collective"] == "checkpoint verify gather"

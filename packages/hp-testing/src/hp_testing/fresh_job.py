@@ -77,9 +77,12 @@ def run_fresh_job(
     *args: Any,
     report: Sequence[int] | None = None,
     deadline_s: float = 90.0,
+    exit_codes: dict[int, int | None] | None = None,
 ) -> dict[int, dict[str, Any]]:
     """Run ``target(rank, world, *args)`` on ``world`` fresh processes; return the results of
     the ranks in ``report`` (default: every rank) once each has written one, then kill all.
+    ``exit_codes``, when given, is filled with each rank's exit code as it stood when the
+    results were in (None: still running then), for a test that kills a rank on purpose.
 
     ``target`` must be a module-level function of an importable module (the fork server
     imports it by name). Raises AssertionError when a reporting rank exits without a result
@@ -115,6 +118,8 @@ def run_fresh_job(
                     f"no result from every rank of {wanted} within {deadline_s} s"
                 )
                 time.sleep(0.05)
+            if exit_codes is not None:
+                exit_codes.update({r: p.exitcode for r, p in enumerate(processes)})
         finally:
             for process in processes:
                 process.kill()
