@@ -9,7 +9,6 @@ codec's all-gather and rank 1, not gloo's bare ``Timed out waiting 4000ms``.
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import pytest
@@ -19,15 +18,10 @@ from torch import nn
 
 from hp_dtensor import init_device_mesh
 from hp_fsdp import LowPrecisionCommPolicy, fully_shard
-from hp_testing.fresh_job import outcome, run_fresh_job
+from hp_testing.fresh_job import never_returns, outcome, run_fresh_job
 
 TIMEOUT_S = 4.0
 MARGIN_S = 3.0
-
-
-def _never(*args: Any, **kwargs: Any) -> None:
-    while True:
-        time.sleep(60)
 
 
 def _fp8_unshard(rank: int, world: int) -> dict[str, Any]:
@@ -36,7 +30,7 @@ def _fp8_unshard(rank: int, world: int) -> dict[str, Any]:
     comm = LowPrecisionCommPolicy(param_all_gather_dtype=torch.float8_e4m3fn)
     model = fully_shard(nn.Linear(64, 64), mesh=mesh, comm_policy=comm)
     if rank == 1:
-        dist.all_gather_single = _never
+        dist.all_gather_single = never_returns
     return outcome(lambda: model(torch.randn(2, 64)))
 
 

@@ -9,7 +9,6 @@ point-to-point operations (it blocks instead). Rank 0 must raise
 
 from __future__ import annotations
 
-import time
 from datetime import timedelta
 from typing import Any
 
@@ -22,15 +21,10 @@ from torch import nn
 from hp_dtensor import init_device_mesh
 from hp_mpmd import PipelineSchedule, PipelineStage
 from hp_mpmd.schedules import gpipe
-from hp_testing.fresh_job import outcome, run_fresh_job
+from hp_testing.fresh_job import never_returns, outcome, run_fresh_job
 
 TIMEOUT_S = 6.0  # the warm-up step must fit on a loaded machine
 MARGIN_S = 3.0
-
-
-def _never(*args: Any, **kwargs: Any) -> None:
-    while True:
-        time.sleep(60)
 
 
 def _loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -47,7 +41,7 @@ def _pipeline_step(rank: int, world: int) -> dict[str, Any]:
     x, y = torch.randn(4, 4), torch.randn(4, 4)
     schedule.step(x if rank == 0 else None, y if rank == world - 1 else None)  # shapes agreed
     if rank == 1:
-        dist.batch_isend_irecv = _never  # type: ignore[assignment]
+        dist.batch_isend_irecv = never_returns  # type: ignore[assignment]
     return outcome(lambda: schedule.step(x if rank == 0 else None, y if rank == 1 else None))
 
 

@@ -9,7 +9,6 @@ gloo's bare ``Timed out waiting 4000ms``.
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import pytest
@@ -20,15 +19,10 @@ from torch.distributed.fsdp import fully_shard
 
 from hp_dtensor import init_device_mesh
 from hp_muon import Muon
-from hp_testing.fresh_job import outcome, run_fresh_job
+from hp_testing.fresh_job import never_returns, outcome, run_fresh_job
 
 TIMEOUT_S = 4.0
 MARGIN_S = 3.0
-
-
-def _never(*args: Any, **kwargs: Any) -> None:
-    while True:
-        time.sleep(60)
 
 
 def _muon_step(rank: int, world: int) -> dict[str, Any]:
@@ -40,7 +34,7 @@ def _muon_step(rank: int, world: int) -> dict[str, Any]:
     optimizer = Muon(model.parameters(), lr=0.02)
     model(torch.randn(3, 8)).sum().backward()
     if rank == 1:
-        dist.all_to_all_single = _never
+        dist.all_to_all_single = never_returns
     return outcome(optimizer.step)
 
 

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["outcome", "run_fresh_job"]
+__all__ = ["never_returns", "outcome", "run_fresh_job"]
 
 Target = Callable[..., dict[str, Any]]
 
@@ -34,6 +34,13 @@ def _free_port() -> int:
         s.bind(("127.0.0.1", 0))
         port: int = s.getsockname()[1]
         return port
+
+
+def never_returns(*args: Any, **kwargs: Any) -> None:
+    """Block forever, whatever the arguments: put in place of a collective on the rank that
+    should stall (``dist.all_to_all_single = never_returns``), as a rank that never joins."""
+    while True:
+        time.sleep(60)
 
 
 def outcome(call: Callable[[], object]) -> dict[str, Any]:
