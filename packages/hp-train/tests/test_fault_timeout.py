@@ -27,9 +27,14 @@ from test_faults import FAULTS, _pattern
 
 TIMEOUT_S = 3
 # From the stalled rank's notice to the launcher's exit: the timeout, then rank 0's diagnosis
-# and exit, torchrun noticing it (it polls every 0.1 s) and stopping rank 1 (SIGTERM). Seconds,
-# measured at about 1.5 on an idle machine; loaded CI machines are slower.
+# and exit, torchrun noticing it (it polls every MONITOR_S) and stopping rank 1 (SIGTERM).
+# Seconds, measured at about 1.5 on an idle machine (0.1 s polls); loaded CI machines are slower.
 MARGIN_S = 8.0
+# torchrun's poll interval. At its 0.1 s default, the first waiting rank to exit (code 5) gets
+# the others stopped before every one has printed its diagnosis (seen once at world 4 in CI):
+# they time out together but print a few milliseconds apart. 1 s lets each print; the
+# launcher's exit is still inside the margin.
+MONITOR_S = 1
 # The whole job, most of it importing torch into three processes.
 LAUNCH_DEADLINE_S = 240
 ARGS = [
@@ -75,6 +80,7 @@ def test_a_rank_that_never_joins_fails_the_job_in_time(
     world, extra, values = CASES[case]
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
+        f"--monitor-interval={MONITOR_S}",
         "-m", "hp_train", *ARGS, *extra, "--out", str(tmp_path),
     ]  # fmt: skip
     proc = subprocess.Popen(
