@@ -42,6 +42,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from hp_dtensor import DTensor
 from hp_testing import RankFailure, run_on_ranks
+from hp_testing.checkpoints import checkpoint_state
 from hp_train.checkpoint.__main__ import main as checkpoint_command
 from hp_train.checkpoint.dcp import FORMAT_KEY, LEGACY_MARK, MANIFEST_FILE, CheckpointError
 from hp_train.config.cli import EXIT_CHECKPOINT, EXIT_NONFINITE, parse
@@ -50,7 +51,7 @@ from hp_train.observe.metrics import read_metrics
 from hp_train.observe.nonfinite import NonFiniteError
 from hp_train.runtime import init_runtime
 from hp_train.trainer import Trainer
-from test_resume import ARGS, _checkpoint_state, _command, _env
+from test_resume import ARGS, _command, _env
 
 
 # ------------------------------------------------------------------------------ the cases
@@ -505,7 +506,7 @@ def test_nan_lr_stops_every_rank_before_the_step_under_torchrun(tmp_path: Path) 
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [
         f"step_{s:06d}" for s in range(1, stopped + 1)
     ]
-    state = _checkpoint_state(latest, tmp_path / "latest.pt")
+    state = checkpoint_state(latest, tmp_path / "latest.pt")
     tensors = [t for t in _leaves(state) if t.is_floating_point()]
     assert tensors
     assert all(bool(torch.isfinite(t).all()) for t in tensors)

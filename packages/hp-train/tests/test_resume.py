@@ -15,14 +15,12 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
-import torch
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from hp_testing import run_on_ranks
+from hp_testing.checkpoints import assert_identical, checkpoint_state
 from hp_train.checkpoint.dcp import latest_checkpoint
 from hp_train.config.cli import parse
 from hp_train.observe.metrics import read_metrics
@@ -80,28 +78,6 @@ def _run(nproc: int, out: Path, *extra: str) -> str:
 def _steps_logged(out: Path) -> int:
     path = out / "metrics.jsonl"
     return len(path.read_text().splitlines()) if path.exists() else 0
-
-
-def _checkpoint_state(path: Path, scratch: Path) -> dict[str, object]:
-    """A DCP checkpoint's whole state (model, optimizer, progress) as one process sees it."""
-    dcp_to_torch_save(path, scratch)
-    state: dict[str, object] = torch.load(scratch, weights_only=True)
-    return state
-
-
-def _assert_identical(got: object, want: object, where: str = "") -> None:
-    """Nested state dicts equal, tensors bit for bit (dtype, shape and every value)."""
-    if isinstance(want, Mapping):
-        assert isinstance(got, Mapping), where
-        assert sorted(got) == sorted(want), where
-        for key in want:
-            _assert_identical(got[key], want[key], f"{where}.{key}")
-    elif isinstance(want, torch.Tensor):
-        assert isinstance(got, torch.Tensor), where
-        assert got.dtype == want.dtype, where
-        assert torch.equal(got, want), where
-    else:
-        assert got == want, where
 
 
 def _train_on_pool_rank(argv: list[str]) -> int:
@@ -180,9 +156,9 @@ def test_resume_after_sigkill_of_one_rank(uninterrupted: Path, tmp_path: Path) -
         assert isinstance(step, int)
         assert record["loss"] == want[step], (step, record["loss"], want[step])
     name = f"step_{last_saved:06d}"
-    _assert_identical(
-        _checkpoint_state(killed / "checkpoints" / name, tmp_path / "resumed.pt"),
-        _checkpoint_state(uninterrupted / "checkpoints" / name, tmp_path / "reference.pt"),
+    assert_identical(
+        checkpoint_state(killed / "checkpoints" / name, tmp_path / "resumed.pt"),
+        checkpoint_state(uninterrupted / "checkpoints" / name, tmp_path / "reference.pt"),
     )
 
 

@@ -15,6 +15,7 @@ from hp_fsdp.policy import (
 from hp_fsdp.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
+    init_optimizer_state,
     set_model_state_dict,
     set_optimizer_state_dict,
 )
@@ -36,6 +37,7 @@ __all__ = [
     "fully_shard",
     "get_model_state_dict",
     "get_optimizer_state_dict",
+    "init_optimizer_state",
     "plan_fully_shard",
     "plan_group",
     "register_fsdp_forward_method",

@@ -55,6 +55,7 @@ __all__ = [
     "fsdp_params",
     "get_model_state_dict",
     "get_optimizer_state_dict",
+    "init_optimizer_state",
     "register_state_dict_hooks",
     "set_model_state_dict",
     "set_optimizer_state_dict",
@@ -335,9 +336,12 @@ def set_model_state_dict(
 # Optimizer state -------------------------------------------------------------------------------
 
 
-def _init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     """Create the optimizer's state (a step with zero gradients at learning rate 0) when it
-    has none, so that a checkpoint has tensors to load into (as torch's state-dict API does)."""
+    has none, so that a checkpoint has tensors to load into (as torch's state-dict API does).
+    Collective when the optimizer's step is (Muon's exchange): every rank calls it together.
+    Postcondition: the state has the tensors of a stepped optimizer; parameters unchanged
+    (learning rate 0)."""
     if optimizer.state:
         return
     params = [p for group in optimizer.param_groups for p in group["params"]]
@@ -390,7 +394,7 @@ def _param_entries(
 def get_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """The optimizer's state keyed by parameter FQN, per-parameter tensors as checkpoint
     DTensors (collective; an optimizer without state gets it created first)."""
-    _init_optimizer_state(optimizer)
+    init_optimizer_state(optimizer)
     state: dict[str, dict[str, Any]] = {}
     groups: list[dict[str, Any]] = []
     all_entries = _param_entries(model, optimizer)

@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 # Public as torch.distributed.Store and .rendezvous, but torch's stubs only export them here.
-from torch._C._distributed_c10d import Store
+from torch._C._distributed_c10d import Store, TCPStore
 from torch.distributed.rendezvous import rendezvous
 
 from hp_dtensor import watchdog
@@ -62,6 +62,8 @@ __all__ = [
 TIMEOUT_ENV = "HP_TRAIN_COLLECTIVE_TIMEOUT"
 #: ``<rank>:<n>``: that rank stops for good before its n-th hp_dtensor collective (tests).
 STALL_ENV = "HP_TRAIN_INJECT_STALL"
+# How long a rank tries an address of the round store before reading it again.
+_STALE_PROBE = timedelta(seconds=3)
 # How long the ranks may take to all start (imports, a slow file system) when the collective
 # timeout is shorter: torch's default group timeout.
 _STARTUP = dist.default_pg_timeout
@@ -140,15 +142,66 @@ def _stall_hook(rank: int) -> watchdog.EntryHook | None:
     return stall
 
 
-def _rendezvous(timeout: float) -> tuple[Store, int, int]:
-    """torchrun's ``env://`` rendezvous, then every rank waiting for every other on its store,
-    both allowed :data:`_STARTUP`; returns (store, rank, world size).
+def _restartable() -> bool:
+    """Whether torchrun may restart this job's workers while its store lives on (``--max-restarts``
+    with the agent's store, which the workers of every round share)."""
+    shared = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    return shared and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0) > 0
+
+
+def _round_store(agent: Store, rank: int, world: int, wait: timedelta) -> Store:
+    """A store of this round's own, served by its rank 0 (collective over the round's ranks).
+
+    torchrun keeps one store for every round of a restarted job, and the keys the previous
+    round's process group wrote there (each rank's address) stay: the new round's ranks would
+    connect to the dead processes' ports. So rank 0 serves a new store and publishes its
+    address in the agent's store; a rank that reads an address of an earlier round finds
+    nobody serving it (every worker of a round is stopped before the next round starts) and
+    reads again."""
+    key = "hp_train/round_store"
+    if rank == 0:
+        server = TCPStore(
+            _reachable_address(), 0, world, is_master=True, timeout=wait, wait_for_workers=False
+        )
+        agent.set(key, f"{_reachable_address()}:{server.port}")
+        return server
+    deadline = time.monotonic() + wait.total_seconds()
+    while True:
+        host, _, port = agent.get(key).decode().rpartition(":")
+        try:
+            client = TCPStore(host, int(port), world, is_master=False, timeout=_STALE_PROBE)
+        except (RuntimeError, OSError):  # an earlier round's address: nobody serves it
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+            continue
+        client.set_timeout(wait)
+        return client
+
+
+def _reachable_address() -> str:
+    """This host's address on the interface that reaches torchrun's store (where the other
+    ranks reach it from too)."""
+    master = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((master, int(os.environ.get("MASTER_PORT", "29500"))))
+        address: str = probe.getsockname()[0]
+    return address
+
+
+def _rendezvous(timeout: float | None) -> tuple[Store, int, int]:
+    """torchrun's ``env://`` rendezvous (with a store of the round's own when torchrun may
+    restart the workers: :func:`_round_store`), then every rank waiting for every other on
+    its store, both allowed :data:`_STARTUP` or the collective timeout if longer; returns
+    (store, rank, world size).
 
     Creating the default group waits for the peers only as long as its timeout: with a
     collective timeout shorter than the ranks' start-up skew, ranks that started first would
     give up before the last one arrives. After this barrier they all create it together."""
-    wait = max(_STARTUP, timedelta(seconds=timeout))
+    wait = max(_STARTUP, timedelta(seconds=timeout or 0))
     store, rank, world = next(rendezvous("env://", timeout=wait))
+    if _restartable():
+        store = _round_store(store, rank, world, wait)
     if store.add("hp_train/started", 1) == world:
         store.set("hp_train/all_started", "1")
     store.wait(["hp_train/all_started"], wait)
@@ -187,7 +240,7 @@ def init_runtime(
         if "RANK" in os.environ:
             stall = _stall_hook(int(os.environ["RANK"]))
             device_id = None if device_type == "cpu" else device
-            if timeout is None:
+            if timeout is None and not _restartable():
                 dist.init_process_group(backend, device_id=device_id)
             else:
                 store, rank, world = _rendezvous(timeout)
@@ -197,7 +250,7 @@ def init_runtime(
                     rank=rank,
                     world_size=world,
                     device_id=device_id,
-                    timeout=timedelta(seconds=timeout),
+                    timeout=None if timeout is None else timedelta(seconds=timeout),
                 )
             # The watchdog quotes the default group's timeout when none was asked for.
             default = watchdog.group_timeout() if timeout is None else None

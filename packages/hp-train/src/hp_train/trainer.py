@@ -26,9 +26,10 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -101,7 +102,14 @@ from hp_train.parallel.parallelize import (
     parallelize,
 )
 from hp_train.parallel.pipeline import PipelineRunner, build_pipeline, keep_stage, stage_boundaries
+from hp_train.parallel.rng import seed_dropout
 from hp_train.parallel.run_plan import PLAN_FILE, check_applied, write_plan
+from hp_train.recovery.keeper import SnapshotKeeper
+from hp_train.recovery.recover import recover_from_snapshots
+from hp_train.recovery.setup import host_name, run_id, snapshot_root
+from hp_train.recovery.signals import StoppedBySignalError, StopSignals
+from hp_train.recovery.snapshot_file import SnapshotHeader, remove_other_runs
+from hp_train.recovery.state import TrainingState
 from hp_train.runtime import Runtime
 
 __all__ = [
@@ -120,6 +128,9 @@ __all__ = [
 DATA_STATE_FILE = "data_state.json"
 #: The steps skipped for non-finite values so far (``skip_nonfinite``), in every checkpoint.
 SKIPPED_FILE = "skipped_steps.json"
+#: After a stop signal, the ranks agree within two steps (the one in flight, then the next
+#: one's loss all-reduce): a rank that has not after this many of its longest steps is stuck.
+_GRACE_STEPS = 3
 #: Fields of the run record a resume may change besides ``run_record.RESUMABLE_FIELDS``: how
 #: many non-finite steps to tolerate (resuming a run that stopped on one with
 #: ``--skip-nonfinite N`` is what the option is for; checkpoints written before it existed
@@ -149,6 +160,11 @@ class RunOptions:
             :func:`hp_train.checkpoint.hf.read_hf_config`).
             A resumed run takes the checkpoint's weights instead.
         tensorboard: write TensorBoard event files into ``out_dir/tensorboard``.
+        snapshot_dir: this host's folder for in-memory snapshots (``snapshot_every``); None:
+            :func:`hp_train.recovery.setup.snapshot_root`'s default under ``/dev/shm``.
+        stop_on_signals: on SIGTERM or SIGINT, finish the step the ranks agree on, write a
+            checkpoint and raise :class:`hp_train.recovery.signals.StoppedBySignalError` (the
+            command line's behaviour; from the main thread only).
         options: the resolved command-line options by table, written as ``config.toml`` (the
             command line fills them; None from Python: no ``config.toml``).
     """
@@ -162,6 +178,8 @@ class RunOptions:
     quiet: bool = False
     init_from: Path | None = None
     tensorboard: bool = False
+    snapshot_dir: Path | None = None
+    stop_on_signals: bool = False
     options: Mapping[str, Mapping[str, object]] | None = None
 
 
@@ -265,6 +283,9 @@ class Trainer:
         self.checkpoints = self.out / "checkpoints"
         self.tokens_per_step = config.global_batch * config.seq_len
         self.skipped: list[int] = []
+        self.keeper: SnapshotKeeper | None = None
+        self.signals: StopSignals | None = None
+        self.stop_signal: int | None = None
         self.log = setup_logging(self.out, runtime.rank, quiet=options.quiet)
 
     # ----------------------------------------------------------------------------- build
@@ -279,6 +300,8 @@ class Trainer:
             self._validate()
         _write_pid(self.out, self.runtime.rank)
         self.model = self._build_model()
+        # Dropout's random streams: one per data shard, shared by tensor-parallel peers.
+        seed_dropout(self.config, self.layout, self.runtime.rank)
         self.pipeline = self._build_pipeline()
         muon_plan = self.job.stage_of(self.runtime.rank).muon_plan(self.runtime.rank)
         self.optimizer = build_optimizer(self.model, self.config, muon_plan=muon_plan)
@@ -320,7 +343,7 @@ class Trainer:
     def _build_model(self) -> Transformer:
         torch.manual_seed(self.config.seed)
         with self.runtime.device:
-            model = Transformer(self.model_config)
+            model = Transformer(self.model_config, dropout=self.config.dropout)
         if self.layout.pipeline_mesh is not None:
             # Every rank initializes the whole model (the same numbers as one device), then
             # keeps its stage.
@@ -366,21 +389,106 @@ class Trainer:
             CheckpointCorruptError: ``resume_from`` does not verify or load, or checkpoints
                 exist and none verifies and loads (the message names each and its problem).
         """
+        resuming = self.options.resume or self.options.resume_if_present
+        self.keeper = self._snapshot_keeper(new_run=not resuming and not self.options.resume_from)
         if self.options.resume_from is not None:
-            return self._load(self._chosen_checkpoint(Path(self.options.resume_from)))
-        if not (self.options.resume or self.options.resume_if_present):
+            chosen = self._chosen_checkpoint(Path(self.options.resume_from))
+            return self._from_disk(lambda: self._load(chosen))
+        if not resuming:
             return 0
-        return self._resume_newest()
+        if self.keeper is not None:
+            recovered = self._recover(self.keeper)
+            if recovered is not None:
+                return recovered
+        return self._from_disk(self._resume_newest)
+
+    def _from_disk(self, load: Callable[[], int]) -> int:
+        """``load()``'s step, its time logged as the recovery's."""
+        began = time.perf_counter()
+        step = load()
+        if step:
+            self.log.info(
+                "recovery: step %d from disk in %.2f s", step, time.perf_counter() - began
+            )
+        return step
+
+    # ------------------------------------------------------------------------- snapshots
+    def _snapshot_keeper(self, new_run: bool) -> SnapshotKeeper | None:
+        """With ``snapshot_every``: the run's id (a new one for a new run, whose stale
+        snapshots from an earlier run in the same output folder are deleted) and the keeper
+        (collective)."""
+        if not self.config.snapshot_every:
+            return None
+        self.snapshot_root = snapshot_root(self.out, self.options.snapshot_dir)
+        self.host = host_name(self.snapshot_root)
+        self.run_id = run_id(self.out, new=new_run)
+        if new_run:
+            remove_other_runs(self.snapshot_root, self.run_id, [self.runtime.rank])
+        hosts: list[object] = [None] * self.runtime.world_size
+        with watch("all_gather_object (snapshot hosts)"):
+            dist.all_gather_object(hosts, self.host)
+        return SnapshotKeeper(
+            self.snapshot_root,
+            [str(h) for h in hosts],
+            self.run_id,
+            self._training_state(),
+            self.config.snapshot_every,
+            self._snapshot_extras,
+        )
+
+    def _training_state(self) -> TrainingState:
+        return TrainingState(self.model, self.optimizer, self.runtime.device)
+
+    def _snapshot_extras(self) -> dict[str, Any]:
+        return {
+            "data": self.data.state_dict(),
+            "skipped": list(self.skipped),
+            "record": self.record,
+        }
+
+    def _snapshot_fits(self, header: SnapshotHeader) -> str | None:
+        """Why a snapshot cannot continue this run (its record differs in a field a resume
+        cannot change), or None."""
+        saved = header.extras.get("record")
+        if not isinstance(saved, Mapping):
+            return "it holds no run record"
+        conflicts = self._conflicts(saved)
+        return f"another run's settings ({'; '.join(conflicts)})" if conflicts else None
+
+    def _conflicts(self, saved: Mapping[str, Any]) -> list[str]:
+        """The settings of a saved run's record that this run differs in and cannot change on
+        a resume."""
+        resumable = tuple(f"{name}:" for name in _ALSO_RESUMABLE)
+        return [c for c in resume_conflicts(saved, self.record) if not c.startswith(resumable)]
+
+    def _recover(self, keeper: SnapshotKeeper) -> int | None:
+        """The step restored from the snapshots (collective), or None: load from disk."""
+        listing = list_checkpoints(self.checkpoints)
+        disk = [int(p.name.removeprefix("step_")) for p in listing.checkpoints]
+        got = recover_from_snapshots(
+            keeper.root,
+            self.host,
+            self.run_id,
+            self._training_state(),
+            max(disk) if disk else None,
+            self._snapshot_fits,
+        )
+        for problem in got.skipped:
+            self.log.warning("recovery: skipped snapshot %s", problem)
+        if got.header is None:
+            self.log.info("recovery: no snapshot to take (%s)", got.plan.describe())
+            return None
+        extras = got.header.extras
+        self.data.load_state_dict(extras["data"])
+        self.skipped = [int(s) for s in extras["skipped"]]
+        self.log.info("recovery: %s in %.2f s", got.plan.describe(), got.seconds)
+        return got.plan.step
 
     def _load(self, path: Path) -> int:
         """Load ``path`` after checking that its run is this one's (collective); its step."""
         saved = read_record(path)
         if saved is not None:
-            conflicts = [
-                c
-                for c in resume_conflicts(saved, self.record)
-                if not c.startswith(tuple(f"{name}:" for name in _ALSO_RESUMABLE))
-            ]
+            conflicts = self._conflicts(saved)
             if conflicts:
                 raise ConfigError(
                     f"--resume: {path} was written by a run this one cannot continue; these "
@@ -569,17 +677,36 @@ class Trainer:
                 )
                 self.schedule.step()
         self.optimizer.zero_grad(set_to_none=True)
+        self._snapshot(step, record)
         if monitored:
             self._monitor(record, local_lm, warn=finite)
         return record
 
+    def _snapshot(self, step: int, record: dict[str, Any]) -> None:
+        """The in-memory snapshot after ``step`` (every ``snapshot_every`` steps, once the
+        step's update is applied; none when the ranks stop on a signal, which writes a
+        checkpoint instead); what the step waited for it goes into ``record``."""
+        if self.keeper is None or self.stop_signal is not None:
+            return
+        if self.keeper.after_step(step + 1):
+            record["snapshot_ms"] = self.keeper.costs.copy[-1] * 1e3
+
     def _global_loss(self, local: float) -> tuple[float, int]:
         """:meth:`_global_mean` of the local loss and the number of non-finite gradient
-        pieces over all ranks, in one all-reduce."""
+        pieces over all ranks, in one all-reduce; the same all-reduce counts the ranks that
+        got a stop signal (:attr:`stop_signal`: the one every rank stops on after this step)."""
         bad = count_nonfinite(p.grad for p in self.model.parameters())
-        reduced = torch.tensor([local, float(bad)], dtype=torch.float64)
+        got = None if self.signals is None else self.signals.signum
+        reduced = torch.tensor(
+            [local, float(bad), float(got == signal.SIGTERM), float(got == signal.SIGINT)],
+            dtype=torch.float64,
+        )
         with watch("all_reduce (step loss)"):
             dist.all_reduce(reduced)
+        if reduced[2] > 0 or reduced[3] > 0:
+            self.stop_signal = signal.SIGTERM if reduced[2] > 0 else signal.SIGINT
+            if self.signals is not None:
+                self.signals.acknowledge()
         return float(reduced[0]) / (self.runtime.world_size // self.parallel.pp), int(reduced[1])
 
     def _stage(self) -> int:
@@ -697,8 +824,14 @@ class Trainer:
             )
         device = self.runtime.device
         total = 0.0
-        for batch in batches:
-            total += float(self._loss(Batch(batch.inputs.to(device), batch.targets.to(device))))
+        # No dropout in evaluation, and none of training's random numbers drawn.
+        self.model.eval()
+        try:
+            for batch in batches:
+                inputs, targets = batch.inputs.to(device), batch.targets.to(device)
+                total += float(self._loss(Batch(inputs, targets)))
+        finally:
+            self.model.train()
         return self._global_mean(total / len(batches))
 
     # ------------------------------------------------------------------------------ save
@@ -736,11 +869,19 @@ class Trainer:
 
     # ------------------------------------------------------------------------------- run
     def run(self) -> Summary:
-        """Build, resume, train to ``config.steps``, report (collective)."""
+        """Build, resume, train to ``config.steps``, report (collective).
+
+        Raises:
+            StoppedBySignalError: ``stop_on_signals`` and a SIGTERM or SIGINT: every rank
+                finished the same step and the checkpoint of it is written.
+        """
         try:
             return self._run()
         except (NonFiniteError, CheckpointError) as exc:
             self.log.error("%s", exc)
+            raise
+        except StoppedBySignalError as exc:
+            self.log.warning("%s", exc)
             raise
         finally:
             close_logging()
@@ -762,6 +903,10 @@ class Trainer:
         eval_losses: dict[int, float] = {}
         times: list[float] = []
         last_checkpoint: str | None = None
+        if self.options.stop_on_signals:
+            # Only around the loop: before the first step there is nothing new to save.
+            self.signals = StopSignals(grace=lambda: _GRACE_STEPS * max(times, default=0.0))
+            self.signals.__enter__()
         try:
             for step in range(start, config.steps):
                 began = time.perf_counter()
@@ -789,6 +934,10 @@ class Trainer:
                 if config.checkpoint_every and (step + 1) % config.checkpoint_every == 0:
                     last_checkpoint = str(self.save(step + 1))
                     record["checkpoint"] = last_checkpoint
+                if self.stop_signal is not None:
+                    record["stopped_by"] = signal.Signals(self.stop_signal).name
+                    if record.get("checkpoint") is None:
+                        record["checkpoint"] = str(self.save(step + 1))
                 if metrics is not None:
                     metrics.write(record)
                 if board is not None:
@@ -800,7 +949,15 @@ class Trainer:
                     tok_s=self.tokens_per_step / elapsed,
                     step_ms=elapsed * 1e3,
                 )
+                if self.stop_signal is not None:
+                    if self.keeper is not None:
+                        self.keeper.close()
+                    raise StoppedBySignalError(self.stop_signal, step + 1, record["checkpoint"])
+            if self.keeper is not None:
+                self.keeper.close()
         finally:
+            if self.signals is not None:
+                self.signals.__exit__(None, None, None)
             bar.close()
             if metrics is not None:
                 metrics.close()

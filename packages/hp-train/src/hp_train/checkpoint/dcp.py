@@ -7,6 +7,11 @@ only a ``.partial`` directory, which :func:`latest_checkpoint` ignores and the n
 the same step replaces. The model and optimizer state dicts are those of hp-fsdp (torch
 DTensors), so a checkpoint loads at another world size or layout.
 
+Every rank's random generators (the CPU's and its device's: dropout draws from them) are saved
+under ``rng.rank_<r>``; a load at the same world size restores each rank's own, so a resumed
+run draws the same dropout masks as an uninterrupted one. At another world size they are not
+restored (the ranks' streams are another set) and the load says so.
+
 Under pipeline parallelism each stage's ranks hold a different optimizer (other parameters
 in its groups), so its parameter groups are saved under ``optim_groups.stage_<s>_of_<pp>``
 instead of ``optim.param_groups``; tensors keep their model-wide names. Such a checkpoint
@@ -45,6 +50,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import re
 import shutil
 from collections.abc import Callable, Mapping
@@ -106,6 +112,8 @@ LEGACY_MARK = "legacy_format"
 _METADATA = ".metadata"
 _NAME = re.compile(r"^step_(\d+)$")
 _STAGE_GROUPS = re.compile(r"^optim_groups\.stage_\d+_of_(\d+)\.")
+_RNG = "rng"
+_LOG = logging.getLogger("hp_train.checkpoint")
 
 
 class CheckpointMismatchError(ValueError):
@@ -195,30 +203,50 @@ def _from_rank_0(name: str, work: Callable[[], _T]) -> _T:
     return box[0]  # type: ignore[return-value]
 
 
-def _saved_stages(path: Path) -> int:
-    """The number of pipeline stages a checkpoint was saved with (1: not pipelined), as rank 0
-    reads its ``.metadata`` (collective, so that a rank that cannot read it does not leave the
-    others in torch's load).
+def _saved_layout(path: Path) -> tuple[int, set[str]]:
+    """The number of pipeline stages a checkpoint was saved with (1: not pipelined) and the
+    random-generator entries it holds (``rng.rank_<r>.<device>``), as rank 0 reads its
+    ``.metadata`` (collective, so that a rank that cannot read it does not leave the others in
+    torch's load).
 
     Raises:
         CheckpointLoadError: rank 0 could not read ``.metadata`` (on every rank).
     """
 
-    def read() -> int | str:
+    def read() -> tuple[int, set[str]] | str:
         try:
             keys = FileSystemReader(str(path)).read_metadata().state_dict_metadata
         except Exception as exc:  # anything torch raises on a damaged file
             return f"rank 0: {_METADATA} unreadable ({type(exc).__name__}: {exc})"
+        stages = 1
         for key in keys:
             match = _STAGE_GROUPS.match(key)
             if match:
-                return int(match.group(1))
-        return 1
+                stages = int(match.group(1))
+        return stages, {key for key in keys if key.startswith(_RNG + ".")}
 
     found = _from_rank_0("checkpoint load metadata broadcast", read)
     if isinstance(found, str):
         raise CheckpointLoadError(path, found)
     return found
+
+
+def _rng_states(device: torch.device) -> dict[str, torch.Tensor]:
+    """This process's random generators' states: the CPU's and the device's."""
+    states = {"cpu": torch.get_rng_state()}
+    if device.type != "cpu":
+        states[device.type] = torch.get_device_module(device.type).get_rng_state(device)
+    return states
+
+
+def _set_rng_states(states: Mapping[str, torch.Tensor], device: torch.device) -> None:
+    torch.set_rng_state(states["cpu"])
+    if device.type in states and device.type != "cpu":
+        torch.get_device_module(device.type).set_rng_state(states[device.type], device)
+
+
+def _param_device(model: nn.Module) -> torch.device:
+    return next((p.device for p in model.parameters()), torch.device("cpu"))
 
 
 def _state(
@@ -343,6 +371,7 @@ def save_checkpoint(
     _on_rank_0(start, partial, "checkpoint save start broadcast")
     state = _state(model, optimizer, step, stage)
     state[FORMAT_KEY] = {"version": FORMAT_VERSION}
+    state[_RNG] = {f"rank_{dist.get_rank()}": _rng_states(_param_device(model))}
     try:
         with watch("checkpoint save (torch DCP)"):
             dcp_save(state, checkpoint_id=str(partial))
@@ -635,7 +664,7 @@ def load_checkpoint(
             damage a manifest can show.
     """
     folder = Path(path)
-    saved = _saved_stages(folder)
+    saved, rng_keys = _saved_layout(folder)
     wanted = 1 if stage is None else stage.stages
     if saved != wanted:
         raise CheckpointMismatchError(
@@ -643,6 +672,20 @@ def load_checkpoint(
             f"resume with --pp {saved} (the data and tensor-parallel sizes may change)"
         )
     state = _state(model, optimizer, 0, stage)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    saved_ranks = {key.split(".")[1] for key in rng_keys}
+    restore_rng = saved_ranks == {f"rank_{r}" for r in range(world)}
+    device = _param_device(model)
+    if restore_rng:
+        state[_RNG] = {f"rank_{rank}": _rng_states(device)}
+    elif rank == 0:
+        _LOG.warning(
+            "%s: %s; the random generators start from this run's seed instead",
+            folder,
+            f"its random generators' states are of {len(saved_ranks)} ranks, this job has {world}"
+            if saved_ranks
+            else "it holds no random generators' states (written before hp-train saved them)",
+        )
     failure: str | None = None
     try:
         with watch("checkpoint load (torch DCP)"):
@@ -659,4 +702,6 @@ def load_checkpoint(
     if stage is not None:
         optim_sd["param_groups"] = state["optim_groups"][stage.key]
     set_optimizer_state_dict(model, optimizer, optim_sd)
+    if restore_rng:
+        _set_rng_states(state[_RNG][f"rank_{rank}"], device)
     return int(state["progress"]["step"])

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import signal
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -45,10 +46,20 @@ from hp_train.observe.out_dir import (
     release_out_dir,
 )
 from hp_train.parallel.run_plan import plan_report
+from hp_train.recovery.signals import StoppedBySignalError
 from hp_train.runtime import init_runtime, release_process_groups, shutdown
 from hp_train.trainer import RunOptions, Summary, train
 
-__all__ = ["EXIT_CHECKPOINT", "EXIT_CONFIG", "EXIT_NONFINITE", "MODEL_PRESETS", "main", "parse"]
+__all__ = [
+    "EXIT_CHECKPOINT",
+    "EXIT_CONFIG",
+    "EXIT_NONFINITE",
+    "EXIT_SIGINT",
+    "EXIT_SIGTERM",
+    "MODEL_PRESETS",
+    "main",
+    "parse",
+]
 
 #: Named model sizes (``--model``; the one table the dry run uses too, ``hp_train.config.presets``);
 #: explicit size flags override a preset's fields.
@@ -123,6 +134,13 @@ def _add_command_flags(groups: Mapping[str, argparse._ActionsContainer]) -> None
         type=Path,
         default=None,
         help="resume from this checkpoint directory (an error if it does not verify)",
+    )
+    r.add_argument(
+        "--snapshot-dir",
+        type=Path,
+        default=None,
+        help="this host's folder for --snapshot-every's snapshots (default: "
+        "/dev/shm/hp_train/<hash of --out>; memory, outlives the workers, not the host)",
     )
     r.add_argument("--validate", action="store_true")
     r.add_argument("--validate-steps", type=int, default=2)
@@ -232,6 +250,8 @@ def parse(
         quiet=args.quiet,
         init_from=args.init_from,
         tensorboard=args.tensorboard,
+        snapshot_dir=args.snapshot_dir,
+        stop_on_signals=True,
         options=resolved_options(args),
     )
     return model, parallel, config, run, args
@@ -308,17 +328,21 @@ EXIT_CHECKPOINT = 4
 #: A collective failed: a rank never joined it (``CollectiveTimeoutError``) or left it
 #: (``PeerLostError``); each rank prints its own diagnosis (they differ by rank).
 EXIT_COLLECTIVE = 5
+#: Stopped by SIGTERM (143) or SIGINT (130) after writing a checkpoint of the step every
+#: rank finished (``128 + signal``, as a shell reports a process that signal stopped; a process
+#: that died of the signal without a checkpoint reports the signal itself).
+EXIT_SIGTERM, EXIT_SIGINT = 128 + signal.SIGTERM, 128 + signal.SIGINT
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run training; returns the process exit code (every rank the same): 0, or
     :data:`EXIT_CONFIG`, :data:`EXIT_NONFINITE`, :data:`EXIT_CHECKPOINT`,
-    :data:`EXIT_COLLECTIVE`. The trainer logged the non-finite and checkpoint messages (rank
-    0's stderr, every rank's log file); hp_dtensor's watchdog logged a collective failure into
-    the rank's log file, and every rank it reached prints it as ``hp-train: ...``; a
-    configuration error is
-    reported here, once for the job and before any rank exits
-    (:func:`hp_train.observe.errors.report_error`)."""
+    :data:`EXIT_COLLECTIVE`, :data:`EXIT_SIGTERM`, :data:`EXIT_SIGINT`. The trainer logged
+    the non-finite and checkpoint messages (rank 0's stderr, every rank's log file);
+    hp_dtensor's watchdog logged a collective failure into the rank's log file, and every rank
+    it reached prints it as ``hp-train: ...``; a configuration error is reported here, once
+    for the job and before any rank exits (:func:`hp_train.observe.errors.report_error`); rank
+    0 prints the stop on a signal with the checkpoint it wrote."""
     try:
         pre = parse_args(argv)
     except ConfigError as exc:
@@ -352,6 +376,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except CheckpointError:
         shutdown()
         return EXIT_CHECKPOINT
+    except StoppedBySignalError as exc:
+        if runtime.rank == 0:
+            print(f"hp-train: {exc}", file=sys.stderr, flush=True)
+        shutdown()
+        return exc.exit_code
     except CollectiveError as exc:
         print(f"hp-train: {exc}", file=sys.stderr, flush=True)
         _abandon_process_group()

@@ -426,8 +426,14 @@ class TrainConfig:
         eval_batches: global batches per evaluation.
         streaming: read the data as a stream (None: decided by its size).
         seed: parameter init, data order and dropout.
+        dropout: the probability of zeroing each element of the attention's and the
+            feed-forward's output before it is added to the residual stream (residual dropout;
+            survivors scaled by ``1 / (1 - dropout)``), in training only; 0: none.
         deterministic: deterministic kernels and one fixed reduction order.
         checkpoint_every: save every N steps (0: never).
+        snapshot_every: an in-memory snapshot every N steps (0: never), replicated to a rank
+            on another host; a restart with ``--resume`` or ``--resume-if-present`` continues
+            from the newest one (:mod:`hp_train.recovery`).
         log_every: precision monitoring every N steps.
         divergence_threshold: warn when a rank's local loss differs from the mean over ranks by
             more than this fraction.
@@ -501,10 +507,19 @@ class TrainConfig:
         words=(("auto", None), ("on", True), ("off", False)),
     )  # fmt: skip
     seed: int = option(0, "parameter init, data order and dropout", table=_TRAINING)
+    dropout: float = option(
+        0.0, "residual dropout: probability of zeroing each element of the attention's and the "
+        "feed-forward's output (0: none)", table=_TRAINING,
+    )  # fmt: skip
     deterministic: bool = option(
         False, "deterministic kernels and one fixed reduction order", table=_TRAINING
     )
     checkpoint_every: int = option(0, "save a checkpoint every N steps (0: never)", table="run")
+    snapshot_every: int = option(
+        0,
+        "an in-memory snapshot every N steps, replicated to another host (0: never)",
+        table="run",
+    )
     log_every: int = option(5, "precision monitoring interval", table=_TRAINING)
     divergence_threshold: float = option(
         0.5, "warn when a rank's loss is off the mean by this fraction", table=_TRAINING
@@ -582,8 +597,10 @@ class TrainConfig:
             raise ConfigError(
                 f"pp_schedule must be one of {PIPELINE_SCHEDULE_NAMES}, got {self.pp_schedule!r}"
             )
-        if self.warmup_steps < 0 or self.checkpoint_every < 0 or self.eval_every < 0:
-            raise ConfigError("warmup_steps, checkpoint_every and eval_every must be >= 0")
+        if min(self.warmup_steps, self.checkpoint_every, self.eval_every, self.snapshot_every) < 0:
+            raise ConfigError(
+                "warmup_steps, checkpoint_every, snapshot_every and eval_every must be >= 0"
+            )
         check_positive("eval_batches", self.eval_batches)
         if self.eval_every and not (self.eval_fraction > 0 or self.eval_data is not None):
             raise ConfigError(
@@ -596,6 +613,15 @@ class TrainConfig:
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
                 raise ConfigError(f"{name} must be a finite number >= 0, got {value}")
+        if (
+            isinstance(self.dropout, bool)
+            or not isinstance(self.dropout, int | float)
+            or not 0.0 <= self.dropout < 1.0
+        ):
+            raise ConfigError(
+                f"dropout must be a probability in [0, 1) (0: no dropout; 1 would zero every "
+                f"output), got {self.dropout!r}"
+            )
 
     @property
     def ac_budget_bytes(self) -> int | None:

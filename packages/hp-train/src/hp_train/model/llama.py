@@ -173,11 +173,31 @@ def moe_feed_forward(dim: int, moe: MoEConfig) -> MoE:
     )
 
 
-class Block(nn.Module):
-    """Pre-norm block: attention, then a dense or MoE feed-forward, each residual."""
+def _check_dropout(dropout: float) -> None:
+    if isinstance(dropout, bool) or not isinstance(dropout, int | float):
+        raise TypeError(f"dropout must be a float in [0, 1), got {type(dropout).__name__}")
+    if not 0.0 <= dropout < 1.0:
+        raise ValueError(
+            f"dropout must be a probability in [0, 1) (0: no dropout), got {dropout!r}"
+        )
 
-    def __init__(self, config: ModelConfig, index: int) -> None:
+
+class Block(nn.Module):
+    """Pre-norm block: attention, then a dense or MoE feed-forward, each residual.
+
+    With ``dropout > 0`` and in training mode, each of the two outputs goes through dropout
+    before it is added to the residual stream (residual dropout): every element is zeroed with
+    probability ``dropout``, the others scaled by ``1 / (1 - dropout)``. The masks come from
+    torch's default generator (``torch.nn.functional.dropout``), which activation
+    checkpointing stashes and restores, so a recomputed forward draws the same masks; in eval
+    mode, or with ``dropout == 0``, nothing is drawn and the block computes exactly what it
+    computes without dropout.
+    """
+
+    def __init__(self, config: ModelConfig, index: int, *, dropout: float = 0.0) -> None:
         super().__init__()
+        _check_dropout(dropout)
+        self.dropout = float(dropout)
         self.attn_norm = RMSNorm(config.dim, config.norm_eps)
         self.attn = Attention(config)
         self.ffn_norm = RMSNorm(config.dim, config.norm_eps)
@@ -188,9 +208,16 @@ class Block(nn.Module):
             else FeedForward(config.dim, config.ffn_dim)
         )
 
+    def _residual_dropout(self, branch: torch.Tensor) -> torch.Tensor:
+        # No call at all without dropout: the graph, the numbers and the generator's state
+        # stay those of a model that never had the option.
+        if not (self.training and self.dropout > 0.0):
+            return branch
+        return F.dropout(branch, self.dropout, training=True)
+
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        h = x + self.attn(self.attn_norm(x), cos, sin)
-        out: torch.Tensor = h + self.ffn(self.ffn_norm(h))
+        h = x + self._residual_dropout(self.attn(self.attn_norm(x), cos, sin))
+        out: torch.Tensor = h + self._residual_dropout(self.ffn(self.ffn_norm(h)))
         return out
 
 
@@ -213,7 +240,12 @@ class TiedHead(nn.Module):
 
 
 class Transformer(nn.Module):
-    """Token ids ``[batch, seq]`` to logits ``[batch, seq, vocab]``."""
+    """Token ids ``[batch, seq]`` to logits ``[batch, seq, vocab]``.
+
+    ``dropout``: residual dropout in every block (:class:`Block`), in training mode only; a
+    training option rather than part of the architecture (``config``), so checkpoints and
+    Hugging Face imports and exports do not carry it. Default 0: none.
+    """
 
     cos: torch.Tensor
     sin: torch.Tensor
@@ -221,13 +253,17 @@ class Transformer(nn.Module):
     norm: RMSNorm | None
     output: nn.Linear | TiedHead | None
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, *, dropout: float = 0.0) -> None:
         super().__init__()
+        _check_dropout(dropout)
         self.config = config
+        self.dropout = float(dropout)
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
         # A dict keyed by the layer index (not a list): a pipeline stage keeps a subset of the
         # blocks under their global names, so checkpoints and plans name them the same way.
-        self.layers = nn.ModuleDict({str(i): Block(config, i) for i in range(config.n_layers)})
+        self.layers = nn.ModuleDict(
+            {str(i): Block(config, i, dropout=dropout) for i in range(config.n_layers)}
+        )
         self.norm = RMSNorm(config.dim, config.norm_eps)
         self.output = (
             TiedHead(self.tok_embeddings)

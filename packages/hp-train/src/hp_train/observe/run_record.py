@@ -33,6 +33,7 @@ RESUMABLE_FIELDS: frozenset[str] = frozenset(
     {
         "training.steps",
         "training.checkpoint_every",
+        "training.snapshot_every",
         "training.log_every",
         "training.eval_every",
         "training.eval_batches",

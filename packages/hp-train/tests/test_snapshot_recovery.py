@@ -1,0 +1,168 @@
+"""A run resumed from in-memory snapshots continues bit for bit, from whichever source is left:
+its own snapshot, the buddy's replica fetched over the process group, an older step, the disk
+checkpoint (each rank of the rank pool given a snapshot folder of its own, so that the two
+ranks are two "hosts" whose snapshots replicate to each other).
+
+The runs are those of the command line (``hp_train.config.cli.parse``, then ``train``) with
+dropout on, so that a restore that missed the random generators' states would change the
+losses; the learning rate is constant after warm-up, so a run of 6 steps continued to 10 is the
+run of 10."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from hp_testing import run_on_ranks
+from hp_testing.checkpoints import assert_identical, checkpoint_state
+from hp_train.config.cli import parse
+from hp_train.runtime import init_runtime
+from hp_train.trainer import train
+
+STEPS, FIRST = 10, 6
+ARGS = [
+    "--data", "synthetic", "--global-batch", "4", "--seq-len", "16", "--quiet", "--threads",
+    "1", "--dropout", "0.1", "--min-lr-ratio", "1.0", "--snapshot-every", "1",
+    "--checkpoint-every", "5",
+]  # fmt: skip
+
+
+def _train_on_pool_rank(argv: list[str], snapshots: str) -> dict[str, object]:
+    """One rank of ``hp_train *argv`` with this rank's own snapshot folder
+    (``snapshots/rank_<r>``); returns the step it started at."""
+    runtime = init_runtime("cpu", threads=1)
+    model, parallel, config, options, _ = parse(argv, runtime.world_size)
+    options = replace(options, snapshot_dir=Path(snapshots) / f"rank_{runtime.rank}")
+    summary = train(model, parallel, config, options, runtime)
+    return {"first_step": summary.first_step}
+
+
+def _run(out: Path, snapshots: Path, steps: int, *extra: str) -> int:
+    argv = [*ARGS, "--steps", str(steps), "--out", str(out), *extra]
+    results = run_on_ranks(2, _train_on_pool_rank, argv, str(snapshots), timeout=300)
+    starts = {int(str(r["first_step"])) for r in results}
+    assert len(starts) == 1, results
+    return starts.pop()
+
+
+def _losses(out: Path) -> dict[int, float]:
+    losses: dict[int, float] = {}
+    for line in (out / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        losses[int(record["step"])] = float(record["loss"])  # a resumed step overwrites
+    return losses
+
+
+def _recovery_line(out: Path) -> str:
+    lines = [
+        line
+        for line in (out / "logs" / "rank_0.log").read_text().splitlines()
+        if "recovery: " in line and "no snapshot" not in line
+    ]
+    assert lines, "no recovery line in rank 0's log"
+    return lines[-1]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """The uninterrupted run of ``STEPS`` and a run stopped after ``FIRST`` (its output and
+    snapshot folders, copied by each test before it damages them)."""
+    base = tmp_path_factory.mktemp("snapshot_runs")
+    reference = base / "reference"
+    assert _run(reference, base / "reference_snapshots", STEPS) == 0
+    first = base / "first"
+    assert _run(first, base / "first_snapshots", FIRST) == 0
+    return reference, first
+
+
+def _copy(runs: tuple[Path, Path], tmp_path: Path) -> tuple[Path, Path]:
+    first = runs[1]
+    out, snapshots = tmp_path / "out", tmp_path / "snapshots"
+    shutil.copytree(first, out)
+    shutil.copytree(first.parent / "first_snapshots", snapshots)
+    return out, snapshots
+
+
+def _flip_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    path.write_bytes(bytes(data))
+
+
+def _snap(snapshots: Path, folder_of: int, kind: str, owner: int, step: int) -> Path:
+    return snapshots / f"rank_{folder_of}" / kind / f"rank_{owner}" / f"step_{step:08d}.snap"
+
+
+def _final_state(out: Path, scratch: Path) -> dict[str, object]:
+    """The last checkpoint's whole state (model, optimizer, random generators)."""
+    return checkpoint_state(out / "checkpoints" / f"step_{STEPS:06d}", scratch)
+
+
+CASES = {
+    # Every rank reads its own snapshot of step 6 from its own folder.
+    "own": ([], FIRST, "step 6 from memory snapshots (own: 0, 1)"),
+    # Rank 1's own copy is damaged: rank 0 sends the replica it keeps.
+    "replica": (
+        [(1, "own", 1, FIRST)],
+        FIRST,
+        "step 6 from memory snapshots (own: 0; buddy replicas: 1 from rank 0)",
+    ),
+    # Both copies of rank 1's step 6 are damaged: every rank goes back to step 5.
+    "older step": (
+        [(1, "own", 1, FIRST), (0, "replica", 1, FIRST)],
+        FIRST - 1,
+        "step 5 from memory snapshots (own: 0, 1)",
+    ),
+    # Nothing of rank 1 is left: the disk checkpoint of step 5.
+    "disk": (
+        [(1, "own", 1, FIRST), (0, "replica", 1, FIRST), (1, "own", 1, 5), (0, "replica", 1, 5)],
+        5,
+        "step 5 from disk",
+    ),
+}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_resume_from_the_next_good_source(
+    runs: tuple[Path, Path], tmp_path: Path, case: str
+) -> None:
+    """The run of 6 steps, its snapshots damaged as ``case`` says, resumed to 10: it starts
+    from the source the case leaves (its start-up line names it) and its losses from there
+    equal the uninterrupted run's bit for bit, as does its last checkpoint (model, optimizer
+    state, random generators); every damaged file it tried is named in its log."""
+    damage, start, said = CASES[case]
+    out, snapshots = _copy(runs, tmp_path)
+    for folder_of, kind, owner, step in damage:
+        _flip_byte(_snap(snapshots, folder_of, kind, owner, step))
+    assert _run(out, snapshots, STEPS, "--resume") == start
+    assert said in _recovery_line(out)
+    want, got = _losses(runs[0]), _losses(out)
+    for step in range(start, STEPS):
+        assert got[step] == want[step], (case, step, got[step], want[step])
+    logged = (out / "logs" / "rank_0.log").read_text()
+    for folder_of, kind, owner, step in damage:
+        name = f"rank_{folder_of}/{kind}/rank_{owner}/step_{step:08d}.snap"
+        assert f"{name}: SHA-256 differs from its header's" in logged, (case, name)
+    assert_identical(
+        _final_state(out, tmp_path / "got.pt"), _final_state(runs[0], tmp_path / "want.pt"), case
+    )
+
+
+@pytest.mark.multiprocess
+def test_another_world_size_takes_the_disk_checkpoint(
+    runs: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """Snapshots of 2 ranks do not fit a job of 1 (its state is laid out otherwise): the
+    restart takes the newest disk checkpoint, resharded, and says so."""
+    out, snapshots = _copy(runs, tmp_path)
+    argv = [*ARGS, "--steps", str(STEPS), "--out", str(out), "--resume"]
+    (result,) = run_on_ranks(1, _train_on_pool_rank, argv, str(snapshots), timeout=300)
+    assert result["first_step"] == 5
+    logged = (out / "logs" / "rank_0.log").read_text()
+    assert "recovery: no snapshot to take (step 5 from the newest disk checkpoint)" in logged
+    assert "recovery: step 5 from disk" in logged
