@@ -123,7 +123,10 @@ def test_sigterm_to_one_rank_and_sigint_to_torchrun_checkpoint_and_resume(
     assert (out / "checkpoints" / f"step_{first:06d}" / "manifest.json").is_file()
     assert _steps_done(out) == first
 
-    job = _launch(out, "--resume", "--max-restarts=1", "--snapshot-every", "1")
+    shm = str(tmp_path / "snapshots")
+    job = _launch(
+        out, "--resume", "--max-restarts=1", "--snapshot-every", "1", "--snapshot-dir", shm
+    )
     pid_file = out / "pids" / "rank_0.pid"
     killed_at = _wait_steps(out, job, first + 3)
     os.kill(int(pid_file.read_text()), signal.SIGKILL)

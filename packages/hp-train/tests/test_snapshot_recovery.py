@@ -3,10 +3,10 @@ its own snapshot, the buddy's replica fetched over the process group, an older s
 checkpoint (each rank of the rank pool given a snapshot folder of its own, so that the two
 ranks are two "hosts" whose snapshots replicate to each other).
 
-The runs are those of the command line (``hp_train.config.cli.parse``, then ``train``) with
+The runs are those of the command line (``hp_train.config.cli.parse``, then the trainer) with
 dropout on, so that a restore that missed the random generators' states would change the
-losses; the learning rate is constant after warm-up, so a run of 6 steps continued to 10 is the
-run of 10."""
+losses. The interrupted run fails in step 6 (an exception raised on every rank, standing in
+for a crash), so its snapshots stay; a run that ends deletes its own."""
 
 from __future__ import annotations
 
@@ -21,29 +21,54 @@ from hp_testing import run_on_ranks
 from hp_testing.checkpoints import assert_identical, checkpoint_state
 from hp_train.config.cli import parse
 from hp_train.runtime import init_runtime
-from hp_train.trainer import train
+from hp_train.trainer import Trainer
+
+
+class _CrashError(Exception):
+    """What the interrupted run fails with."""
+
 
 STEPS, FIRST = 10, 6
 ARGS = [
     "--data", "synthetic", "--global-batch", "4", "--seq-len", "16", "--quiet", "--threads",
-    "1", "--dropout", "0.1", "--min-lr-ratio", "1.0", "--snapshot-every", "1",
+    "1", "--dropout", "0.1", "--snapshot-every", "1",
     "--checkpoint-every", "5",
 ]  # fmt: skip
 
 
-def _train_on_pool_rank(argv: list[str], snapshots: str) -> dict[str, object]:
+def _train_on_pool_rank(
+    argv: list[str], snapshots: str, crash_at: int | None = None
+) -> dict[str, object]:
     """One rank of ``hp_train *argv`` with this rank's own snapshot folder
-    (``snapshots/rank_<r>``); returns the step it started at."""
+    (``snapshots/rank_<r>``), failing when step ``crash_at`` starts if given (after the last
+    snapshot's background write finished); returns the step it started at (None: crashed)."""
     runtime = init_runtime("cpu", threads=1)
     model, parallel, config, options, _ = parse(argv, runtime.world_size)
     options = replace(options, snapshot_dir=Path(snapshots) / f"rank_{runtime.rank}")
-    summary = train(model, parallel, config, options, runtime)
-    return {"first_step": summary.first_step}
+    trainer = Trainer(model, parallel, config, options, runtime)
+    if crash_at is not None:
+        step_of = trainer.train_step
+
+        def crashing(step: int, monitored: bool) -> dict[str, object]:
+            if step == crash_at:
+                raise _CrashError(step)
+            return step_of(step, monitored)
+
+        trainer.train_step = crashing  # type: ignore[method-assign]
+    try:
+        return {"first_step": trainer.run().first_step}
+    except _CrashError:
+        assert trainer.keeper is not None
+        trainer.keeper.wait()
+        return {"first_step": None}
 
 
-def _run(out: Path, snapshots: Path, steps: int, *extra: str) -> int:
+def _run(out: Path, snapshots: Path, steps: int, *extra: str, crash_at: int | None = None) -> int:
     argv = [*ARGS, "--steps", str(steps), "--out", str(out), *extra]
-    results = run_on_ranks(2, _train_on_pool_rank, argv, str(snapshots), timeout=300)
+    results = run_on_ranks(2, _train_on_pool_rank, argv, str(snapshots), crash_at, timeout=300)
+    if crash_at is not None:
+        assert [r["first_step"] for r in results] == [None, None]
+        return 0
     starts = {int(str(r["first_step"])) for r in results}
     assert len(starts) == 1, results
     return starts.pop()
@@ -74,8 +99,11 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     base = tmp_path_factory.mktemp("snapshot_runs")
     reference = base / "reference"
     assert _run(reference, base / "reference_snapshots", STEPS) == 0
+    # A run that ended freed its snapshots' memory.
+    assert not list((base / "reference_snapshots").rglob("step_*"))
     first = base / "first"
-    assert _run(first, base / "first_snapshots", FIRST) == 0
+    _run(first, base / "first_snapshots", STEPS, crash_at=FIRST)
+    assert len(list((base / "first_snapshots").rglob("step_*.snap"))) == 8  # 2 steps x 4
     return reference, first
 
 

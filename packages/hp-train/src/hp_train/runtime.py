@@ -20,6 +20,10 @@ finalization Python ends such a thread in the middle of a C++ destructor, which 
 process ("terminate called without an active exception", SIGABRT) after correct work. Freeing
 a backend joins its workers, and torch releases the GIL while it does, so they finish first.
 
+Restarts: under ``torchrun --max-restarts`` the ranks of every round create their process
+group on a store of the round's own, served by the round's rank 0 (:func:`_round_store`):
+torchrun's store outlives the rounds with the last round's ranks' addresses in it.
+
 Fault injection, for tests: ``HP_TRAIN_INJECT_STALL=<rank>:<n>`` makes rank ``<rank>`` stop
 for good before its ``n``-th collective issued through hp_dtensor, as a rank that never joins.
 """
@@ -63,7 +67,7 @@ TIMEOUT_ENV = "HP_TRAIN_COLLECTIVE_TIMEOUT"
 #: ``<rank>:<n>``: that rank stops for good before its n-th hp_dtensor collective (tests).
 STALL_ENV = "HP_TRAIN_INJECT_STALL"
 # How long a rank tries an address of the round store before reading it again.
-_STALE_PROBE = timedelta(seconds=3)
+_STALE_PROBE = timedelta(seconds=1)
 # How long the ranks may take to all start (imports, a slow file system) when the collective
 # timeout is shorter: torch's default group timeout.
 _STARTUP = dist.default_pg_timeout

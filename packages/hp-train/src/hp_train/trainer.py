@@ -436,6 +436,13 @@ class Trainer:
             self._snapshot_extras,
         )
 
+    def _discard_snapshots(self) -> None:
+        """The run ended (its steps done, or stopped with a checkpoint newer than any
+        snapshot): free the memory its snapshots take on this host."""
+        if self.keeper is not None:
+            self.keeper.close()
+            self.keeper.discard()
+
     def _training_state(self) -> TrainingState:
         return TrainingState(self.model, self.optimizer, self.runtime.device)
 
@@ -950,11 +957,9 @@ class Trainer:
                     step_ms=elapsed * 1e3,
                 )
                 if self.stop_signal is not None:
-                    if self.keeper is not None:
-                        self.keeper.close()
+                    self._discard_snapshots()
                     raise StoppedBySignalError(self.stop_signal, step + 1, record["checkpoint"])
-            if self.keeper is not None:
-                self.keeper.close()
+            self._discard_snapshots()
         finally:
             if self.signals is not None:
                 self.signals.__exit__(None, None, None)

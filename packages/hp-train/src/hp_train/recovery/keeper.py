@@ -17,7 +17,9 @@ the training thread at the next snapshot or at :meth:`SnapshotKeeper.close`.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import shutil
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -148,6 +150,17 @@ class SnapshotKeeper:
     def close(self) -> None:
         """Finish the last snapshot (its failure raised here)."""
         self.wait()
+
+    def discard(self) -> None:
+        """Delete this rank's snapshots and the replicas it keeps for others (the run is over:
+        ``/dev/shm`` is memory), and the host folder once nothing else is in it."""
+        folders = [snapshot_folder(self.root, "own", self.rank)]
+        folders += [snapshot_folder(self.root, "replica", r) for r in self.replica_of]
+        for folder in folders:
+            shutil.rmtree(folder, ignore_errors=True)
+        for empty in (folders[0].parent, self.root / "replica", self.root):
+            with contextlib.suppress(OSError):  # not empty: another rank's are still there
+                empty.rmdir()
 
     def _background(self, header: SnapshotHeader, size: int) -> None:
         began = time.perf_counter()
