@@ -109,6 +109,17 @@ def test_resume_conflicts_name_the_fields() -> None:
     ]
 
 
+def test_a_field_newer_than_the_checkpoint_is_its_default() -> None:
+    """A checkpoint written before ``dropout`` existed ran without dropout: resuming it without
+    dropout continues the run, with dropout is another run."""
+    model, parallel = ModelConfig(), ParallelConfig()
+    saved = run_record(model, parallel, TrainConfig())
+    del saved["training"]["dropout"]
+    assert resume_conflicts(saved, run_record(model, parallel, TrainConfig())) == []
+    with_dropout = run_record(model, parallel, TrainConfig(dropout=0.1))
+    assert resume_conflicts(saved, with_dropout) == ["training.dropout: None -> 0.1"]
+
+
 def test_a_path_spelled_another_way_is_the_same_run(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

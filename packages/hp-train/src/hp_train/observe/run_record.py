@@ -97,14 +97,29 @@ def _flat(record: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     return flat
 
 
+def _field_defaults() -> dict[str, Any]:
+    """``table.field`` to the default of every training and parallel field that has one."""
+    defaults: dict[str, Any] = {}
+    for table, schema in (("training", TrainConfig), ("parallel", ParallelConfig)):
+        for field in dataclasses.fields(schema):
+            if field.default is not dataclasses.MISSING:
+                defaults[f"{table}.{field.name}"] = field.default
+    return defaults
+
+
 def resume_conflicts(saved: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
     """The fields that differ between a checkpoint's record and a resuming run's and that a
     resume cannot change (not in :data:`RESUMABLE_FIELDS`), each as ``"table.field: saved ->
-    current"``, sorted; empty when the resume is compatible."""
+    current"``, sorted; empty when the resume is compatible. A training or parallel field the
+    saved record lacks (the checkpoint is older than the field) ran with the field's default:
+    no conflict while the resuming run keeps that default."""
     before, now = _flat(saved), _flat(current)
+    defaults = _field_defaults()
     conflicts = []
     for key in sorted(set(before) | set(now)):
         if key in RESUMABLE_FIELDS or before.get(key) == now.get(key):
+            continue
+        if key not in before and key in defaults and now.get(key) == defaults[key]:
             continue
         conflicts.append(f"{key}: {before.get(key)!r} -> {now.get(key)!r}")
     return conflicts
