@@ -23,21 +23,13 @@ import pytest
 
 from hp_testing import run_on_ranks
 from hp_testing.checkpoints import assert_identical, checkpoint_state, job_env
-from hp_train.config.cli import parse
-from hp_train.runtime import init_runtime
-from hp_train.trainer import train
+from test_resume import _train_on_pool_rank
 
 STEPS = 40
 ARGS = [
     "--steps", str(STEPS), "--data", "synthetic", "--global-batch", "4", "--seq-len", "16",
     "--quiet", "--threads", "1", "--dropout", "0.1", "--checkpoint-every", str(STEPS),
 ]  # fmt: skip
-
-
-def _train_on_pool_rank(argv: list[str]) -> int:
-    runtime = init_runtime("cpu", threads=1)
-    model, parallel, config, options, _ = parse(argv, runtime.world_size)
-    return train(model, parallel, config, options, runtime).first_step
 
 
 def _launch(out: Path, *extra: str) -> subprocess.Popen[str]:
@@ -96,6 +88,20 @@ def _stopped(printed: str, name: str) -> int:
     return int(lines[0][len(marker) :].split(";")[0])
 
 
+def assert_same_training(out: Path, reference: Path, steps: int, scratch: Path) -> None:
+    """The run in ``out`` logged every step's loss equal to ``reference``'s, bit for bit (a
+    step logged twice, before and after a restart, counts as its last record), and its
+    checkpoint of ``steps`` holds the same state."""
+    want, got = _losses(reference), _losses(out)
+    assert sorted(got) == list(range(steps))
+    assert got == want, [(s, got[s], want[s]) for s in got if got[s] != want[s]][:3]
+    name = f"step_{steps:06d}"
+    assert_identical(
+        checkpoint_state(out / "checkpoints" / name, scratch / "got.pt"),
+        checkpoint_state(reference / "checkpoints" / name, scratch / "want.pt"),
+    )
+
+
 @pytest.mark.multiprocess
 def test_sigterm_to_one_rank_and_sigint_to_torchrun_checkpoint_and_resume(
     tmp_path: Path,
@@ -144,14 +150,7 @@ def test_sigterm_to_one_rank_and_sigint_to_torchrun_checkpoint_and_resume(
     assert run_on_ranks(
         2, _train_on_pool_rank, [*ARGS, "--out", str(out), "--resume"], timeout=300
     ) == [second, second]
-    want, got = _losses(reference), _losses(out)
-    assert sorted(got) == list(range(STEPS))
-    assert got == want, [(s, got[s], want[s]) for s in got if got[s] != want[s]][:3]
-    name = f"step_{STEPS:06d}"
-    assert_identical(
-        checkpoint_state(out / "checkpoints" / name, tmp_path / "got.pt"),
-        checkpoint_state(reference / "checkpoints" / name, tmp_path / "want.pt"),
-    )
+    assert_same_training(out, reference, STEPS, tmp_path)
 
 
 _SIGNALS_SCRIPT = textwrap.dedent(

@@ -31,11 +31,9 @@ from pathlib import Path
 import pytest
 
 from hp_testing import run_on_ranks
-from hp_testing.checkpoints import assert_identical, checkpoint_state, job_env
-from hp_train.config.cli import parse
-from hp_train.observe.metrics import read_metrics
-from hp_train.runtime import init_runtime
-from hp_train.trainer import train
+from hp_testing.checkpoints import job_env
+from test_dying_gasp import assert_same_training
+from test_resume import _train_on_pool_rank
 
 STEPS = 30
 ARGS = [
@@ -47,12 +45,6 @@ ELASTIC = ["--snapshot-every", "1", "--resume-if-present"]
 # A lost agent leaves the rendezvous when it has missed its keep-alives: 2 of 1 s each, rather
 # than torch's default 3 of 5 s, so that the new round starts within seconds.
 RDZV_CONF = "keep_alive_interval=1,keep_alive_max_attempt=2"
-
-
-def _train_on_pool_rank(argv: list[str]) -> int:
-    runtime = init_runtime("cpu", threads=1)
-    model, parallel, config, options, _ = parse(argv, runtime.world_size)
-    return train(model, parallel, config, options, runtime).first_step
 
 
 def _free_port() -> int:
@@ -148,12 +140,4 @@ def test_sigkill_and_host_loss_recover_from_memory_bit_for_bit(tmp_path: Path) -
     assert "from memory snapshots (own: 0, 1)" in first, (kill_at, first)
     assert "buddy replicas:" in second, second
     assert "from memory snapshots" in second, second
-    want = {int(str(r["step"])): r["loss"] for r in read_metrics(reference / "metrics.jsonl")}
-    got = {int(str(r["step"])): r["loss"] for r in read_metrics(out / "metrics.jsonl")}
-    assert sorted(got) == list(range(STEPS))
-    assert got == want, [(s, got[s], want[s]) for s in got if got[s] != want[s]][:3]
-    name = f"step_{STEPS:06d}"
-    assert_identical(
-        checkpoint_state(out / "checkpoints" / name, tmp_path / "got.pt"),
-        checkpoint_state(reference / "checkpoints" / name, tmp_path / "want.pt"),
-    )
+    assert_same_training(out, reference, STEPS, tmp_path)
