@@ -30,6 +30,7 @@ from hp_dtensor import watchdog
 from hp_dtensor.watchdog import CollectiveTimeoutError
 from hp_testing import run_on_ranks
 from hp_testing.fresh_job import run_fresh_job
+from hp_train import objects
 from hp_train.checkpoint import dcp
 
 #: The collective functions of ``torch.distributed`` that hp-train's checkpoint code and
@@ -107,13 +108,16 @@ def _calls_inside_watches(root: str) -> tuple[list[str], list[tuple[str, bool]]]
         return call
 
     reals = {name: getattr(dist, name) for name in _COLLECTIVES}
-    setattr(dcp, "watch", watch)  # noqa: B010
+    # dcp.py's own collectives, and the object exchanges it calls hp_train.objects for.
+    for module in (dcp, objects):
+        setattr(module, "watch", watch)  # noqa: B010
     for name, real in reals.items():
         setattr(dist, name, noting(name, real))
     try:
         _save_verify_list_load(Path(root))
     finally:
-        setattr(dcp, "watch", real_watch)  # noqa: B010
+        for module in (dcp, objects):
+            setattr(module, "watch", real_watch)  # noqa: B010
         for name, real in reals.items():
             setattr(dist, name, real)
     return watched, calls

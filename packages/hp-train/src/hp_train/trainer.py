@@ -60,6 +60,7 @@ from hp_train.config.toml_file import CONFIG_FILE, dump_toml
 from hp_train.data.loader import Batch, DataSpec, TrainData, build_data
 from hp_train.data.tokenizer import ByteTokenizer, TextTokenizer, load_tokenizer
 from hp_train.model.llama import Transformer, lm_loss
+from hp_train.objects import gather_objects
 from hp_train.observe.logs import close_logging, setup_logging
 from hp_train.observe.metrics import MetricsWriter, peak_memory_bytes, read_metrics, write_json
 from hp_train.observe.monitor import (
@@ -424,9 +425,7 @@ class Trainer:
         self.run_id = run_id(self.out, new=new_run)
         if new_run:
             remove_other_runs(self.snapshot_root, self.run_id, [self.runtime.rank])
-        hosts: list[object] = [None] * self.runtime.world_size
-        with watch("all_gather_object (snapshot hosts)"):
-            dist.all_gather_object(hosts, self.host)
+        hosts = gather_objects(self.host, "all_gather_object (snapshot hosts)")
         return SnapshotKeeper(
             self.snapshot_root,
             [str(h) for h in hosts],

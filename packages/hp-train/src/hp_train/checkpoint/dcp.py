@@ -56,7 +56,7 @@ import shutil
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -69,6 +69,8 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from hp_dtensor.watchdog import watch
 from hp_fsdp import get_optimizer_state_dict, set_optimizer_state_dict
+from hp_train.objects import from_rank_0, gather_objects
+from hp_train.parallel.rng import rng_states, set_rng_states
 
 __all__ = [
     "FORMAT_KEY",
@@ -191,18 +193,6 @@ class StageOf:
         return f"stage_{self.stage}_of_{self.stages}"
 
 
-_T = TypeVar("_T")
-
-
-def _from_rank_0(name: str, work: Callable[[], _T]) -> _T:
-    """``work()`` on rank 0, its result broadcast to every rank (collective, watched as
-    ``name``)."""
-    box: list[object] = [work() if dist.get_rank() == 0 else None]
-    with watch(name):
-        dist.broadcast_object_list(box, src=0)
-    return box[0]  # type: ignore[return-value]
-
-
 def _saved_layout(path: Path) -> tuple[int, set[str]]:
     """The number of pipeline stages a checkpoint was saved with (1: not pipelined) and the
     random-generator entries it holds (``rng.rank_<r>.<device>``), as rank 0 reads its
@@ -225,24 +215,10 @@ def _saved_layout(path: Path) -> tuple[int, set[str]]:
                 stages = int(match.group(1))
         return stages, {key for key in keys if key.startswith(_RNG + ".")}
 
-    found = _from_rank_0("checkpoint load metadata broadcast", read)
+    found = from_rank_0("checkpoint load metadata broadcast", read)
     if isinstance(found, str):
         raise CheckpointLoadError(path, found)
     return found
-
-
-def _rng_states(device: torch.device) -> dict[str, torch.Tensor]:
-    """This process's random generators' states: the CPU's and the device's."""
-    states = {"cpu": torch.get_rng_state()}
-    if device.type != "cpu":
-        states[device.type] = torch.get_device_module(device.type).get_rng_state(device)
-    return states
-
-
-def _set_rng_states(states: Mapping[str, torch.Tensor], device: torch.device) -> None:
-    torch.set_rng_state(states["cpu"])
-    if device.type in states and device.type != "cpu":
-        torch.get_device_module(device.type).set_rng_state(states[device.type], device)
 
 
 def _param_device(model: nn.Module) -> torch.device:
@@ -321,7 +297,7 @@ def list_checkpoints(root: str | Path) -> CheckpointListing:
             tuple(path for _, path in sorted(partial, reverse=True)),
         )
 
-    return _from_rank_0("checkpoint list broadcast", listing)
+    return from_rank_0("checkpoint list broadcast", listing)
 
 
 def latest_checkpoint(root: str | Path) -> tuple[int, Path] | None:
@@ -371,7 +347,7 @@ def save_checkpoint(
     _on_rank_0(start, partial, "checkpoint save start broadcast")
     state = _state(model, optimizer, step, stage)
     state[FORMAT_KEY] = {"version": FORMAT_VERSION}
-    state[_RNG] = {f"rank_{dist.get_rank()}": _rng_states(_param_device(model))}
+    state[_RNG] = {f"rank_{dist.get_rank()}": rng_states(_param_device(model))}
     try:
         with watch("checkpoint save (torch DCP)"):
             dcp_save(state, checkpoint_id=str(partial))
@@ -412,7 +388,7 @@ def _on_rank_0(work: Callable[[], None], partial: Path, name: str) -> None:
             return f"rank 0: {type(exc).__name__}: {exc}"
         return None
 
-    failure = _from_rank_0(name, attempt)
+    failure = from_rank_0(name, attempt)
     if failure is not None:
         raise CheckpointWriteError(
             f"could not write checkpoint {partial} ({failure}); it stays incomplete "
@@ -425,21 +401,13 @@ def _sha256(path: Path) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
-def _gather(value: object, name: str) -> list[object]:
-    """Every rank's ``value``, by rank (collective, watched as ``name``)."""
-    gathered: list[object] = [None] * dist.get_world_size()
-    with watch(name):
-        dist.all_gather_object(gathered, value)
-    return gathered
-
-
 def _names_from_rank_0(folder: Path) -> list[str]:
     """The files of ``folder`` as rank 0 lists them (broadcast: every rank the same list)."""
 
     def names() -> list[str]:
         return sorted(p.name for p in folder.iterdir() if p.is_file() and p.name != MANIFEST_FILE)
 
-    return _from_rank_0("checkpoint manifest file list broadcast", names)
+    return from_rank_0("checkpoint manifest file list broadcast", names)
 
 
 def write_manifest(folder: str | Path) -> None:
@@ -462,7 +430,7 @@ def write_manifest(folder: str | Path) -> None:
     except OSError as exc:
         mine = {"error": f"rank {rank}: {type(exc).__name__}: {exc}"}
     entries: dict[str, object] = {}
-    for part in _gather(mine, "checkpoint manifest hash gather"):
+    for part in gather_objects(mine, "checkpoint manifest hash gather"):
         assert isinstance(part, dict)
         if "error" in part:
             raise CheckpointWriteError(f"could not hash checkpoint {base} ({part['error']})")
@@ -588,7 +556,7 @@ def verify_checkpoint(path: str | Path) -> Verification:
     a manifest, only a checkpoint marked as old (:data:`LEGACY_MARK`) without the format marker
     passes (unverified), after a structural check."""
     folder = Path(path)
-    found = _from_rank_0("checkpoint verify manifest broadcast", lambda: _plan(folder))
+    found = from_rank_0("checkpoint verify manifest broadcast", lambda: _plan(folder))
     files = found["files"]
     if files is None:
         return Verification(folder, tuple(found["problems"]), verified=False)
@@ -599,7 +567,7 @@ def verify_checkpoint(path: str | Path) -> Verification:
     except OSError as exc:
         mine = [f"rank {rank} could not read it: {type(exc).__name__}: {exc}"]
     problems: list[str] = []
-    for part in _gather(mine, "checkpoint verify gather"):
+    for part in gather_objects(mine, "checkpoint verify gather"):
         assert isinstance(part, list)
         problems += part
     order = {name: i for i, name in enumerate(names)}
@@ -677,7 +645,7 @@ def load_checkpoint(
     restore_rng = saved_ranks == {f"rank_{r}" for r in range(world)}
     device = _param_device(model)
     if restore_rng:
-        state[_RNG] = {f"rank_{rank}": _rng_states(device)}
+        state[_RNG] = {f"rank_{rank}": rng_states(device)}
     elif rank == 0:
         _LOG.warning(
             "%s: %s; the random generators start from this run's seed instead",
@@ -694,7 +662,9 @@ def load_checkpoint(
         failure = _causes(exc)
     # torch's load raises on every rank when one fails to read; agreeing here keeps the ranks
     # together whatever fails where (the model is only touched in place so far).
-    failures = [f for f in _gather(failure, "checkpoint load agreement gather") if f is not None]
+    failures = [
+        f for f in gather_objects(failure, "checkpoint load agreement gather") if f is not None
+    ]
     if failures:
         raise CheckpointLoadError(folder, "; ".join(dict.fromkeys(str(f) for f in failures)))
     model.load_state_dict(state["model"])
@@ -703,5 +673,5 @@ def load_checkpoint(
         optim_sd["param_groups"] = state["optim_groups"][stage.key]
     set_optimizer_state_dict(model, optimizer, optim_sd)
     if restore_rng:
-        _set_rng_states(state[_RNG][f"rank_{rank}"], device)
+        set_rng_states(state[_RNG][f"rank_{rank}"], device)
     return int(state["progress"]["step"])

@@ -21,6 +21,7 @@ tensor-parallel run draws the masks of the one-device run with the same seed.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 import torch
@@ -30,7 +31,7 @@ from hp_train.config.schema import TrainConfig
 if TYPE_CHECKING:
     from hp_train.parallel.parallelize import Layout3D
 
-__all__ = ["dropout_seed", "seed_dropout"]
+__all__ = ["dropout_seed", "rng_states", "seed_dropout", "set_rng_states"]
 
 # torch.manual_seed takes 64-bit seeds; 63 bits keep it a non-negative int64 everywhere.
 _SEED_BITS = 63
@@ -73,3 +74,19 @@ def seed_dropout(config: TrainConfig, layout: Layout3D, rank: int) -> int:
     seed = dropout_seed(config.seed, layout.dp_rank, cp_rank, stage)
     torch.manual_seed(seed)
     return seed
+
+
+def rng_states(device: torch.device) -> dict[str, torch.Tensor]:
+    """This process's random generators' states by device type: the CPU's, and ``device``'s
+    when it is an accelerator (what a checkpoint or snapshot saves for dropout's masks)."""
+    states = {"cpu": torch.get_rng_state()}
+    if device.type != "cpu":
+        states[device.type] = torch.get_device_module(device.type).get_rng_state(device)
+    return states
+
+
+def set_rng_states(states: Mapping[str, torch.Tensor], device: torch.device) -> None:
+    """Restore what :func:`rng_states` returned (``device``'s entry when there is one)."""
+    torch.set_rng_state(states["cpu"])
+    if device.type in states and device.type != "cpu":
+        torch.get_device_module(device.type).set_rng_state(states[device.type], device)

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from hp_dtensor.watchdog import watch
+from hp_train.objects import gather_objects
 from hp_train.recovery.plan import Holding, RecoveryPlan, plan_recovery
 from hp_train.recovery.snapshot_file import (
     SnapshotCorruptError,
@@ -59,13 +59,6 @@ class Recovered:
     skipped: tuple[str, ...]
 
 
-def _gather(value: object, name: str) -> list[object]:
-    out: list[object] = [None] * dist.get_world_size()
-    with watch(name):
-        dist.all_gather_object(out, value)
-    return out
-
-
 def recover_from_snapshots(
     root: Path,
     host: str,
@@ -82,7 +75,9 @@ def recover_from_snapshots(
     listed = list_holdings(root, host, run_id, world)
     paths: dict[Holding, Path] = {}
     hosts: list[str] = []
-    for part in _gather((host, [(x.holding, x.header) for x in listed]), "recovery listing gather"):
+    for part in gather_objects(
+        (host, [(x.holding, x.header) for x in listed]), "recovery listing gather"
+    ):
         assert isinstance(part, tuple)
         hosts.append(part[0])
         paths.update(dict(part[1]))
@@ -178,7 +173,7 @@ def _run_transfers(
 def _agreed_failures(failures: list[tuple[Holding, str]], name: str) -> list[tuple[Holding, str]]:
     """Every rank's failures (collective: all ranks get the same list, in rank order)."""
     agreed: list[tuple[Holding, str]] = []
-    for part in _gather(failures, name):
+    for part in gather_objects(failures, name):
         assert isinstance(part, list)
         agreed += part
     return agreed

@@ -21,9 +21,7 @@ import tempfile
 import uuid
 from pathlib import Path
 
-import torch.distributed as dist
-
-from hp_dtensor.watchdog import watch
+from hp_train.objects import from_rank_0
 
 __all__ = ["RUN_ID_FILE", "host_name", "run_id", "snapshot_root"]
 
@@ -59,7 +57,4 @@ def run_id(out_dir: Path, new: bool) -> str:
         path.write_text(drawn + "\n")
         return drawn
 
-    box: list[object] = [read_or_draw() if dist.get_rank() == 0 else None]
-    with watch("broadcast_object_list (run id)"):
-        dist.broadcast_object_list(box, src=0)
-    return str(box[0])
+    return from_rank_0("broadcast_object_list (run id)", read_or_draw)

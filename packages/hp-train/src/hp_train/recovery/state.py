@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from hp_fsdp import init_optimizer_state
+from hp_train.parallel.rng import rng_states, set_rng_states
 from hp_train.recovery.snapshot_file import Entry
 
 __all__ = [
@@ -40,6 +41,8 @@ __all__ = [
 ]
 
 _ALIGN = 64
+# The prefix of the random generators' entries (``rng/cpu``, ``rng/cuda``).
+_RNG = "rng/"
 
 
 class SnapshotMismatchError(ValueError):
@@ -73,10 +76,8 @@ def _tensors(state: TrainingState) -> Iterator[tuple[str, torch.Tensor]]:
             for key, value in sorted(state.optimizer.state.get(p, {}).items()):
                 if isinstance(value, torch.Tensor):
                     yield f"optim/{g}/{i}/{key}", _local(value)
-    yield "rng/cpu", torch.get_rng_state()
-    if state.device.type != "cpu":
-        module = torch.get_device_module(state.device.type)
-        yield f"rng/{state.device.type}", module.get_rng_state(state.device)
+    for device_type, generator in rng_states(state.device).items():
+        yield f"{_RNG}{device_type}", generator
 
 
 def optimizer_scalars(optimizer: torch.optim.Optimizer) -> list[list[Any]]:
@@ -163,17 +164,16 @@ def restore(
         )
     for entry, (name, t) in zip(entries, current, strict=True):
         _check(entry, name, t)
+    generators: dict[str, torch.Tensor] = {}
     with torch.no_grad():
         for entry, (name, t) in zip(entries, current, strict=True):
             raw = payload[entry.offset : entry.offset + entry.nbytes]
             value = raw.view(getattr(torch, entry.dtype)).view(entry.shape)
-            if name == "rng/cpu":
-                torch.set_rng_state(value.clone())
-            elif name.startswith("rng/"):
-                module = torch.get_device_module(state.device.type)
-                module.set_rng_state(value.clone(), state.device)
+            if name.startswith(_RNG):
+                generators[name.removeprefix(_RNG)] = value.clone()
             else:
                 t.copy_(value)
+    set_rng_states(generators, state.device)
     params = [group["params"] for group in state.optimizer.param_groups]
     for g, i, key, value in scalars:
         state.optimizer.state[params[g][i]][key] = value
