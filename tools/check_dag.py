@@ -90,6 +90,20 @@ ALLOWED_DEPS: Mapping[str, frozenset[str]] = {
         }
     )
     | TEST_ONLY,
+    # Reinforcement learning on the trainer (GRPO, rollouts, weight sync); nothing imports it.
+    "hp_rl": frozenset(
+        {
+            "hp_layout",
+            "hp_dtensor",
+            "hp_kernels",
+            "hp_fsdp",
+            "hp_muon",
+            "hp_offload",
+            "hp_planner",
+            "hp_train",
+        }
+    )
+    | TEST_ONLY,
     # The umbrella on top of everything (HyperParallel's names over the libraries; hp-train only
     # as its `train` extra); no package may import or depend on it (see UMBRELLA).
     "hyper_parallel": frozenset(

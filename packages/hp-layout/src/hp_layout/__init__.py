@@ -34,6 +34,13 @@ from hp_layout.redistribute import (
 )
 from hp_layout.region import Box, Region
 from hp_layout.topology import Collective, Tier, Topology
+from hp_layout.transfer import (
+    Piece,
+    TransferPlan,
+    local_index_runs,
+    plan_full_gather_transfer,
+    plan_transfer,
+)
 
 __version__ = "0.1.0"
 
@@ -48,6 +55,7 @@ __all__ = [
     "Mesh",
     "MeshError",
     "Partial",
+    "Piece",
     "Placement",
     "PlacementError",
     "RaggedShard",
@@ -62,12 +70,16 @@ __all__ = [
     "Tier",
     "Topology",
     "TopologyError",
+    "TransferPlan",
     "__version__",
     "chunk_bounds",
     "chunk_length",
     "chunk_sizes",
     "is_sharding",
+    "local_index_runs",
     "plan_flat_buffer",
+    "plan_full_gather_transfer",
     "plan_gather_then_slice",
     "plan_redistribute",
+    "plan_transfer",
 ]

@@ -22,8 +22,9 @@ from hp_layout.layout import Layout
 from hp_layout.placement import Partial, RaggedShard, ReduceOp, Shard
 from hp_layout.redistribute import RedistributePlan, Step, StepKind
 from hp_layout.region import Region
+from hp_layout.transfer import TransferPlan, local_index_runs
 
-__all__ = ["ExecutionResult", "assemble", "execute", "scatter"]
+__all__ = ["ExecutionResult", "assemble", "execute", "execute_transfer", "scatter"]
 
 Array = NDArray[Any]
 Shards = dict[int, Array]
@@ -240,3 +241,65 @@ def execute(plan: RedistributePlan, shards: Mapping[int, Array]) -> ExecutionRes
         current, count = _run_step(step, current)
         received.append(count)
     return ExecutionResult(current, tuple(received))
+
+
+def _gather_runs(flat: Array, runs: tuple[tuple[int, int], ...]) -> Array:
+    if not runs:
+        return flat[:0]
+    return np.concatenate([flat[start : start + length] for start, length in runs])
+
+
+def execute_transfer(plan: TransferPlan, shards: Mapping[int, Array]) -> Shards:
+    """Run ``plan`` on ``shards`` (source rank -> local data under ``plan.src``).
+
+    Returns each destination rank's local data. Like a point-to-point executor, each phase
+    packs, per (sender, receiver), the sender's boxes in :meth:`TransferPlan.sends` order into
+    one message, using :func:`local_index_runs` on the sender's send buffer, and unpacks the
+    message in :meth:`TransferPlan.receives` order into the receiver's buffer. Every element
+    of every receive buffer must be written exactly once.
+
+    Raises:
+        LayoutError: when a source shard is missing or misshapen, or a plan leaves an element
+            of a receive buffer unwritten or writes it twice.
+    """
+    current: Shards = {}
+    for r in plan.src.mesh.ranks:
+        if r not in shards:
+            raise LayoutError(f"no shard given for source rank {r}")
+        if tuple(shards[r].shape) != plan.src.local_shape(r):
+            raise LayoutError(
+                f"source rank {r} holds shape {shards[r].shape}; {plan.src!r} gives it "
+                f"{plan.src.local_shape(r)}"
+            )
+        current[r] = np.asarray(shards[r]).reshape(-1)
+    dtype = np.result_type(*(a.dtype for a in current.values())) if current else np.float64
+    for phase in range(len(plan.phases)):
+        messages: dict[tuple[int, int], list[Array]] = {}
+        for sender in sorted(current):
+            region = plan.send_region(sender, phase)
+            for piece in plan.sends(sender, phase):
+                runs = local_index_runs(region, piece.box)
+                key = (sender, piece.dst_rank)
+                messages.setdefault(key, []).append(_gather_runs(current[sender], runs))
+        filled: Shards = {}
+        for receiver in plan.receivers(phase):
+            region = plan.receive_region(receiver, phase)
+            out = np.zeros(region.numel, dtype=dtype)
+            written = np.zeros(region.numel, dtype=np.int64)
+            offsets: dict[int, int] = {}
+            for piece in plan.receives(receiver, phase):
+                message = np.concatenate(messages[(piece.src_rank, receiver)])
+                at = offsets.get(piece.src_rank, 0)
+                for start, length in local_index_runs(region, piece.box):
+                    out[start : start + length] = message[at : at + length]
+                    written[start : start + length] += 1
+                    at += length
+                offsets[piece.src_rank] = at
+            if (written != 1).any():
+                raise LayoutError(
+                    f"phase {phase} of the {plan.method!r} plan writes rank {receiver}'s "
+                    f"elements {sorted(set(written.tolist()))} times, not once each"
+                )
+            filled[receiver] = out
+        current = filled
+    return {r: current[r].reshape(plan.dst.local_shape(r)) for r in plan.dst.mesh.ranks}

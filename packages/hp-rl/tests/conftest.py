@@ -1,0 +1,1 @@
+"""Fixtures shared by hp-rl's tests."""
