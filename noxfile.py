@@ -680,6 +680,50 @@ def demo(session: nox.Session) -> None:
     )  # fmt: skip
 
 
+#: GRPO's example (``nox -s grpo``): the supervised warm-up hp-train runs on the arithmetic
+#: corpus (2 local CPU ranks, FSDP), then GRPO on 4 (FSDP 2 x TP 2 training, TP 2 x 2 rollout
+#: replicas on the same ranks), held-out greedy accuracy every 20 steps.
+GRPO_WARMUP_ARGS: tuple[str, ...] = (
+    "--dim", "128", "--n-layers", "4", "--n-heads", "4", "--n-kv-heads", "4", "--ffn-dim", "384",
+    "--seq-len", "64", "--global-batch", "32", "--steps", "1500", "--lr", "3e-3",
+    "--muon-lr", "0.02", "--warmup-steps", "30", "--checkpoint-every", "500",
+)  # fmt: skip
+GRPO_ARGS: tuple[str, ...] = (
+    "--tp", "2", "--rollout-tp", "2", "--steps", "120", "--prompts-per-step", "32",
+    "--group-size", "8", "--max-new-tokens", "5", "--muon-lr", "0.0005", "--lr", "3e-5",
+    "--eval-every", "20", "--eval-prompts", "512", "--log-every", "10",
+)  # fmt: skip
+
+
+@nox.session(default=False)
+def grpo(session: nox.Session) -> None:
+    """GRPO on the arithmetic task, nothing downloaded: the corpus and its tokenizer
+    (``python -m hp_rl prepare``), a supervised warm-up with hp-train, its Hugging Face
+    export, then ``python -m hp_rl``; writes ``hp_rl_out/`` at the repository root. The
+    warm-up is skipped when its export exists. Extra arguments go to ``hp_rl``.
+    """
+    install_closure(session, "hp-rl", test_extra=False, extra_requirements=["matplotlib"])
+    out = ROOT / "hp_rl_out"
+    data, warm, exported = out / "data", out / "warmup", out / "warmup_hf"
+    if not (data / "tokenizer" / "tokenizer.json").is_file():
+        session.run("python", "-m", "hp_rl", "prepare", "--out", str(data), env=TEST_ENV)
+    if not (exported / "config.json").is_file():
+        session.run(
+            "python", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+            "-m", "hp_train", *GRPO_WARMUP_ARGS, "--data", str(data / "corpus.jsonl"),
+            "--tokenizer", str(data / "tokenizer"), "--out", str(warm), env=TEST_ENV,
+        )  # fmt: skip
+        session.run(
+            "python", "-m", "hp_train.checkpoint.export", "--checkpoint",
+            str(warm / "checkpoints"), "--out", str(exported), env=TEST_ENV,
+        )  # fmt: skip
+    session.run(
+        "python", "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
+        "-m", "hp_rl", *GRPO_ARGS, "--init-from", str(exported), "--tokenizer",
+        str(data / "tokenizer"), "--out", str(out / "grpo"), *session.posargs, env=TEST_ENV,
+    )  # fmt: skip
+
+
 @nox.session(default=False)
 def bench(session: nox.Session) -> None:
     """Every benchmark in benchmarks/ (ratios side by side; one JSON line each).

@@ -78,7 +78,11 @@ def _sync_case(placement: str, moe: bool, param_layout: str, method: str) -> dic
         with torch.no_grad():
             for p in rollout.parameters():
                 p.fill_(float("nan"))  # any element the sync misses stays NaN
-    sync = connect_weight_sync(policy, rollout, method=method)
+    sync = connect_weight_sync(
+        None if policy is None else local_layouts(policy),
+        None if rollout is None else local_layouts(rollout),
+        method=method,
+    )
     result = sync.run(version=7)
     full = None
     if policy is not None:
@@ -155,7 +159,7 @@ def _failing_sync(stage: str, failing_rank: int) -> dict[str, Any]:
     device = torch.device("cpu")
     policy = build_policy(config, roles, rank, train=TrainConfig(seed=3), device=device)
     rollout = build_rollout_model(config, roles, device=device)
-    sync = connect_weight_sync(policy, rollout)
+    sync = connect_weight_sync(local_layouts(policy), local_layouts(rollout))
     sync.run(version=1)
     before = {n: t.clone() for n, (_, t) in local_layouts(rollout).items()}
     _train_one_step(policy, seed=5)

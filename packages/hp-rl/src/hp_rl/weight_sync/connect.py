@@ -8,12 +8,12 @@ union: all ranks hold the same plan.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
-from torch import nn
+import torch
 
 from hp_layout import Layout, Topology
-from hp_rl.models import local_layouts
 from hp_rl.weight_sync.execute import WeightSync
 from hp_rl.weight_sync.plan import Route, plan_sync
 from hp_train.objects import gather_objects
@@ -32,10 +32,14 @@ class _Held:
     tensors: dict[str, tuple[Layout, int]]
 
 
-def _held(model: nn.Module | None) -> _Held | None:
-    if model is None:
+#: One side of the sync on this rank: name -> (global layout, this rank's local tensor).
+Held = Mapping[str, tuple[Layout, torch.Tensor]]
+
+
+def _held(tensors: Held | None) -> _Held | None:
+    if tensors is None:
         return None
-    return _Held({n: (layout, t.element_size()) for n, (layout, t) in local_layouts(model).items()})
+    return _Held({n: (layout, t.element_size()) for n, (layout, t) in tensors.items()})
 
 
 def _first(values: list[object]) -> _Held:
@@ -46,16 +50,18 @@ def _first(values: list[object]) -> _Held:
 
 
 def connect_weight_sync(
-    policy: nn.Module | None,
-    rollout: nn.Module | None,
+    policy: Held | None,
+    rollout: Held | None,
     *,
     method: str = "direct",
     topology: Topology | None = None,
     what: str = "policy",
 ) -> WeightSync:
-    """This rank's executor of the sync from ``policy`` (the laid-out training model, None on a
-    rank that does not train) to ``rollout`` (a rollout model, None on a rank that does not roll
-    out). Collective over the job. ``what`` names the pair in errors and watch names.
+    """This rank's executor of the sync from ``policy`` (the laid-out training model's
+    tensors, :func:`hp_rl.models.local_layouts`; None on a rank that does not train) to
+    ``rollout`` (the rollout engine's tensors, :meth:`hp_rl.engine.RolloutEngine.tensors`;
+    None on a rank that does not roll out). Collective over the job. ``what`` names the pair
+    in errors and watch names.
 
     Raises:
         SyncMismatchError: the two sides hold different tensors, or one tensor in two dtypes.
@@ -80,6 +86,6 @@ def connect_weight_sync(
             )
         routes.append(Route(name, src_layout, dst_layout, itemsize))
     plan = plan_sync(routes, method, topology)
-    sources = {} if policy is None else {n: t for n, (_, t) in local_layouts(policy).items()}
-    targets = {} if rollout is None else {n: t for n, (_, t) in local_layouts(rollout).items()}
+    sources = {} if policy is None else {n: t for n, (_, t) in policy.items()}
+    targets = {} if rollout is None else {n: t for n, (_, t) in rollout.items()}
     return WeightSync(plan, sources, targets)
