@@ -91,6 +91,25 @@ def test_to_torch_inside_a_meta_device_context_as_torchs_own_mesh() -> None:
         assert got["hp_grid_device"] == got["torch_grid_device"] == "cpu"
 
 
+def _to_torch_of_another_ranks_mesh() -> dict[str, object]:
+    """Every rank converts a mesh of rank 1 only (a job whose roles hold different ranks),
+    then a mesh of both ranks: the group creations must pair up on both ranks."""
+    alone = DeviceMesh("cpu", Mesh((1,), ("only_1",), ranks=(1,))).to_torch()
+    both = DeviceMesh("cpu", Mesh((2,), ("after",))).to_torch()
+    summed = torch.ones(1)
+    dist.all_reduce(summed, group=both.get_group(0))
+    return {"coordinate": alone.get_coordinate(), "summed": float(summed)}
+
+
+def test_to_torch_on_a_rank_outside_the_mesh() -> None:
+    """Building a torch mesh is collective over the job, members or not; a rank outside it
+    holds none of its groups (no timeout to set) and keeps in step for the next one."""
+    got = run_on_ranks(2, _to_torch_of_another_ranks_mesh, timeout=60)
+    assert got[0]["coordinate"] is None
+    assert list(got[1]["coordinate"]) == [0]  # type: ignore[call-overload]
+    assert [g["summed"] for g in got] == [2.0, 2.0]
+
+
 _THREADED = textwrap.dedent(
     """
     import os, threading

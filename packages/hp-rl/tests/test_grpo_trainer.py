@@ -267,3 +267,34 @@ def test_data_parallel_update_equals_one_device(aggregation: str) -> None:
     initial = dict(Transformer(_model_config()).named_parameters())
     moved = sum(int(not torch.equal(initial[n], v)) for n, v in want.items())
     assert moved > len(want) // 2, "the step must change the weights for the check to mean much"
+
+
+def _with_reference(steps: int) -> dict[str, Any]:
+    """GRPO with a KL penalty: the reference engine holds the starting policy all along."""
+    from hp_rl.models import local_layouts
+
+    trainer = _trainer({**LAYOUTS["colocated"], "kl_coef": 0.5, "minibatches": 1})
+    assert trainer.reference is not None
+    before = {n: t.clone() for n, (_, t) in local_layouts(trainer.reference.model).items()}
+    trainer.sync_weights(0)
+    engine_before = {n: t.clone() for n, (_, t) in local_layouts(trainer.engine.model).items()}
+    records = [trainer.step(s) for s in range(steps)]
+    after = {n: t for n, (_, t) in local_layouts(trainer.reference.model).items()}
+    policy_now = {n: t for n, (_, t) in local_layouts(trainer.engine.model).items()}
+    return {
+        "kl": [r["kl"] for r in records],
+        "reference_frozen": all(torch.equal(before[n], after[n]) for n in before),
+        "reference_is_start": all(torch.equal(before[n], engine_before[n]) for n in before),
+        "policy_moved": any(not torch.equal(before[n], policy_now[n]) for n in before),
+    }
+
+
+def test_kl_to_a_frozen_reference() -> None:
+    """The reference is synced once from the starting policy and never again; the KL to it is
+    0 while the policy is the reference and grows once the policy has moved."""
+    for out in run_on_ranks(WORLD, _with_reference, 4, timeout=300):
+        assert out["reference_frozen"]
+        assert out["reference_is_start"]
+        assert out["policy_moved"]
+        assert out["kl"][0] < 1e-9, out["kl"]
+        assert all(k > 0 for k in out["kl"][1:]), out["kl"]

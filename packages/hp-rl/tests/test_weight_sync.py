@@ -1,7 +1,8 @@
 """The weight sync at world 4: the rollout engine's shards equal the trained weights bit for
 bit, for dense and MoE models, FSDP's flat and per-parameter storage, colocated (FSDP 2 x TP 2
-training, TP 2 x 2 replicas rolling out on the same ranks) and disaggregated (2 training ranks,
-2 rollout ranks), by both methods; a failure mid-sync changes nothing.
+or HSDP 2 x 1 x TP 2 training, TP 2 x 2 replicas rolling out on the same ranks) and
+disaggregated (2 training ranks, 2 rollout ranks), by both methods; a failure mid-sync changes
+nothing.
 
 The oracle is independent of the sync: the trained weights come whole from FSDP's own state
 dict (``full_tensor``), and each rollout rank's shard must be ``torch.chunk`` of that along the
@@ -42,6 +43,8 @@ def _roles(placement: str) -> Any:
 
     if placement == "colocated":
         return plan_roles(WORLD, placement="colocated", tp=2, rollout_tp=2)
+    if placement == "hsdp_tp":  # HSDP (2 replicas of 1 shard) x TP 2, colocated
+        return plan_roles(WORLD, dp_replicate=2, dp_shard=1, tp=2, rollout_tp=2)
     return plan_roles(WORLD, placement="disaggregated", rollout_tp=2, rollout_ranks=2)
 
 
@@ -126,6 +129,7 @@ def _check_bitwise(out: dict[str, Any]) -> int:
 CASES = [
     ("colocated", False, "flat", "direct"),
     ("colocated", True, "flat", "direct"),
+    ("hsdp_tp", True, "flat", "direct"),
     ("colocated", False, "flat", "full_gather"),
     ("disaggregated", False, "per_param", "direct"),
     ("disaggregated", True, "per_param", "direct"),

@@ -399,7 +399,8 @@ def _apply_timeout(torch_mesh: Any) -> None:
     30-minute default); the default group keeps its own."""
     timeout = watchdog.group_timeout()
     set_timeout = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
-    if timeout is None or set_timeout is None:
+    # A rank outside the mesh (which still takes part in building it) holds none of its groups.
+    if timeout is None or set_timeout is None or torch_mesh.get_coordinate() is None:
         return
     for dim in range(torch_mesh.ndim):
         group = torch_mesh.get_group(dim)

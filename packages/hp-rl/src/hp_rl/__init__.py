@@ -2,15 +2,16 @@
 
 GRPO on hp-train's models and optimizers (:class:`GRPOTrainer`, ``python -m hp_rl``), with a
 built-in rollout engine (:class:`BuiltinEngine`: batched generation with a KV cache and seeded
-sampling, in a layout of its own, behind the small :class:`RolloutEngine` interface) and a
-weight sync from the training layout to the rollout layout that hp-layout plans once per job
-(:func:`hp_layout.plan_transfer`, executed all or nothing by :class:`WeightSync`).
+sampling, :func:`hp_rl.generate.generate`, in a layout of its own, behind the small
+:class:`RolloutEngine` interface) and a weight sync from the training layout to the rollout
+layout that hp-layout plans once per job (:func:`hp_layout.plan_transfer`, executed all or
+nothing by :class:`WeightSync`).
 """
 
 from hp_rl.config import RLConfig, RLConfigError, load_config
 from hp_rl.engine import NO_VERSION, BuiltinEngine, RolloutEngine
 from hp_rl.experience import Experience, StaleRolloutError, check_fresh
-from hp_rl.generate import Generation, generate
+from hp_rl.generate import Generation
 from hp_rl.grpo import GRPOLossConfig, GRPOStats, group_advantages, grpo_loss
 from hp_rl.roles import JobRoles, RolesError, plan_roles
 from hp_rl.sampling import SamplingParams, sample_next
@@ -55,7 +56,6 @@ __all__ = [
     "__version__",
     "check_fresh",
     "connect_weight_sync",
-    "generate",
     "group_advantages",
     "grpo_loss",
     "join",

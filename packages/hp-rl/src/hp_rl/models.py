@@ -44,12 +44,19 @@ def _axis_sets(mesh: Mesh) -> list[tuple[str, ...]]:
     return [c for k in range(1, len(names) + 1) for c in itertools.combinations(names, k)]
 
 
-def create_groups(roles: JobRoles) -> None:
+def create_groups(roles: JobRoles, device_type: str = "cpu") -> None:
     """Create, on every rank of the job (collective, same order everywhere), the process
-    groups of every set of axes of the training grid and of the rollout grid."""
+    groups of every set of axes of the training grid and of the rollout grid, and the torch
+    device meshes of both grids (which FSDP's state dict and torch's DTensors use).
+
+    torch creates a group collectively over the whole job; a group created later by the
+    ranks of one role only (a disaggregated job's training ranks converting their mesh for a
+    state dict) would leave the other ranks' group count behind, and the next group the job
+    creates together would pair mismatched names and hang."""
     for grid in (roles.training_grid(), roles.rollout_grid()):
         for axes in _axis_sets(grid):
             ensure_groups(grid.groups(list(axes)), "x".join(axes))
+        DeviceMesh(device_type, grid).to_torch()
 
 
 def _training_layout(roles: JobRoles, rank: int, device_type: str) -> Layout3D:

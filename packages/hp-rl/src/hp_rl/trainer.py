@@ -95,7 +95,7 @@ class GRPOTrainer:
         self.params = SamplingParams(
             **{**asdict(config.sampling()), "stop_tokens": (tokenizer.eos_id,)}
         )
-        create_groups(self.roles)
+        create_groups(self.roles, device.type)
         self.training = (
             self._build_training(model_config, device, init_weights)
             if self.roles.trains(self.rank)

@@ -1,0 +1,66 @@
+"""``python -m hp_rl``: the configuration (a TOML ``[rl]`` table under the flags), its errors
+(exit 2 before any process group), and a real torchrun job writing its metrics."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hp_rl.cli import main
+from hp_rl.config import RLConfigError, load_config
+from hp_testing.checkpoints import job_env
+
+
+def test_file_then_flags(tmp_path: Path) -> None:
+    path = tmp_path / "run.toml"
+    path.write_text('[rl]\nsteps = 7\noperations = ["+", "-"]\ngroup_size = 4\n')
+    config = load_config(path, {"group_size": 6, "tp": None})
+    assert (config.steps, config.operations, config.group_size, config.tp) == (7, ("+", "-"), 6, 1)
+
+
+@pytest.mark.parametrize(
+    ("text", "flags", "names"),
+    [
+        ("[rl]\nstepz = 3\n", {}, "stepz"),
+        ("[train]\nsteps = 3\n", {}, "[rl]"),
+        ("", {"group_size": 1}, "group_size must be >= 2"),
+        ("", {"sync_every": 3}, "max_lag to 2"),
+        ("", {"consistency": True, "tp": 2}, "rollout_tp=1"),
+        ("", {"sync_method": "scatter"}, "sync_method"),
+    ],
+)
+def test_bad_configurations_are_named(
+    tmp_path: Path, text: str, flags: dict[str, object], names: str
+) -> None:
+    path = tmp_path / "run.toml"
+    path.write_text(text)
+    with pytest.raises(RLConfigError, match=names.replace("[", r"\[").replace("]", r"\]")):
+        load_config(path, flags)
+
+
+def test_bad_flag_exits_2_before_any_process_group(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--group-size", "1"]) == 2
+    assert "group_size must be >= 2" in capsys.readouterr().err
+
+
+def test_torchrun_job_writes_metrics(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+        "-m", "hp_rl", "--steps", "2", "--prompts-per-step", "2", "--group-size", "2",
+        "--max-new-tokens", "3", "--max-operand", "9", "--eval-every", "2",
+        "--eval-prompts", "4", "--optimizer", "adamw", "--out", str(out),
+    ]  # fmt: skip
+    done = subprocess.run(command, env=job_env(), capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "step    2 | reward" in done.stdout
+    assert "eval at step 2: held-out greedy accuracy" in done.stdout
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in records if "reward" in r]
+    evals = [r["step"] for r in records if "eval_accuracy" in r]
+    assert (steps, evals) == ([1, 2], [0, 2])
+    assert all(0.0 <= r["reward"] <= 1.0 for r in records if "reward" in r)
