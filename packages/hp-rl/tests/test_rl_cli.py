@@ -64,3 +64,25 @@ def test_torchrun_job_writes_metrics(tmp_path: Path) -> None:
     evals = [r["step"] for r in records if "eval_accuracy" in r]
     assert (steps, evals) == ([1, 2], [0, 2])
     assert all(0.0 <= r["reward"] <= 1.0 for r in records if "reward" in r)
+
+
+@pytest.mark.parametrize(
+    ("env", "hosts"), [({}, 1), ({"WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "2"}, 2)]
+)
+def test_the_sync_plans_over_the_job_that_exists(
+    monkeypatch: pytest.MonkeyPatch, env: dict[str, str], hosts: int
+) -> None:
+    """A job started without torchrun's variables (or with stale ones) still plans over all
+    its ranks: hosts of LOCAL_WORLD_SIZE ranks (default: one host)."""
+    import torch.distributed as dist
+
+    from hp_rl.trainer import _job_topology
+
+    for name in ("WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 4)
+    topology = _job_topology()
+    assert topology.world_size == 4
+    assert len(topology.tiers) == (1 if hosts == 1 else 2)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -60,6 +61,15 @@ class TrainingSide:
     optimizer: torch.optim.Optimizer
     schedule: LRScheduler
     dp_group: dist.ProcessGroup
+
+
+def _job_topology() -> Topology:
+    """The job's hosts as torchrun describes them (``LOCAL_WORLD_SIZE`` ranks each), for the
+    process group that exists (a job started without torchrun: one host)."""
+    env = dict(os.environ)
+    env["WORLD_SIZE"] = str(dist.get_world_size())
+    env.setdefault("LOCAL_WORLD_SIZE", env["WORLD_SIZE"])
+    return Topology.from_env(env)
 
 
 class GRPOTrainer:
@@ -107,7 +117,7 @@ class GRPOTrainer:
             self.engine = self._engine(model_config, device)
             if config.kl_coef > 0:
                 self.reference = self._engine(model_config, device)
-        topology = Topology.from_env()
+        topology = _job_topology()
         policy_tensors = None if self.training is None else local_layouts(self.training.policy)
         self.sync = connect_weight_sync(
             policy_tensors,
