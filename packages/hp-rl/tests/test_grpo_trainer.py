@@ -298,3 +298,38 @@ def test_kl_to_a_frozen_reference() -> None:
         assert out["policy_moved"]
         assert out["kl"][0] < 1e-9, out["kl"]
         assert all(k > 0 for k in out["kl"][1:]), out["kl"]
+
+
+def _numbers_of(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    timing = ("rollout_s", "train_s", "sync_s", "rollout_tokens_per_s", "train_tokens_per_s")
+    return [{k: v for k, v in r.items() if k not in timing} for r in records]
+
+
+def _optimizer_offload(offload: bool) -> dict[str, Any]:
+    from hp_offload import OffloadedOptimizer
+
+    trainer = _trainer({**LAYOUTS["colocated"], "offload_optimizer": offload})
+    records = _numbers_of([trainer.step(s) for s in range(3)])
+    side = trainer.training
+    on_host = all(
+        t.device.type == "cpu"
+        for state in side.optimizer.state.values()
+        for t in state.values()
+        if isinstance(t, torch.Tensor)
+    )
+    return {
+        "records": records,
+        "offloaded": isinstance(side.stepper, OffloadedOptimizer),
+        "on_host": on_host,
+    }
+
+
+def test_offloaded_optimizer_state_trains_identically() -> None:
+    """With the optimizer state kept in host memory between updates (what a colocated engine
+    generates beside), the run is the same, bit for bit."""
+    plain = run_on_ranks(WORLD, _optimizer_offload, False, timeout=300)[0]
+    offloaded = run_on_ranks(WORLD, _optimizer_offload, True, timeout=300)[0]
+    assert offloaded["offloaded"]
+    assert not plain["offloaded"]
+    assert offloaded["on_host"]
+    assert offloaded["records"] == plain["records"]

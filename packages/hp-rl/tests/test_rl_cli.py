@@ -9,6 +9,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from tensorboard.backend.event_processing.event_accumulator import (  # type: ignore[import-untyped]
+    EventAccumulator,
+)
 
 from hp_rl.cli import main
 from hp_rl.config import RLConfigError, load_config
@@ -31,6 +34,7 @@ def test_file_then_flags(tmp_path: Path) -> None:
         ("", {"sync_every": 3}, "max_lag to 2"),
         ("", {"consistency": True, "tp": 2}, "rollout_tp=1"),
         ("", {"sync_method": "scatter"}, "sync_method"),
+        ("", {"offload_optimizer": True}, "optimizer 'adamw', not 'muon'"),
     ],
 )
 def test_bad_configurations_are_named(
@@ -53,7 +57,7 @@ def test_torchrun_job_writes_metrics(tmp_path: Path) -> None:
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
         "-m", "hp_rl", "--steps", "2", "--prompts-per-step", "2", "--group-size", "2",
         "--max-new-tokens", "3", "--max-operand", "9", "--eval-every", "2",
-        "--eval-prompts", "4", "--optimizer", "adamw", "--out", str(out),
+        "--eval-prompts", "4", "--optimizer", "adamw", "--out", str(out), "--tensorboard",
     ]  # fmt: skip
     done = subprocess.run(command, env=job_env(), capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -64,6 +68,13 @@ def test_torchrun_job_writes_metrics(tmp_path: Path) -> None:
     evals = [r["step"] for r in records if "eval_accuracy" in r]
     assert (steps, evals) == ([1, 2], [0, 2])
     assert all(0.0 <= r["reward"] <= 1.0 for r in records if "reward" in r)
+    events = EventAccumulator(str(out / "tensorboard"))
+    events.Reload()
+    rewards = [(e.step, e.value) for e in events.Scalars("rl/reward")]
+    want = [(r["step"], r["reward"]) for r in records if "reward" in r]
+    assert [s for s, _ in rewards] == [s for s, _ in want]
+    assert [v for _, v in rewards] == pytest.approx([v for _, v in want], rel=1e-6)
+    assert [e.step for e in events.Scalars("eval/accuracy")] == [0, 2]
 
 
 @pytest.mark.parametrize(

@@ -194,3 +194,40 @@ def test_another_world_size_takes_the_disk_checkpoint(
     logged = (out / "logs" / "rank_0.log").read_text()
     assert "recovery: no snapshot to take (step 5 from the newest disk checkpoint)" in logged
     assert "recovery: step 5 from disk" in logged
+
+
+def _logged_steps_at_each_snapshot(argv: list[str], snapshots: str) -> list[tuple[int, int]]:
+    """One rank of a run with a snapshot every step; on rank 0, at each snapshot: the steps
+    done and the last step ``metrics.jsonl`` holds by then."""
+    from hp_train.recovery.keeper import SnapshotKeeper
+
+    runtime = init_runtime("cpu", threads=1)
+    model, parallel, config, options, _ = parse(argv, runtime.world_size)
+    options = replace(options, snapshot_dir=Path(snapshots) / f"rank_{runtime.rank}")
+    seen: list[tuple[int, int]] = []
+    after_step = SnapshotKeeper.after_step
+
+    def spying(keeper: SnapshotKeeper, steps_done: int) -> bool:
+        if runtime.rank == 0:
+            lines = (Path(options.out_dir) / "metrics.jsonl").read_text().splitlines()
+            seen.append((steps_done, int(json.loads(lines[-1])["step"])))
+        return after_step(keeper, steps_done)
+
+    SnapshotKeeper.after_step = spying  # type: ignore[method-assign,assignment]
+    try:
+        Trainer(model, parallel, config, options, runtime).run()
+    finally:
+        SnapshotKeeper.after_step = after_step  # type: ignore[method-assign]
+    return seen
+
+
+@pytest.mark.multiprocess
+def test_a_snapshot_is_taken_after_its_steps_are_logged(tmp_path: Path) -> None:
+    """A job killed between a snapshot and the record of its last step would, recovered from
+    that snapshot, never log the step (a gap in metrics.jsonl). Every snapshot of ``n`` steps
+    is taken once the record of step ``n - 1`` is written."""
+    argv = [*ARGS, "--steps", "4", "--out", str(tmp_path / "out")]
+    seen = run_on_ranks(
+        2, _logged_steps_at_each_snapshot, argv, str(tmp_path / "snapshots"), timeout=300
+    )[0]
+    assert seen == [(n, n - 1) for n in range(1, 5)]

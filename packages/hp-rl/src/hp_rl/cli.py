@@ -6,7 +6,8 @@
 
 Every field of :class:`hp_rl.config.RLConfig` is a flag (``--prompts-per-step``, ...), over a
 ``--config`` TOML file's ``[rl]`` table. Rank 0 prints one line per ``log_every`` steps and
-writes ``<out>/metrics.jsonl`` (one record per step, evaluations included) and, with
+writes ``<out>/metrics.jsonl`` (one record per step, evaluations included), with
+``--tensorboard`` the same as TensorBoard events in ``<out>/tensorboard``, and, with
 matplotlib, ``<out>/reward.png``.
 """
 
@@ -25,6 +26,7 @@ from typing import Any
 import torch.distributed as dist
 
 from hp_rl.config import RLConfig, RLConfigError, load_config
+from hp_rl.events import EventLog, check_tensorboard
 from hp_rl.roles import RolesError
 from hp_rl.tasks.arithmetic import ArithmeticTask, train_tokenizer
 from hp_rl.trainer import GRPOTrainer
@@ -128,6 +130,14 @@ def run(config: RLConfig, resume: bool, device: str) -> int:
             f"{trainer.roles.rollout_tp} on ranks {list(trainer.roles.rollout_ranks)}, sync "
             f"{config.sync_method}" + (f", resumed at step {start}" if start else "")
         )
+    events = EventLog(out / "tensorboard") if config.tensorboard and writer is not None else None
+
+    def record(entry: dict[str, Any]) -> None:
+        if writer is not None:
+            writer.write(entry)
+        if events is not None:
+            events.write(entry)
+
     rewards: list[tuple[float, float]] = []
     accuracy: list[tuple[float, float]] = []
     began = time.perf_counter()
@@ -136,24 +146,25 @@ def run(config: RLConfig, resume: bool, device: str) -> int:
             trainer.sync_weights(step)
             acc = trainer.evaluate(step)
             accuracy.append((step, acc))
+            record({"step": step, "eval_accuracy": acc})
             if writer is not None:
-                writer.write({"step": step, "eval_accuracy": acc})
                 print(f"eval at step {step}: held-out greedy accuracy {acc:.3f}")
-        record = trainer.step(step)
-        rewards.append((step + 1, record["reward"]))
-        if writer is not None:
-            writer.write(record)
-            if (step + 1) % config.log_every == 0 or step + 1 == config.steps:
-                print(_line(record), flush=True)
+        metrics = trainer.step(step)
+        rewards.append((step + 1, metrics["reward"]))
+        record(metrics)
+        if writer is not None and ((step + 1) % config.log_every == 0 or step + 1 == config.steps):
+            print(_line(metrics), flush=True)
         if config.checkpoint_every and (step + 1) % config.checkpoint_every == 0:
             trainer.save(step + 1)
     if config.eval_every:
         trainer.sync_weights(config.steps)
         acc = trainer.evaluate(config.steps)
         accuracy.append((config.steps, acc))
+        record({"step": config.steps, "eval_accuracy": acc})
         if writer is not None:
-            writer.write({"step": config.steps, "eval_accuracy": acc})
             print(f"eval at step {config.steps}: held-out greedy accuracy {acc:.3f}")
+    if events is not None:
+        events.close()
     if writer is not None:
         writer.close()
         series = {"mean reward (sampled)": rewards}
@@ -174,6 +185,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     overrides = {f.name: getattr(parsed, f.name) for f in fields(RLConfig)}
     try:
         config = load_config(parsed.config, overrides)
+        if config.tensorboard:
+            check_tensorboard()
         return run(config, parsed.resume, parsed.device)
     except (RLConfigError, RolesError, ConfigError) as exc:
         report_error(str(exc))

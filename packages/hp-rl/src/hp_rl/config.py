@@ -61,9 +61,15 @@ class RLConfig:
         max_new_tokens, temperature, top_k, top_p: sampling (:class:`SamplingParams`).
         clip_eps, clip_eps_high, kl_coef, loss_aggregation: the loss (:class:`GRPOLossConfig`).
         optimizer, lr, muon_lr, weight_decay, clip_grad_norm, warmup_steps: as hp-train's.
+        offload_optimizer: keep the optimizer state in host memory between updates
+            (``hp_offload.OffloadedOptimizer``), so that a colocated engine generates while
+            only the weights occupy the device; AdamW only (Muon's step exchanges matrices
+            between ranks, which a step bucket by bucket cannot do).
         seed: prompts, sampling and the random start; every random draw of step ``s`` is a
             function of ``(seed, s)``, so a resume needs only the step.
         out: the run's folder (metrics.jsonl, checkpoints, reward curve).
+        tensorboard: also write the metrics as TensorBoard events into ``<out>/tensorboard``
+            (needs the ``tensorboard`` package: ``pip install hp-rl[tensorboard]``).
         log_every: print a line every N steps.
         checkpoint_every: save every N steps (0: never).
         eval_every: greedy accuracy on held-out problems every N steps and after the last
@@ -105,7 +111,9 @@ class RLConfig:
     clip_grad_norm: float = 1.0
     warmup_steps: int = 0
     seed: int = 0
+    offload_optimizer: bool = False
     out: str = "runs/grpo"
+    tensorboard: bool = False
     log_every: int = 1
     checkpoint_every: int = 0
     eval_every: int = 0
@@ -140,6 +148,12 @@ class RLConfig:
                 f"sync_every={self.sync_every} trains on rollouts up to {self.sync_every - 1} "
                 f"steps old, beyond max_lag={self.max_lag}: raise max_lag to "
                 f"{self.sync_every - 1} or sync more often"
+            )
+        if self.offload_optimizer and self.optimizer != "adamw":
+            raise RLConfigError(
+                f"offload_optimizer steps the optimizer bucket by bucket, which needs an update "
+                f"of each parameter from its own state alone: optimizer 'adamw', not "
+                f"{self.optimizer!r} (Muon exchanges whole matrices between ranks)"
             )
         if self.consistency and self.tp != self.rollout_tp:
             raise RLConfigError(

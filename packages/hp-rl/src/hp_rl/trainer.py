@@ -29,6 +29,7 @@ from torch.optim.lr_scheduler import LRScheduler
 from hp_dtensor import DeviceMesh
 from hp_dtensor.watchdog import watch
 from hp_layout import Topology
+from hp_offload import OffloadedOptimizer
 from hp_rl.config import RLConfig, RLConfigError
 from hp_rl.engine import BuiltinEngine
 from hp_rl.experience import Experience, check_fresh, concat
@@ -54,13 +55,16 @@ CONFIG_FILE = "hp_rl_config.json"
 
 @dataclass(frozen=True)
 class TrainingSide:
-    """What a training rank holds: the laid-out policy, its optimizer and schedule, and the
-    data-parallel group its loss units are summed over."""
+    """What a training rank holds: the laid-out policy, its optimizer and schedule, the
+    data-parallel group its loss units are summed over, and what steps the parameters (the
+    optimizer, or an ``hp_offload.OffloadedOptimizer`` around it that keeps its state in host
+    memory between updates, while the engine generates)."""
 
     policy: Transformer
     optimizer: torch.optim.Optimizer
     schedule: LRScheduler
     dp_group: dist.ProcessGroup
+    stepper: torch.optim.Optimizer | OffloadedOptimizer
 
 
 def _job_topology() -> Topology:
@@ -208,11 +212,15 @@ class GRPOTrainer:
             load_hf_weights(policy, init_weights)
         optimizer = build_optimizer(policy, train)
         grid = DeviceMesh(device.type, self.roles.training_grid())
+        stepper: torch.optim.Optimizer | OffloadedOptimizer = optimizer
+        if self.config.offload_optimizer:
+            stepper = OffloadedOptimizer(optimizer, device=device)
         return TrainingSide(
             policy,
             optimizer,
             build_schedule(optimizer, train),
             grid[["dp_replicate", "dp_shard"]].get_mesh_group(),
+            stepper,
         )
 
     def _engine(self, model_config: ModelConfig, device: torch.device) -> BuiltinEngine:
@@ -320,7 +328,7 @@ class GRPOTrainer:
             side = self._side()
             stats = grpo_update(
                 side.policy,
-                side.optimizer,
+                side.stepper,
                 side.schedule,
                 rows,
                 loss_config=c.loss(),

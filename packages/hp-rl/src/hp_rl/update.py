@@ -24,6 +24,7 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from hp_dtensor.watchdog import watch
 from hp_fsdp import clip_grad_norm_
+from hp_offload import OffloadedOptimizer
 from hp_rl.experience import Experience
 from hp_rl.grpo import GRPOLossConfig, grpo_loss, loss_units
 from hp_rl.scoring import sequence_logprobs
@@ -65,7 +66,7 @@ def _global_units(units: int, group: dist.ProcessGroup | None) -> int:
 
 def grpo_update(
     policy: nn.Module,
-    optimizer: torch.optim.Optimizer,
+    optimizer: torch.optim.Optimizer | OffloadedOptimizer,
     schedule: LRScheduler,
     experience: Experience,
     *,

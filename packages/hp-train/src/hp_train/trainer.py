@@ -683,19 +683,20 @@ class Trainer:
                 )
                 self.schedule.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self._snapshot(step, record)
         if monitored:
             self._monitor(record, local_lm, warn=finite)
         return record
 
-    def _snapshot(self, step: int, record: dict[str, Any]) -> None:
-        """The in-memory snapshot after ``step`` (every ``snapshot_every`` steps, once the
-        step's update is applied; none when the ranks stop on a signal, which writes a
-        checkpoint instead); what the step waited for it goes into ``record``."""
+    def _snapshot(self, step: int) -> float | None:
+        """The in-memory snapshot after ``step`` (every ``snapshot_every`` steps; none when the
+        ranks stop on a signal, which writes a checkpoint instead), taken once the step's
+        record is written: a restart that recovers a snapshot then never lacks the record of
+        a step the snapshot holds. Returns what the copy took (ms), or None without one."""
         if self.keeper is None or self.stop_signal is not None:
-            return
+            return None
         if self.keeper.after_step(step + 1):
-            record["snapshot_ms"] = self.keeper.costs.copy[-1] * 1e3
+            return self.keeper.costs.copy[-1] * 1e3
+        return None
 
     def _global_loss(self, local: float) -> tuple[float, int]:
         """:meth:`_global_mean` of the local loss and the number of non-finite gradient
@@ -909,6 +910,7 @@ class Trainer:
         eval_losses: dict[int, float] = {}
         times: list[float] = []
         last_checkpoint: str | None = None
+        snapshot_ms: float | None = None
         if self.options.stop_on_signals:
             # Only around the loop: before the first step there is nothing new to save.
             self.signals = StopSignals(grace=lambda: _GRACE_STEPS * max(times, default=0.0))
@@ -944,8 +946,11 @@ class Trainer:
                     record["stopped_by"] = signal.Signals(self.stop_signal).name
                     if record.get("checkpoint") is None:
                         record["checkpoint"] = str(self.save(step + 1))
+                if snapshot_ms is not None:
+                    record["snapshot_ms"] = snapshot_ms  # the copy after the previous step
                 if metrics is not None:
                     metrics.write(record)
+                snapshot_ms = self._snapshot(step)
                 if board is not None:
                     board.scalars(step, _board_values(record))
                 bar.update(
