@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from hp_rl.tasks.arithmetic import ArithmeticTask, Problem, train_tokenizer
+from hp_testing import run_on_ranks
 from hp_train.data.tokenizer import EOS_TOKEN, load_tokenizer
 
 EOS = "<|endoftext|>"
@@ -215,8 +216,20 @@ def test_a_larger_vocabulary_still_never_merges_across_the_answer_boundary(
         assert tok.decode(ids) == p.prompt + p.answer
 
 
+def _train_on_pool_rank(argv: list[str]) -> int:
+    """One rank of ``hp_train *argv`` (the command line's parse, then its trainer)."""
+    from hp_train.config.cli import parse
+    from hp_train.runtime import init_runtime
+    from hp_train.trainer import Trainer
+
+    runtime = init_runtime("cpu", threads=1)
+    model, parallel, config, options, _ = parse(argv, runtime.world_size)
+    Trainer(model, parallel, config, options, runtime).run()
+    return 0
+
+
 def test_hp_train_trains_on_the_corpus_with_the_tokenizer(tmp_path: Path) -> None:
-    """Two steps of ``python -m hp_train`` on one process: the corpus is read as JSON Lines
+    """Two steps of hp-train's command line on two ranks: the corpus is read as JSON Lines
     documents, each followed by the end-of-sequence token (tokens = bytes + 1 per document),
     and the loss is finite."""
     task = ArithmeticTask(max_operand=99, operations=("+", "-"))
@@ -227,20 +240,14 @@ def test_hp_train_trains_on_the_corpus_with_the_tokenizer(tmp_path: Path) -> Non
     # Each document is the problem and its answer alone: the end of sequence comes from hp-train.
     assert all(re.fullmatch(r"\d+[-+]\d+=-?\d+", t) for t in texts)
     want_tokens = sum(len(t) + 1 for t in texts)
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
-    done = subprocess.run(
-        [
-            sys.executable, "-m", "hp_train", "--model", "tiny", "--steps", "2", "--seq-len",
-            "32", "--global-batch", "4", "--data", str(corpus), "--tokenizer",
-            str(tmp_path / "tok"), "--out", str(tmp_path / "run"),
-        ],
-        env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    output = done.stdout + done.stderr
-    assert done.returncode == 0, output[-3000:]
-    assert f"600 training documents, {want_tokens:,} tokens" in output, output[-3000:]
-    assert "(vocab 257, eos id 0)" in output
+    argv = [
+        "--model", "tiny", "--steps", "2", "--seq-len", "32", "--global-batch", "4", "--quiet",
+        "--data", str(corpus), "--tokenizer", str(tmp_path / "tok"), "--out", str(tmp_path / "run"),
+    ]  # fmt: skip
+    assert run_on_ranks(2, _train_on_pool_rank, argv, timeout=300) == [0, 0]
+    log = (tmp_path / "run" / "logs" / "rank_0.log").read_text()
+    assert f"600 training documents, {want_tokens:,} tokens" in log, log[-3000:]
+    assert "(vocab 257, eos id 0)" in log
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
     losses = [r["loss"] for r in records if "loss" in r and "step" in r]
     assert len(losses) == 2
