@@ -108,14 +108,14 @@ LAYOUTS: dict[str, dict[str, Any]] = {
 
 @pytest.mark.parametrize(("layout", "moe"), [("colocated", False), ("disaggregated", True)])
 def test_grpo_steps_learn_and_sync_bit_for_bit(layout: str, moe: bool) -> None:
-    steps = 12
+    steps = 8
     outs = run_on_ranks(WORLD, _run, LAYOUTS[layout], steps, moe, timeout=300)
     records = outs[0]["records"]
     assert all(r == o["records"][i] for o in outs for i, r in enumerate(records)), (
         "every rank reports the same metrics"
     )
     rewards = [r["reward"] for r in records]
-    first, last = sum(rewards[:4]) / 4, sum(rewards[-4:]) / 4
+    first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
     assert last > first + 0.05, f"the reward did not climb: {rewards}"
     assert all(r["grad_norm"] > 0 for r in records)
     assert [r["policy_version"] for r in records] == list(range(steps))

@@ -9,6 +9,10 @@ Every field of :class:`hp_rl.config.RLConfig` is a flag (``--prompts-per-step``,
 writes ``<out>/metrics.jsonl`` (one record per step, evaluations included), with
 ``--tensorboard`` the same as TensorBoard events in ``<out>/tensorboard``, and, with
 matplotlib, ``<out>/reward.png``.
+
+``--eval-every N`` measures the held-out greedy accuracy of the rollout engine every N steps
+and after the last; it syncs the engine's weights first (so the figure is the policy's at that
+step whatever ``sync_every`` says).
 """
 
 from __future__ import annotations
