@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from hp_dtensor.watchdog import watch, watch_p2p
-from hp_layout import Region
+from hp_layout import Region, local_index_runs
 from hp_layout.region import Box
 from hp_rl.weight_sync.plan import Move, PhaseProgram, SyncPlan
 
@@ -67,33 +67,16 @@ class SyncResult:
 
 def local_index(region: Region, box: Box) -> _Index:
     """Where the elements of ``box`` (global indices, inside ``region``) sit in the rank's
-    local 1-d data, in the box's row-major order: a slice when they are contiguous, else an
-    int64 index tensor.
+    local 1-d data, in the box's row-major order (hp-layout's :func:`local_index_runs`): a
+    slice when they are one run, else an int64 index tensor.
 
     Postcondition: ``local.view(-1)[index]`` is the global tensor's ``box``, row-major.
     """
-    extents = [hi - lo for lo, hi in region.box]
-    strides = [math.prod(extents[d + 1 :]) for d in range(len(extents))]
-    flat_start = region.flat[0] if region.flat is not None else 0
-    first = sum(
-        (lo - r_lo) * s for (lo, _), (r_lo, _), s in zip(box, region.box, strides, strict=True)
-    )
-    first -= flat_start
-    count = math.prod(hi - lo for lo, hi in box)
-    last = (
-        sum(
-            (hi - 1 - r_lo) * s
-            for (_, hi), (r_lo, _), s in zip(box, region.box, strides, strict=True)
-        )
-        - flat_start
-    )
-    if count == 0 or last - first == count - 1:
-        return slice(first, first + count)
-    index = torch.zeros((), dtype=torch.int64)
-    for (lo, hi), (r_lo, _), stride in zip(box, region.box, strides, strict=True):
-        offsets = torch.arange(lo - r_lo, hi - r_lo, dtype=torch.int64) * stride
-        index = index.unsqueeze(-1) + offsets
-    return index.reshape(-1) - flat_start
+    runs = local_index_runs(region, box)
+    if len(runs) <= 1:
+        start, length = runs[0] if runs else (0, 0)
+        return slice(start, start + length)
+    return torch.cat([torch.arange(start, start + n, dtype=torch.int64) for start, n in runs])
 
 
 def _whole(shape: tuple[int, ...]) -> Region:
