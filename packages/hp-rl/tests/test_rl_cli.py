@@ -46,6 +46,33 @@ def test_bad_configurations_are_named(
         load_config(path, flags)
 
 
+def _trainer_error(overrides: dict[str, object]) -> str:
+    from hp_rl.config import RLConfigError
+    from test_grpo_trainer import _trainer
+
+    try:
+        _trainer(overrides)
+    except RLConfigError as exc:
+        return str(exc)
+    return "no error"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "names"),
+    [
+        ({"eval_every": 1, "eval_prompts": 1, "rollout_tp": 2}, "eval_prompts=1"),
+        ({"prompts_per_step": 3}, "prompts_per_step=3"),
+        ({"placement": "disaggregated", "rollout_ranks": 2, "checkpoint_every": 1}, "colocated"),
+    ],
+)
+def test_job_shapes_the_trainer_refuses(overrides: dict[str, object], names: str) -> None:
+    """Settings that only the job's size makes wrong are refused on every rank at set-up."""
+    from hp_testing import run_on_ranks
+
+    for message in run_on_ranks(4, _trainer_error, overrides, timeout=300):
+        assert names in message, message
+
+
 def test_bad_flag_exits_2_before_any_process_group(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["--group-size", "1"]) == 2
     assert "group_size must be >= 2" in capsys.readouterr().err

@@ -174,6 +174,11 @@ class GRPOTrainer:
                 f"the {rows} responses of a step (prompts_per_step x group_size) must split "
                 f"evenly over {roles.dp} data-parallel ranks x {c.minibatches} minibatches"
             )
+        if c.eval_every and c.eval_prompts < roles.rollout_groups:
+            raise RLConfigError(
+                f"eval_prompts={c.eval_prompts} gives some of the {roles.rollout_groups} rollout "
+                "replicas no held-out problem; ask for at least one per replica"
+            )
         if c.checkpoint_every and roles.placement != "colocated":
             raise RLConfigError(
                 "checkpoints are written by every rank of the job and a disaggregated job's "
