@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 
 from hp_testing import run_on_ranks
-from test_weight_sync import _check_bitwise
+from test_weight_sync import _check_bitwise, gathered_weights
+from test_weight_sync import _model_config as weight_sync_model_config
 
 WORLD = 4
 
@@ -33,18 +34,7 @@ def _ascii_task(base: Any) -> Any:
 
 
 def _model_config(moe: bool = False) -> Any:
-    from hp_train.config.schema import ModelConfig, MoEConfig
-
-    return ModelConfig(
-        vocab_size=256,
-        dim=32,
-        n_layers=2,
-        n_heads=4,
-        n_kv_heads=2,
-        ffn_dim=64,
-        max_seq_len=32,
-        moe=MoEConfig(n_experts=4, top_k=2, expert_ffn_dim=16) if moe else None,
-    )
+    return weight_sync_model_config(moe, vocab_size=256)  # byte-level tokens
 
 
 BASE = {
@@ -68,30 +58,13 @@ def _trainer(overrides: dict[str, Any], moe: bool = False) -> Any:
     return trainer
 
 
-def _gathered_weights(trainer: Any) -> dict[str, Any]:
-    """What test_weight_sync's oracle compares: FSDP's whole weights and every rollout shard."""
-    from hp_rl.models import local_layouts
-    from hp_train.objects import gather_objects
-
-    full = None
-    if trainer.training is not None:
-        policy = trainer.training.policy
-        names = {n for n, _ in policy.named_parameters()}
-        full = {n: v.full_tensor() for n, v in policy.state_dict().items() if n in names}
-    local = tp_rank = None
-    if trainer.engine is not None:
-        local = {n: t.clone() for n, (_, t) in local_layouts(trainer.engine.model).items()}
-        roles = trainer.roles
-        tp_rank = roles.rollout_ranks.index(dist.get_rank()) % roles.rollout_tp
-    gathered = gather_objects((full, local, tp_rank), "test gather weights")
-    return {"gathered": gathered, "tp": trainer.roles.rollout_tp}
-
-
 def _run(overrides: dict[str, Any], steps: int, moe: bool) -> dict[str, Any]:
     trainer = _trainer(overrides, moe)
     records = [trainer.step(s) for s in range(steps)]
     trainer.sync_weights(steps)
-    weights = _gathered_weights(trainer)
+    policy = None if trainer.training is None else trainer.training.policy
+    model = None if trainer.engine is None else trainer.engine.model
+    weights = gathered_weights(policy, model, trainer.roles)
     return {"records": records, "weights": weights if dist.get_rank() == 0 else None}
 
 
@@ -300,16 +273,19 @@ def test_kl_to_a_frozen_reference() -> None:
         assert all(k > 0 for k in out["kl"][1:]), out["kl"]
 
 
-def _numbers_of(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    timing = ("rollout_s", "train_s", "sync_s", "rollout_tokens_per_s", "train_tokens_per_s")
-    return [{k: v for k, v in r.items() if k not in timing} for r in records]
+_TIMING = ("rollout_s", "train_s", "sync_s", "rollout_tokens_per_s", "train_tokens_per_s")
+
+
+def numbers(record: dict[str, Any]) -> dict[str, Any]:
+    """A step's metrics without its timings (what two equal runs share exactly)."""
+    return {k: v for k, v in record.items() if k not in _TIMING}
 
 
 def _optimizer_offload(offload: bool) -> dict[str, Any]:
     from hp_offload import OffloadedOptimizer
 
     trainer = _trainer({**LAYOUTS["colocated"], "offload_optimizer": offload})
-    records = _numbers_of([trainer.step(s) for s in range(3)])
+    records = [numbers(trainer.step(s)) for s in range(3)]
     side = trainer.training
     on_host = all(
         t.device.type == "cpu"

@@ -9,20 +9,14 @@ from pathlib import Path
 from typing import Any
 
 from hp_testing import run_on_ranks
-from test_grpo_trainer import LAYOUTS, WORLD, _trainer
-
-_TIMING = ("rollout_s", "train_s", "sync_s", "rollout_tokens_per_s", "train_tokens_per_s")
-
-
-def _numbers(record: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in record.items() if k not in _TIMING}
+from test_grpo_trainer import LAYOUTS, WORLD, _trainer, numbers
 
 
 def _uninterrupted(out: str, steps: int, save_at: int) -> list[dict[str, Any]]:
     trainer = _trainer({**LAYOUTS["colocated"], "out": out, "checkpoint_every": save_at})
     records = []
     for step in range(steps):
-        records.append(_numbers(trainer.step(step)))
+        records.append(numbers(trainer.step(step)))
         if step + 1 == save_at:
             trainer.save(step + 1)
     return records
@@ -31,7 +25,7 @@ def _uninterrupted(out: str, steps: int, save_at: int) -> list[dict[str, Any]]:
 def _resumed(out: str, steps: int) -> tuple[int, list[dict[str, Any]]]:
     trainer = _trainer({**LAYOUTS["colocated"], "out": out})
     start = trainer.resume()
-    return start, [_numbers(trainer.step(step)) for step in range(start, steps)]
+    return start, [numbers(trainer.step(step)) for step in range(start, steps)]
 
 
 def test_resume_continues_bit_for_bit(tmp_path: Path) -> None:

@@ -23,11 +23,12 @@ from hp_testing import run_on_ranks
 WORLD = 4
 
 
-def _model_config(moe: bool) -> Any:
+def _model_config(moe: bool, vocab_size: int = 64) -> Any:
+    """The tiny Llama of hp-rl's world-4 tests, dense or with 4 experts."""
     from hp_train.config.schema import ModelConfig, MoEConfig
 
     return ModelConfig(
-        vocab_size=64,
+        vocab_size=vocab_size,
         dim=32,
         n_layers=2,
         n_heads=4,
@@ -63,7 +64,6 @@ def _sync_case(placement: str, moe: bool, param_layout: str, method: str) -> dic
     from hp_rl.models import build_policy, build_rollout_model, create_groups, local_layouts
     from hp_rl.weight_sync import connect_weight_sync
     from hp_train.config.schema import TrainConfig
-    from hp_train.objects import gather_objects
 
     rank = dist.get_rank()
     roles = _roles(placement)
@@ -87,21 +87,26 @@ def _sync_case(placement: str, moe: bool, param_layout: str, method: str) -> dic
         method=method,
     )
     result = sync.run(version=7)
+    return {**gathered_weights(policy, rollout, roles), "version": result.version}
+
+
+def gathered_weights(policy: Any, rollout: Any, roles: Any) -> dict[str, Any]:
+    """What :func:`_check_bitwise` compares, on rank 0 (collective): every rank's FSDP whole
+    weights (``full_tensor`` of the policy's state dict) and rollout shards with their
+    tensor-parallel index."""
+    from hp_rl.models import local_layouts
+    from hp_train.objects import gather_objects
+
     full = None
     if policy is not None:
         names = {n for n, _ in policy.named_parameters()}
         full = {n: v.full_tensor() for n, v in policy.state_dict().items() if n in names}
-    local = None
+    local = tp_rank = None
     if rollout is not None:
         local = {n: t.clone() for n, (_, t) in local_layouts(rollout).items()}
-        tp_rank = roles.rollout_ranks.index(rank) % roles.rollout_tp
-    gathered = gather_objects((full, local, tp_rank if local else None), "test sync gather")
-    return {
-        "gathered": gathered if rank == 0 else None,
-        "version": result.version,
-        "sent": result.bytes_sent,
-        "tp": roles.rollout_tp,
-    }
+        tp_rank = roles.rollout_tp_rank(dist.get_rank())
+    gathered = gather_objects((full, local, tp_rank), "test gather weights")
+    return {"gathered": gathered if dist.get_rank() == 0 else None, "tp": roles.rollout_tp}
 
 
 def _check_bitwise(out: dict[str, Any]) -> int:

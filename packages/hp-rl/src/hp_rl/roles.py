@@ -88,6 +88,16 @@ class JobRoles:
         """The engine replica ``rank`` belongs to."""
         return self.rollout_ranks.index(rank) // self.rollout_tp
 
+    def rollout_tp_rank(self, rank: int) -> int:
+        """``rank``'s tensor-parallel index inside its rollout replica (0: the one that speaks
+        for the replica, whose ranks all hold the same rollouts)."""
+        return self.rollout_ranks.index(rank) % self.rollout_tp
+
+    def training_tp_rank(self, rank: int) -> int:
+        """``rank``'s tensor-parallel index inside its data-parallel rank (0: the one that
+        speaks for it)."""
+        return self.training_ranks.index(rank) % self.tp
+
     def training_dp_rank(self, rank: int) -> int:
         """``rank``'s data-parallel index (which slice of the batch it trains on)."""
         return self.training_ranks.index(rank) // self.tp

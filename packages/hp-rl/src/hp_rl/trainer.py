@@ -309,7 +309,7 @@ class GRPOTrainer:
         r = self.roles
         if self.aligned:
             return mine if r.trains(self.rank) else None
-        leader = mine is not None and r.rollout_ranks.index(self.rank) % r.rollout_tp == 0
+        leader = mine is not None and r.rollout_tp_rank(self.rank) == 0
         parts = gather_objects(mine if leader else None, "grpo experience gather")
         if not r.trains(self.rank):
             return None
@@ -357,8 +357,8 @@ class GRPOTrainer:
         sync_s: float | None,
     ) -> dict[str, Any]:
         r = self.roles
-        rollout_leader = mine is not None and r.rollout_ranks.index(self.rank) % r.rollout_tp == 0
-        train_leader = stats is not None and r.training_ranks.index(self.rank) % r.tp == 0
+        rollout_leader = mine is not None and r.rollout_tp_rank(self.rank) == 0
+        train_leader = stats is not None and r.training_tp_rank(self.rank) == 0
         record = {
             "rewards": mine.rewards.tolist() if rollout_leader and mine is not None else None,
             "lengths": int(mine.mask.sum()) if rollout_leader and mine is not None else 0,
@@ -416,7 +416,7 @@ class GRPOTrainer:
             )
             prompts = [self.tokenizer.encode(p.prompt) for p in problems]
             generation = self.engine.generate(prompts, greedy, torch.Generator().manual_seed(0))
-            if r.rollout_ranks.index(self.rank) % r.rollout_tp == 0:
+            if r.rollout_tp_rank(self.rank) == 0:
                 for i, problem in enumerate(problems):
                     n = int(generation.response_lengths[i])
                     text = self.tokenizer.decode(generation.response[i, :n].tolist())
