@@ -6,7 +6,10 @@ and every parameter after 5 AdamW steps are equal bit for bit at world 2; at wor
 two reduce-scatters sum the 4 ranks' gradients in another order per element (hp-fsdp's ragged
 flat buffer against FSDP2's padded rows), measured 4.8e-7 apart in the losses and 2.5e-6
 (relative to each tensor's largest entry) in the parameters, asserted within 1e-5 for both
-(rounding alone moves these losses by up to 9.8e-6, see test_vs_torch_fsdp.py). The pair is
+(rounding alone moves these losses by up to 9.8e-6, see test_vs_torch_fsdp.py), with gloo's own
+reduce-scatter, as FSDP2 (``test_per_param.native_reduce_scatter``; hp-fsdp's default all-to-all
+sums in rank order, 1.3e-5 from FSDP2's ring after 5 steps, and is checked against its own
+oracle in ``test_gradient_path.py``). The pair is
 one flat buffer (``ParamFlatSlot.group == "norm+output"`` for both parameters), all-gathered once in
 forward and once in backward per step (the blocks twice, the root once: counted); the state
 dict has the model's own keys and loads back.
@@ -24,12 +27,18 @@ import torch.nn.functional as F
 
 from hp_testing import run_on_ranks
 from hp_testing.llama import Llama, LlamaConfig
+from test_per_param import native_reduce_scatter
 
 CONFIG = LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, ffn_dim=64, max_seq_len=16)
 STEPS = 5
 
 
 def _train(kind: str) -> dict[str, Any]:
+    with native_reduce_scatter(kind, dist.get_world_size()):
+        return _trained(kind)
+
+
+def _trained(kind: str) -> dict[str, Any]:
     torch.set_num_threads(1)
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)

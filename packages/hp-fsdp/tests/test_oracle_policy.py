@@ -1,5 +1,5 @@
 """The policies' documented decisions and conversions, each written out here: the implicit
-prefetch per device (forward only on CPU, both directions on accelerators), torch FSDP2's
+prefetch (both directions on every device) and its decision rule, torch FSDP2's
 policy objects taken over attribute by attribute (every attribute given a distinct value, so
 a swapped or dropped one shows), and the refusals. No processes."""
 
@@ -11,14 +11,36 @@ from torch.distributed import fsdp as torch_fsdp
 
 from hp_fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, PrefetchPolicy
 from hp_fsdp.policy import as_mixed_precision, as_offload, default_prefetch
+from hp_fsdp.prefetch_plan import Direction, decide_prefetch
 
 
 def test_default_prefetch_per_device() -> None:
-    assert default_prefetch(torch.device("cpu")) == PrefetchPolicy(forward=True, backward=False)
-    for accelerator in ("cuda", "xpu", "hpu"):
+    for device in ("cpu", "cuda", "xpu", "hpu"):
         # Not allocated on: the decision reads only the device type.
-        got = default_prefetch(torch.device(accelerator))
-        assert got == PrefetchPolicy(forward=True, backward=True), accelerator
+        got = default_prefetch(torch.device(device))
+        assert got == PrefetchPolicy(forward=True, backward=True, max_bytes=None), device
+
+
+def test_prefetch_decision_rule() -> None:
+    """Every combination against the rule written out here: prefetch exactly when the policy
+    enables the direction, the shard axis has more than one rank, and (backward only) the
+    group's unsharded bytes fit ``max_bytes``."""
+    for direction in Direction:
+        for enabled in (False, True):
+            for shard_size in (1, 2, 8):
+                for size in (0, 100, 101):
+                    for cap in (None, 0, 100):
+                        got = decide_prefetch(direction, enabled, shard_size, size, cap)
+                        fits = cap is None or size <= cap or direction is Direction.FORWARD
+                        want = enabled and shard_size > 1 and fits
+                        assert got.prefetch == want, (direction, enabled, shard_size, size, cap)
+                        assert got.reason
+    with pytest.raises(ValueError, match="shard_size must be at least 1"):
+        decide_prefetch(Direction.FORWARD, True, 0, 1, None)
+    with pytest.raises(ValueError, match="non-negative"):
+        decide_prefetch(Direction.BACKWARD, True, 2, 1, -1)
+    with pytest.raises(ValueError, match="max_bytes must be >= 0"):
+        PrefetchPolicy(True, True, max_bytes=-1)
 
 
 def test_torch_mixed_precision_policy_is_taken_over_attribute_by_attribute() -> None:

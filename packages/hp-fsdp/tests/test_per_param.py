@@ -12,10 +12,17 @@ a partial norm that torch DTensor cannot propagate). Also: ``param.shape`` is gl
 ``placements`` and ``full_tensor()`` are torch's, the state dict holds the parameters
 themselves, and the meta-device flow of FSDP2 codebases (build on meta, shard, ``to_empty``,
 ``reset_parameters`` on the DTensors) gives FSDP2's values.
+
+Over more than two shard ranks hp-fsdp runs gloo's own reduce-scatter here
+(:func:`native_reduce_scatter`), the collective FSDP2 uses: its default on gloo, an all-to-all
+summed in rank order, adds in another order than gloo's ring, which bit equality would see
+(that sum is checked bit for bit against its own oracle in ``test_gradient_path.py``).
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any, cast
 
 import pytest
@@ -94,7 +101,26 @@ def _optimizers(model: nn.Module, name: str) -> list[torch.optim.Optimizer]:
     return [torch.optim.Muon(matrices, lr=2e-2), torch.optim.AdamW(rest, lr=1e-2)]
 
 
+@contextlib.contextmanager
+def native_reduce_scatter(kind: str, shard_ranks: int) -> Iterator[None]:
+    """hp-fsdp's reduce-scatters in this block run as gloo's own when ``kind`` is ``"hp"`` and
+    the shard axis has more than two ranks: the same order of additions as torch FSDP2's, for
+    tests that compare the two bit for bit or within rounding of that order."""
+    if kind != "hp" or shard_ranks <= 2:
+        yield
+        return
+    from hp_fsdp._collectives import ReduceScatterPrimitive, reduce_scatter_by
+
+    with reduce_scatter_by(ReduceScatterPrimitive.NATIVE):
+        yield
+
+
 def _train(kind: str, hsdp: bool, optimizer_name: str, on_meta: bool = False) -> dict[str, Any]:
+    with native_reduce_scatter(kind, 2 if hsdp else dist.get_world_size()):
+        return _trained(kind, hsdp, optimizer_name, on_meta)
+
+
+def _trained(kind: str, hsdp: bool, optimizer_name: str, on_meta: bool) -> dict[str, Any]:
     from torch.distributed.tensor import DTensor, Shard
 
     torch.set_num_threads(1)

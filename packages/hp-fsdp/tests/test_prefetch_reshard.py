@@ -9,11 +9,13 @@ steps come after a warm-up step, which records the forward order implicit prefet
 
 * ``set_implicit_prefetch(False)``: each group is gathered when its own forward or backward
   starts, and only the root stays unsharded beside it.
-* Default on CPU (``hp_fsdp.policy.default_prefetch``: forward only): each group's forward start
-  issues the next group's all-gather; backward gathers as without prefetch.
-* ``set_implicit_prefetch(True)`` (the accelerator default, forced here): each group's forward
-  and backward start issue the next group's all-gather, so two blocks are unsharded at a time;
-  the root's backward start issues the last block's, which gathers under the head's backward.
+* Default (``hp_fsdp.policy.default_prefetch``: both directions, on CPU as on accelerators),
+  and ``set_implicit_prefetch(True)``: each group's forward and backward start issue the next
+  group's all-gather, so two blocks are unsharded at a time; the root's backward start issues
+  the last block's, which gathers under the head's backward.
+* ``set_implicit_prefetch(True, max_bytes=...)`` below a block's unsharded bytes: forward
+  prefetches as before, backward gathers each block when it starts (what backward prefetch
+  would add to the peak is over the limit).
 * ``set_modules_to_forward_prefetch`` / ``set_modules_to_backward_prefetch``: the listed
   modules' all-gathers are issued, in list order, when that module's forward (backward) starts.
 * ``fully_shard(..., reshard_after_forward=False)``: one all-gather per group per step (not two
@@ -179,7 +181,8 @@ def _snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def _prefetch_run(variant: str) -> dict[str, Any]:
     """A warm-up AdamW step, then a logged one, under ``variant`` ("none", "default",
-    "implicit", "explicit"); the log, and the losses, gradients and parameters for the numerics."""
+    "implicit", "capped", "explicit"); the log, and the losses, gradients and parameters for the
+    numerics."""
     model = _model()
     modules = _modules(model)
     states = [_state(m) for m in modules.values()]
@@ -188,6 +191,9 @@ def _prefetch_run(variant: str) -> dict[str, Any]:
         model.set_implicit_prefetch(False)  # type: ignore[operator]
     elif variant == "implicit":
         model.set_implicit_prefetch(True)  # type: ignore[operator]
+    elif variant == "capped":
+        block = _state(modules["layers.0"]).groups[0].unsharded_bytes
+        model.set_implicit_prefetch(True, max_bytes=block - 1)  # type: ignore[operator]
     elif variant == "explicit":
         layers: Any = model.layers
         layers[0].set_modules_to_forward_prefetch([layers[2], layers[1]])
@@ -218,7 +224,7 @@ def _prefetch_run(variant: str) -> dict[str, Any]:
 
 def _prefetch() -> dict[str, dict[str, Any]]:
     torch.set_num_threads(1)
-    return {v: _prefetch_run(v) for v in ("none", "default", "implicit", "explicit")}
+    return {v: _prefetch_run(v) for v in ("none", "default", "implicit", "capped", "explicit")}
 
 
 def _reshard_run(reshard_after_forward: bool, keep_between_micro_batches: bool) -> dict[str, Any]:
@@ -339,16 +345,14 @@ def test_without_prefetch_each_group_gathers_when_it_starts() -> None:
 
 
 @pytest.mark.multiprocess
-def test_default_cpu_prefetch_is_forward_only() -> None:
-    """On CPU the default (``default_prefetch``, decided by measurement) prefetches in forward
-    only: each group's forward start issues the next group's all-gather, and backward gathers
-    each group when it starts, as without prefetch; the numbers are those without prefetch."""
+def test_default_prefetch_is_both_directions() -> None:
+    """The default (``default_prefetch``) prefetches in both directions on CPU too: the log of
+    ``set_implicit_prefetch(True)``, and the numbers of the run without prefetch."""
     for result in _prefetch_results():
-        run, none = result["default"], result["none"]
+        run, forced, none = result["default"], result["implicit"], result["none"]
         print(run["log"])
-        assert run["default_flags"] == [PrefetchPolicy(True, False)] * len(GROUPS)
-        assert _forward(run["log"]) == _FORWARD_PREFETCHED
-        assert _backward(run["log"]) == _BACKWARD_UNPREFETCHED
+        assert run["default_flags"] == [PrefetchPolicy(True, True)] * len(GROUPS)
+        assert run["log"] == forced["log"]
         assert run["after"] == dict.fromkeys(GROUPS, False)
         assert run["losses"] == none["losses"]
         assert _same(run["grads"], none["grads"])
@@ -356,10 +360,25 @@ def test_default_cpu_prefetch_is_forward_only() -> None:
 
 
 @pytest.mark.multiprocess
+def test_backward_prefetch_stays_within_max_bytes() -> None:
+    """``max_bytes`` below a block's unsharded bytes: backward gathers each block when it
+    starts (prefetching it would add a block to the peak), forward still prefetches; the
+    numbers are those without prefetch."""
+    for result in _prefetch_results():
+        run, none = result["capped"], result["none"]
+        print(run["log"])
+        assert [f.max_bytes for f in run["flags"]] == [run["flags"][0].max_bytes] * len(GROUPS)
+        assert _forward(run["log"]) == _FORWARD_PREFETCHED
+        assert _backward(run["log"]) == _BACKWARD_UNPREFETCHED
+        assert run["losses"] == none["losses"]
+        assert _same(run["grads"], none["grads"])
+
+
+@pytest.mark.multiprocess
 def test_implicit_prefetch_gathers_the_next_group_early() -> None:
-    """Forced on CPU, implicit prefetch (the accelerator default) issues the next group's
-    all-gather, in forward order and in reverse, when a group starts: two blocks are unsharded
-    at once; the losses, gradients and updated parameters are those without prefetch."""
+    """Implicit prefetch issues the next group's all-gather, in forward order and in reverse,
+    when a group starts: two blocks are unsharded at once; the losses, gradients and updated
+    parameters are those without prefetch."""
     for result in _prefetch_results():
         run, default = result["implicit"], result["none"]
         print(run["log"])
@@ -412,8 +431,8 @@ def test_explicit_prefetch_lists_set_the_gather_order() -> None:
     """``layers[0]`` prefetches ``[layers[2], layers[1]]`` in forward and ``layers[2]``
     prefetches ``[layers[0], layers[1]]`` in backward: those all-gathers are issued, in list
     order, when that block starts; the prefetched blocks gather nothing when they start. The
-    modules without a list keep the default (the root prefetches ``layers[0]`` in forward). The
-    numbers are those without prefetch."""
+    modules without a list keep the default (the root prefetches ``layers[0]`` in forward and
+    ``layers[2]`` in backward). The numbers are those without prefetch."""
     for result in _prefetch_results():
         run, default = result["explicit"], result["none"]
         print(run["log"])
@@ -429,8 +448,8 @@ def test_explicit_prefetch_lists_set_the_gather_order() -> None:
         ]
         assert _backward(run["log"]) == [
             "backward root",
-            "backward layers.2",
             "gather layers.2 [+root]",
+            "backward layers.2",
             "gather layers.0 [+root,layers.2]",
             "gather layers.1 [+root,layers.0,layers.2]",
             "backward layers.1",

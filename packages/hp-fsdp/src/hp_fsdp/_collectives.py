@@ -1,27 +1,25 @@
 """The primitive that carries each of hp-fsdp's shard-axis collectives, chosen per backend.
 
 A reduce-scatter can run as the backend's own (``reduce_scatter_single``) or as one all-to-all
-of the chunks followed by a local sum: each rank receives every peer's copy of its own chunk
-and adds them in rank order (0, 1, ...). Both give the same sum up to the order of the
-additions (bit-equal at two ranks, where ``a + b == b + a``; tested). Which is better depends on
-the backend, so the choice is a per-backend table, from ``benchmarks/collectives.py``'s
-measurements and the memory bound, made once per group at its first reduce-scatter:
+of the chunks followed by a local sum in a fixed order: each rank receives every peer's copy of
+its own chunk and adds them in rank order, ``((c0 + c1) + c2) + ...`` (one elementwise add per
+peer, in the reduce dtype). The result depends only on the contributions, never on which
+arrived first: it is bitwise reproducible from run to run, and anyone can recompute it (the
+tests do, from every rank's unreduced gradient). Which primitive is better depends on the
+backend, so the choice is a per-backend table, from ``benchmarks/collectives.py``'s and
+``benchmarks/fsdp_step.py``'s measurements and the memory bound, made once per group at its
+first reduce-scatter:
 
-* gloo, over two ranks: the all-to-all. gloo's reduce-scatter is built on an all-reduce and
+* gloo, every group size: the all-to-all. gloo's reduce-scatter is built on an all-reduce and
   moves about twice the bytes: measured by ``benchmarks/collectives.py`` on a 2-core AMD EPYC,
-  fp32, one thread per rank, median of 15, at world 2 with 8 MiB of gradient per rank: native
-  17.5 ms, all-to-all 8.5 ms; in a whole training step (``benchmarks/fsdp_step.py``, 20
-  interleaved rounds) 0.94x the step time of the native one at world 2 (HSDP 2x2, whose shard
-  groups have two ranks: unchanged). Over two ranks the sums are bit-equal to the native
-  ones, so nothing but the time changes. Its receive buffer is as large as the unsharded
-  gradient, but the group's unsharded parameters are freed before it is allocated, so the
-  step's peak stays below torch FSDP2's (``tests/test_memory.py``).
-* gloo, over more ranks: the backend's own. The all-to-all is faster there too (world 4, 16 MiB
-  per rank: native 47.8 ms, all-to-all 17.8 ms; the step 0.915x), but its rank-order sum
-  rounds differently from gloo's ring: after 5 AdamW steps the parameters drift 1.3e-5 from
-  torch FSDP2's (relative to each tensor's largest entry), past the 1e-5 the side-by-side
-  tests hold (``tests/test_module_list.py``). Choose it with
-  ``HP_FSDP_REDUCE_SCATTER=all_to_all``.
+  fp32, one thread per rank, median of 15: world 2, 8 MiB of gradient per rank, native
+  17.5 ms, all-to-all 8.5 ms; world 4, 16 MiB per rank, native 47.8 ms, all-to-all 17.8 ms.
+  Its receive buffer is as large as the unsharded gradient, but the group's unsharded
+  parameters are freed before it is allocated, so the step's peak stays at torch FSDP2's
+  (``tests/test_memory.py``). Over two ranks the sums are bit-equal to gloo's own
+  (``a + b == b + a``); over more, gloo's ring adds in another order, so the two differ by
+  rounding (after 5 AdamW steps at world 4, 1.3e-5 of each tensor's largest entry): tests that
+  compare with torch FSDP2 at a tighter bound pin the native primitive.
 * NCCL, HCCL and anything else: the backend's reduce-scatter (a ring that reduces in flight).
 
 All-gathers stay the backend's own everywhere: on gloo an all-to-all all-gather needs the shard
@@ -49,6 +47,7 @@ from hp_fsdp._lowp_comm import Deferred
 __all__ = [
     "ENV_VARIABLE",
     "ReduceScatterPrimitive",
+    "add_in_rank_order",
     "reduce_scatter",
     "reduce_scatter_by",
     "reduce_scatter_primitive",
@@ -69,10 +68,8 @@ class ReduceScatterPrimitive(enum.Enum):
     ALL_TO_ALL = "all_to_all"
 
 
-# (backend, group size) pairs whose default is not NATIVE (see the module docstring).
-_BY_BACKEND: dict[tuple[str, int], ReduceScatterPrimitive] = {
-    ("gloo", 2): ReduceScatterPrimitive.ALL_TO_ALL
-}
+# Backends whose default is not NATIVE (see the module docstring).
+_BY_BACKEND: dict[str, ReduceScatterPrimitive] = {"gloo": ReduceScatterPrimitive.ALL_TO_ALL}
 _forced: list[ReduceScatterPrimitive] = []
 
 
@@ -88,8 +85,8 @@ def reduce_scatter_by(primitive: ReduceScatterPrimitive) -> Iterator[None]:
 
 
 def reduce_scatter_primitive(group: Any) -> ReduceScatterPrimitive:
-    """The primitive for reduce-scatters over ``group``: the table above (by backend and group
-    size), or the override.
+    """The primitive for reduce-scatters over ``group``: the table above (by backend), or the
+    override.
 
     Raises:
         ValueError: ``HP_FSDP_REDUCE_SCATTER`` names no primitive.
@@ -104,8 +101,7 @@ def reduce_scatter_primitive(group: Any) -> ReduceScatterPrimitive:
             choices = [p.value for p in ReduceScatterPrimitive]
             raise ValueError(f"{ENV_VARIABLE}={forced!r}: use one of {choices}") from None
     backend = str(dist.get_backend(group)).lower()
-    size = dist.get_world_size(group)
-    return _BY_BACKEND.get((backend, size), ReduceScatterPrimitive.NATIVE)
+    return _BY_BACKEND.get(backend, ReduceScatterPrimitive.NATIVE)
 
 
 def reduce_scatter(
@@ -116,7 +112,7 @@ def reduce_scatter(
     primitive: ReduceScatterPrimitive,
 ) -> Any:
     """Start ``output = sum over ranks of source.view(world, -1)[rank]``; returns a handle to
-    ``wait`` on (the local sum of the all-to-all runs in its ``wait``)."""
+    ``wait`` on (the all-to-all's local sum, :func:`add_in_rank_order`, runs in its ``wait``)."""
     if primitive is ReduceScatterPrimitive.NATIVE:
         return watch_async(
             "reduce_scatter (FSDP gradients)",
@@ -130,7 +126,18 @@ def reduce_scatter(
         dist.all_to_all_single(received, source, group=group, async_op=True),
     )
 
-    def add_in_rank_order() -> None:
-        torch.sum(received.view(world, -1), dim=0, out=output)
+    rows = received.view(world, -1)
+    return Deferred(work, lambda: add_in_rank_order(rows, output), received, source)
 
-    return Deferred(work, add_in_rank_order, received, source)
+
+def add_in_rank_order(rows: torch.Tensor, output: torch.Tensor) -> None:
+    """``output = ((rows[0] + rows[1]) + rows[2]) + ...``, one rounding per add in ``output``'s
+    dtype. Spelled out rather than ``torch.sum(rows, 0)``, whose order of additions depends on
+    the kernel (it differs from this one at 5 rows of fp32, and at 3 rows of bf16, which it
+    accumulates in fp32)."""
+    if rows.shape[0] == 1:
+        output.copy_(rows[0])
+        return
+    torch.add(rows[0], rows[1], out=output)
+    for r in range(2, rows.shape[0]):
+        output.add_(rows[r])

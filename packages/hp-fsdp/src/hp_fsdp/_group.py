@@ -7,8 +7,9 @@ then allocates and copies what its plan says. The parameters are packed end to e
 its chunk in ``sharded_flat``; each parameter's piece of it is a 1-d view registered on the
 module and handed to optimizers, annotated with its layout (a RaggedShard over the shard axis).
 Unsharding all-gathers the chunks straight into ``unsharded_flat``, whose views are the
-module's parameters during compute (no copy-out); gradients accumulate into views of
-``unsharded_grad`` (no copy-in), which is the input of the reduce-scatter; the reduce-scatter
+module's parameters during compute (no copy-out); each parameter's gradient, as autograd
+produced it, is held until the group is reduced and then copied once into ``unsharded_grad``
+(allocated then, never zero-filled), the input of the reduce-scatter; the reduce-scatter
 writes this rank's reduced chunk into a view of the root's gradient arena, whose views are the
 sharded parameters' gradients.
 
@@ -268,6 +269,8 @@ class FSDPParamGroup:
         self.applied: object = None
         self._unsharded_flat: torch.Tensor | None = None
         self.unsharded_grad: torch.Tensor | None = None
+        # Gradients held until the group is reduced (see prepare_gradients); None: none.
+        self._arrived: list[torch.Tensor | None] | None = None
         self._plan_wire()
         # Inputs of in-flight collectives (cast copies) are kept alive until they complete.
         self._keep_alive: torch.Tensor | None = None
@@ -296,6 +299,11 @@ class FSDPParamGroup:
             piece = locals_[span.index].reshape(-1)[span.start : span.stop]
             chunk[span.chunk_offset : span.chunk_offset + piece.numel()].copy_(piece)
         return chunk
+
+    @property
+    def unsharded_bytes(self) -> int:
+        """Bytes the group's unsharded parameters take while unsharded (in the compute dtype)."""
+        return self.flat.padded_numel * torch.empty((), dtype=self.param_dtype).element_size()
 
     @property
     def unsharded_flat(self) -> torch.Tensor:
@@ -695,22 +703,63 @@ class FSDPParamGroup:
         return any(p.sharded.requires_grad for p in self.params)
 
     def prepare_gradients(self) -> None:
-        """Point every unsharded parameter's gradient at the flat gradient buffer (none for a
-        group of frozen parameters: there is nothing to reduce)."""
+        """Get ready to collect this backward's gradients (nothing for a group of frozen
+        parameters: there is nothing to reduce).
+
+        Autograd accumulates each parameter's gradient into the parameter as usual (stealing
+        the tensor its backward produced) and :meth:`take_gradient` holds it, adding any later
+        part (a parameter whose gradient arrives in several parts, through reentrant activation
+        checkpointing, or over micro-steps without gradient sync). The flat buffer the
+        reduce-scatter reads is allocated only when the group is reduced (:meth:`flatten`, one
+        copy per parameter), never zero-filled, and not at the start of backward, where the
+        step's memory peaks: a whole block's gradient buffer there would add a block to the
+        peak (``tests/test_memory.py``)."""
         if not self.trainable:
             return
+        if self._arrived is None:
+            self._arrived = [None] * len(self.params)
+
+    @property
+    def has_gradients(self) -> bool:
+        """Whether gradients are being collected for a reduce-scatter."""
+        return self._arrived is not None or self.unsharded_grad is not None
+
+    def take_gradient(self, index: int) -> None:
+        """Hold parameter ``index``'s accumulated gradient (``leaf.grad``), added to what it
+        already holds, and drop it from the parameter."""
+        leaf = self.params[index].leaf
+        if leaf is None or leaf.grad is None:
+            return
+        grad, leaf.grad = leaf.grad, None
+        if self._arrived is None:
+            self._arrived = [None] * len(self.params)
+        held = self._arrived[index]
+        self._arrived[index] = grad if held is None else held.add_(grad)
+
+    def flatten(self) -> torch.Tensor:
+        """The flat gradient buffer: every held gradient copied into its slot, zeros where no
+        gradient arrived (unused or frozen parameters, alignment padding)."""
         if self.unsharded_grad is None:
-            self.unsharded_grad = torch.zeros(
-                self.flat.padded_numel, dtype=self.param_dtype, device=self.device
-            )
-        for p, slot in zip(self.params, self.flat.slots, strict=True):
-            assert p.leaf is not None
-            if p.leaf.requires_grad and p.leaf.grad is None:
-                p.leaf.grad = self.unsharded_grad[slot.offset : slot.end].view(p.shape)
+            arrived = self._arrived or [None] * len(self.params)
+            grad = torch.empty(self.flat.padded_numel, dtype=self.param_dtype, device=self.device)
+            start = 0
+            for p, slot, held in zip(self.params, self.flat.slots, arrived, strict=True):
+                if held is None:
+                    continue
+                if slot.offset > start:
+                    grad[start : slot.offset].zero_()
+                grad[slot.offset : slot.end].view(p.shape).copy_(held)
+                start = slot.end
+            if start < grad.numel():
+                grad[start:].zero_()
+            self.unsharded_grad = grad
+        self._arrived = None
+        return self.unsharded_grad
 
     def reduce_scatter(self, output: torch.Tensor) -> Any:
         """Reduce-scatter the flat gradient into ``output`` (this rank's chunk, reduce dtype);
         returns the async work handle (None when nothing is communicated)."""
+        self.flatten()
         assert self.unsharded_grad is not None
         if self.extra_reduce and self.extra_start < self.flat.padded_numel:
             tail = self.unsharded_grad[self.extra_start :]
@@ -762,6 +811,7 @@ class FSDPParamGroup:
             if p.leaf is not None:
                 p.leaf.grad = None
         self.unsharded_grad = None
+        self._arrived = None
         self._keep_alive = None
 
     def assign_sharded_gradients(self, chunk: torch.Tensor, accumulate: bool = False) -> None:

@@ -3,13 +3,14 @@
 Forward: the pre-hook of a module unshards its group (waiting for a prefetched all-gather if
 one was issued) and prefetches the next group in forward order; the post-hook reshards (unless
 the module is the root) and registers pre-backward hooks on the outputs. Backward: the first
-gradient reaching a module's outputs unshards it again, points its parameters' gradients at
-the flat gradient buffer and prefetches the next group in backward order (the reverse of the
-order forwards finished in); when every
-parameter's gradient has been accumulated, its reduce-scatter is issued into the root's
-gradient arena. A callback at the end of backward finishes groups whose parameters got no
-gradient, waits for the arena's collectives once, hands out the sharded gradients and
-reshards. A forward that activation checkpointing reruns inside backward only unshards (and
+gradient reaching a module's outputs unshards it again, gets its group ready to collect
+gradients and prefetches the next group in backward order (the reverse of the order forwards
+finished in); as each parameter's gradient is accumulated, the group takes it from the
+parameter, and when every one is in, the group flattens them into its gradient buffer and its
+reduce-scatter is issued into the root's gradient arena. A callback at the end of backward
+finishes groups whose parameters got no gradient, waits for the arena's collectives once,
+hands out the sharded gradients and reshards. A forward that activation checkpointing reruns
+inside backward only unshards (and
 casts): backward's order prefetches and reshards.
 """
 
@@ -28,6 +29,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from hp_fsdp._arena import GradArena
 from hp_fsdp._group import FSDPParamGroup
 from hp_fsdp.policy import PrefetchPolicy, default_prefetch
+from hp_fsdp.prefetch_plan import Direction, decide_prefetch
 
 __all__ = ["FSDPState", "TrainingState", "attach_fsdp_state", "fsdp_state"]
 
@@ -264,11 +266,23 @@ class FSDPState:
     ) -> list[FSDPState]:
         if explicit is not None:
             return explicit
-        implicit = self.implicit_prefetch.forward if step > 0 else self.implicit_prefetch.backward
+        policy = self.implicit_prefetch
+        implicit = policy.forward if step > 0 else policy.backward
         if not implicit or self not in order:
             return []
         index = order.index(self) + step
-        return [order[index]] if 0 <= index < len(order) else []
+        if not 0 <= index < len(order):
+            return []
+        candidate = order[index]
+        direction = Direction.FORWARD if step > 0 else Direction.BACKWARD
+        if all(
+            decide_prefetch(
+                direction, True, g.fsdp.shard_size, g.unsharded_bytes, policy.max_bytes
+            ).prefetch
+            for g in candidate.groups
+        ):
+            return [candidate]
+        return []
 
     # Backward --------------------------------------------------------------------------------
 
@@ -298,19 +312,26 @@ class FSDPState:
                 group.unshard(async_op=True)
 
     def _hook_accumulation(self) -> None:
-        params = [p for group in self.groups for p in group.params]
-        for p in params:
-            leaf = p.leaf
-            if leaf is None or not leaf.requires_grad or id(leaf) in self._hooked:
-                continue
-            # A weak reference: autograd keeps hooks in C++, where a cycle back to this state
-            # would never be collected.
-            leaf.register_post_accumulate_grad_hook(_weak_accumulated_hook(weakref.ref(self)))
-            self._hooked.add(id(leaf))
-        self._needed = sum(1 for p in params if p.leaf is not None and p.leaf.requires_grad)
+        needed = 0
+        for group in self.groups:
+            for index, p in enumerate(group.params):
+                leaf = p.leaf
+                if leaf is None or not leaf.requires_grad:
+                    continue
+                needed += 1
+                if id(leaf) in self._hooked:
+                    continue
+                # A weak reference: autograd keeps hooks in C++, where a cycle back to this
+                # state would never be collected.
+                hook = _weak_accumulated_hook(weakref.ref(self), weakref.ref(group), index)
+                leaf.register_post_accumulate_grad_hook(hook)
+                self._hooked.add(id(leaf))
+        self._needed = needed
 
-    def accumulated(self) -> None:
-        """One more parameter's gradient is in; reduce when all are."""
+    def accumulated(self, group: FSDPParamGroup, index: int) -> None:
+        """Parameter ``index`` of ``group`` has its gradient: move it into the flat gradient
+        buffer; reduce when every parameter's is in."""
+        group.take_gradient(index)
         self._accumulated += 1
         if self._accumulated >= self._needed:
             self.post_backward()
@@ -326,7 +347,7 @@ class FSDPState:
             # FSDP2 does): the gradient no longer needs them.
             if self.reshard_after_backward and not self.is_root:
                 group.reshard()
-            if self.requires_gradient_sync and group.unsharded_grad is not None:
+            if self.requires_gradient_sync and group.has_gradients:
                 root = self.root
                 assert root is not None
                 assert root.arena is not None
@@ -390,11 +411,13 @@ def _replicate_wire(groups: list[FSDPParamGroup]) -> tuple[torch.dtype, int] | N
     return next(iter(wires))
 
 
-def _weak_accumulated_hook(ref: weakref.ReferenceType[FSDPState]) -> Any:
+def _weak_accumulated_hook(
+    ref: weakref.ReferenceType[FSDPState], group: weakref.ReferenceType[FSDPParamGroup], index: int
+) -> Any:
     def hook(leaf: torch.Tensor) -> None:
-        state = ref()
-        if state is not None:
-            state.accumulated()
+        state, owner = ref(), group()
+        if state is not None and owner is not None:
+            state.accumulated(owner, index)
 
     return hook
 

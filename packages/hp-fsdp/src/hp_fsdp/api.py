@@ -165,15 +165,21 @@ class FSDPModule:
             state.gradient_divide_factor = factor
 
     def set_implicit_prefetch(
-        self, forward: bool, backward: bool | None = None, *, recurse: bool = True
+        self,
+        forward: bool,
+        backward: bool | None = None,
+        *,
+        max_bytes: int | None = None,
+        recurse: bool = True,
     ) -> None:
         """Prefetch the next module in forward order (``forward``: the order forwards started
         in the first forward) and the next one backward needs (``backward``, the same as
-        ``forward`` when not given: the reverse of the order forwards finished in). The default
-        is :func:`hp_fsdp.policy.default_prefetch` of the groups' device: both on accelerators,
-        forward only on CPU (backward prefetch costs one group's unsharded parameters at the
-        peak)."""
-        policy = PrefetchPolicy(forward, forward if backward is None else backward)
+        ``forward`` when not given: the reverse of the order forwards finished in), backward
+        prefetch only for groups of at most ``max_bytes`` unsharded bytes (what it adds to the
+        step's peak; None: any). The default is :func:`hp_fsdp.policy.default_prefetch`: both
+        directions, no limit. A group whose shard axis has one rank is never prefetched
+        (:func:`hp_fsdp.prefetch_plan.decide_prefetch`)."""
+        policy = PrefetchPolicy(forward, forward if backward is None else backward, max_bytes)
         for state in self._states(recurse):
             state.implicit_prefetch = policy
 

@@ -130,31 +130,41 @@ class CPUOffloadPolicy(OffloadPolicy):
 class PrefetchPolicy:
     """Which all-gathers fully_shard issues one group ahead, in the order of the first forward
     (implicit prefetch; explicit ``set_modules_to_*_prefetch`` lists replace it per module).
+    Each candidate is decided by :func:`hp_fsdp.prefetch_plan.decide_prefetch`: a group whose
+    shard axis has one rank is never prefetched (nothing to hide).
 
     Attributes:
         forward: when a group's forward starts, issue the next group's all-gather. Free at the
             step's peak for a model whose activations outgrow its blocks: the peak comes at the
             end of forward, where there is no next group.
         backward: when a group's backward starts, issue the all-gather of the group before it.
-            Costs one group's unsharded parameters at the peak (the start of backward).
+            Adds that group's unsharded parameters to the step's peak (the start of backward).
+        max_bytes: backward prefetch only for groups whose unsharded parameters take at most
+            this many bytes (what it may add to the peak); None: no limit.
     """
 
     forward: bool
     backward: bool
+    max_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_bytes is not None and self.max_bytes < 0:
+            raise ValueError(f"PrefetchPolicy.max_bytes must be >= 0 or None, got {self.max_bytes}")
 
 
 def default_prefetch(device: torch.device) -> PrefetchPolicy:
-    """The implicit prefetch fully_shard uses for groups on ``device``, decided by measurement.
+    """The implicit prefetch fully_shard uses for groups on ``device``: both directions, on
+    every device, as torch FSDP2 does (``hp_fsdp.prefetch_plan`` states the cost model).
 
-    * CPU (gloo): forward only. ``benchmarks/fsdp_step.py``'s model at world 2 (2-core
-      EPYC, 80 interleaved rounds): forward prefetch 0.945x the step time of none, at the same
-      peak; backward prefetch a further 1.5 % for one more block at the peak (+9 % there), so
-      it stays opt-in (``set_implicit_prefetch(True)``).
-    * Accelerators (NCCL, HCCL): both, as FSDP2 does: collectives run on their own streams
-      beside compute, so a group fetched early is communication taken off the critical path.
+    * Accelerators (NCCL, HCCL): collectives run on their own streams beside compute, so a
+      group fetched early is communication taken off the critical path.
+    * CPU (gloo): the all-gather runs on gloo's thread beside compute. ``benchmarks/
+      fsdp_step.py``'s model at world 2 (2-core EPYC, one thread per rank): backward prefetch
+      0.90x the step time of forward-only; its cost at the peak, one block's unsharded
+      parameters, keeps the step below torch FSDP2's peak since gradients are flattened only
+      when a group is reduced (``tests/test_memory.py``).
     """
-    if device.type == "cpu":
-        return PrefetchPolicy(forward=True, backward=False)
+    del device  # the same everywhere; kept so that a device-specific measurement can differ
     return PrefetchPolicy(forward=True, backward=True)
 
 
