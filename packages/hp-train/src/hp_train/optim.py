@@ -11,22 +11,11 @@ from torch.optim.lr_scheduler import LambdaLR
 from hp_muon import MuonStepPlan, muon_with_adamw, split_params
 from hp_train.config.schema import TrainConfig
 
-__all__ = ["ROUTER_PATTERNS", "adamw_foreach", "build_optimizer", "build_schedule", "lr_factor"]
+__all__ = ["ROUTER_PATTERNS", "build_optimizer", "build_schedule", "lr_factor"]
 
 #: MoE routers are small scoring layers: AdamW, as in Moonlight and DeepSeek-V3's Muon ports.
 ROUTER_PATTERNS: tuple[str, ...] = ("*.router.*",)
 ADAMW_BETAS = (0.9, 0.95)
-
-
-def adamw_foreach(params: list[nn.Parameter]) -> bool:
-    """Whether AdamW runs its multi-tensor (``foreach``) implementation on ``params``: when
-    every one is a plain tensor. It computes exactly what the per-parameter loop computes (same
-    operations, bit for bit: ``tests/test_optim.py``) with one dispatch per operation for the
-    whole list instead of one per parameter (1.5x faster on this project's CPU benchmarks);
-    torch leaves it off on CPU by default. Tensor-parallel parameters are DTensors, for whose
-    ``_foreach_*`` operations hp-dtensor has no sharding rule: the loop runs there. torch's
-    fused AdamW is faster still but rounds differently (1 ulp), so it is not used."""
-    return bool(params) and all(type(p.data) is torch.Tensor for p in params)
 
 
 def build_optimizer(
@@ -36,19 +25,12 @@ def build_optimizer(
     block matrices and expert stacks; AdamW on embeddings, norms, routers and the LM head.
     ``config.optimizer == "adamw"``: AdamW on everything. ``muon_plan``: the run's planned
     Muon step (hp-planner's), which Muon checks its own against at the first step."""
-    adamw: dict[str, object] = {
-        "lr": config.lr,
-        "weight_decay": config.weight_decay,
-        "betas": ADAMW_BETAS,
-    }
+    adamw = {"lr": config.lr, "weight_decay": config.weight_decay, "betas": ADAMW_BETAS}
     optimizer: torch.optim.Optimizer
     if config.optimizer == "adamw":
-        params = list(model.parameters())
-        adamw["foreach"] = adamw_foreach(params)
-        optimizer = torch.optim.AdamW(params, **adamw)  # type: ignore[arg-type]
+        optimizer = torch.optim.AdamW(model.parameters(), **adamw)  # type: ignore[arg-type]
     else:
         split = split_params(model, adamw_patterns=ROUTER_PATTERNS)
-        adamw["foreach"] = adamw_foreach(split.adamw_params)
         muon = {
             "lr": config.muon_lr,
             "weight_decay": config.weight_decay,
