@@ -66,6 +66,11 @@ TEST_ENV: Mapping[str, str] = {
     # Acceptance tests on third-party trainers fail, not skip, where their tools are missing.
     "HP_REQUIRE_ACCEPTANCE": "1",
 }
+# The same for every other command that imports torch (the installed-copy and wheel import
+# checks, hp-kernels' build, which compiles against it): where the environment sets
+# PYTHONDONTWRITEBYTECODE=1, each of those processes compiled torch's modules again, about 11 s
+# a process on 2 cores against 2 s once the bytecode is written.
+BYTECODE_ENV: Mapping[str, str] = {"PYTHONDONTWRITEBYTECODE": ""}
 # Test tools installed without their dependencies (versions pinned in constraints/ci.txt):
 # torchtitan's hard requirement on Hugging Face `datasets` cannot resolve against the pinned
 # fsspec / huggingface-hub, and the acceptance test never imports it (nor triton, wandb, ...).
@@ -250,18 +255,23 @@ def install_local(
         requires = sorted({r for n in names for r in PACKAGES[n].build_requires})
         session.install(*PIP_ARGS, *requires, env=PIP_ENV)
         no_isolation = ("--no-build-isolation",)
-    session.install(*PIP_ARGS, *no_isolation, *specs, *extra, env=PIP_ENV)
+    session.install(*PIP_ARGS, *no_isolation, *specs, *extra, env={**PIP_ENV, **BYTECODE_ENV})
 
 
-def _check_installed_copy(session: nox.Session, import_name: str) -> None:
-    """Fail if ``import_name`` would be imported from the source tree, not site-packages."""
+def _check_installed_copy(session: nox.Session, *import_names: str) -> None:
+    """Fail if one of ``import_names`` would be imported from the source tree, not
+    site-packages (one process for all: each start imports torch)."""
     script = (
-        f"import pathlib, sys, {import_name} as m; f = pathlib.Path(m.__file__).resolve(); "
-        f"print('{import_name} is imported from', f); "
-        f"sys.exit('error: that is the source tree' if f.is_relative_to({str(PACKAGES_DIR)!r}) "
-        "else 0)"
+        "import importlib, pathlib, sys\n"
+        "bad = []\n"
+        f"for name in {list(import_names)!r}:\n"
+        "    f = pathlib.Path(importlib.import_module(name).__file__).resolve()\n"
+        "    print(name, 'is imported from', f)\n"
+        f"    if f.is_relative_to({str(PACKAGES_DIR)!r}):\n"
+        "        bad.append(name)\n"
+        "sys.exit(f'error: {bad} from the source tree' if bad else 0)\n"
     )
-    session.run("python", "-c", script, log=False)
+    session.run("python", "-c", script, log=False, env=BYTECODE_ENV)
 
 
 def _has_python(directory: Path) -> bool:
@@ -372,7 +382,7 @@ def build_all(session: nox.Session) -> None:
             path = os.pathsep.join(str(targets / n) for n in closure_names)
             session.run(
                 "python", "-c", _import_check(PACKAGES[name].import_name, targets / name),
-                env={"PYTHONPATH": path},
+                env={"PYTHONPATH": path, **BYTECODE_ENV},
             )  # fmt: skip
         except CommandFailed:
             failed.append(name)
@@ -429,7 +439,10 @@ def _build_checked(session: nox.Session, pkg: Package) -> Path:
     """Build the wheel and sdist into ``dist/<dist>/`` and check their contents."""
     outdir = DIST_DIR / pkg.dist
     shutil.rmtree(outdir, ignore_errors=True)
-    session.run("python", "-m", "build", "--no-isolation", "--outdir", str(outdir), str(pkg.path))
+    session.run(
+        "python", "-m", "build", "--no-isolation", "--outdir", str(outdir), str(pkg.path),
+        env=BYTECODE_ENV,
+    )  # fmt: skip
     wheels = sorted(outdir.glob("*.whl"))
     sdists = sorted(outdir.glob("*.tar.gz"))
     if len(wheels) != 1 or len(sdists) != 1:
@@ -622,8 +635,7 @@ def tests_all(session: nox.Session) -> None:
     install_local(session, names, specs, ["mypy"])
     install_no_deps_test_tools(session, names)
     failed: list[str] = []
-    for name in names:
-        _check_installed_copy(session, PACKAGES[name].import_name)
+    _check_installed_copy(session, *(PACKAGES[name].import_name for name in names))
     # One pytest process for every package's tests: torch is imported and the rank pools are
     # spawned once for the whole run, not once per package (test module names are unique
     # across packages; tools/tests checks it).
