@@ -16,6 +16,14 @@ with AdamW on gloo ranks of this machine (one thread each), in these layouts:
   communication at all, the ranks sharing the machine's cores as in the other variants: the
   compute floor of a step (what a data-parallel step costs if communication were free). Its
   first loss must equal the others'; later ones differ (no gradient averaging).
+* ``comm w2`` / ``comm w4`` (1-d mesh) and ``comm HSDP``: hp-fsdp's collectives of one step
+  alone, no compute: each group's parameter all-gather (the blocks twice, the root once), its
+  gradient reduce-scatter (an all-to-all and the rank-order sum, as on gloo) and, for HSDP, one
+  all-reduce of the gradient chunks over the replicate axis, each waited for at once. On a
+  machine whose cores are all computing (one thread per rank, as many ranks as cores), gloo's
+  copies through the loopback compete with compute for the same cores, so ``floor + comm`` is
+  what the step costs when nothing overlaps, and the floor is what it costs when everything
+  does: where hp-fsdp's step lies between them is how much of its communication it hides.
 
 A step is zero_grad, forward, cross-entropy, backward and ``AdamW.step`` on this rank's batch.
 The first losses of the variants of one world must agree (same weights, same batches). After a
@@ -80,12 +88,15 @@ STEPS = 2  # timed steps per variant per round
 LOSS_TOLERANCE = 1e-4  # warm-up losses of the variants of one world (DDP sums differently)
 
 
+_NO_SYNC = ("local", "comm")  # variants whose losses are not the synchronized training's
+
+
 @dataclass(frozen=True)
 class Variant:
     """One way of training the model."""
 
     name: str  # row label
-    impl: str  # "hp" | "hp_per_param" | "torch" | "ddp" | "local"
+    impl: str  # "hp" | "hp_per_param" | "torch" | "ddp" | "local" | "comm"
     mesh: tuple[int, ...]  # data-parallel mesh; () for DDP
 
 
@@ -96,6 +107,7 @@ WORLDS: dict[int, tuple[Variant, ...]] = {
         Variant("1-d w2", "hp_per_param", (2,)),
         Variant("DDP w2", "ddp", ()),
         Variant("floor w2", "local", ()),
+        Variant("1-d w2", "comm", (2,)),
     ),
     4: (
         Variant("1-d w4", "hp", (4,)),
@@ -105,6 +117,8 @@ WORLDS: dict[int, tuple[Variant, ...]] = {
         Variant("HSDP 2x2", "torch", (2, 2)),
         Variant("DDP w4", "ddp", ()),
         Variant("floor w4", "local", ()),
+        Variant("1-d w4", "comm", (4,)),
+        Variant("HSDP 2x2", "comm", (2, 2)),
     ),
 }
 
@@ -253,6 +267,39 @@ def _build(variant: Variant) -> nn.Module:
     return _ddp()
 
 
+def _communication(mesh_shape: tuple[int, ...]) -> Callable[[], float]:
+    """One step of hp-fsdp's collectives for ``mesh_shape``, no compute (``comm`` variants)."""
+    from hp_dtensor import DeviceMesh
+    from hp_fsdp._collectives import add_in_rank_order
+    from hp_fsdp._state import fsdp_state
+    from hp_layout import Mesh
+
+    mesh = DeviceMesh("cpu", Mesh(mesh_shape, _mesh_names(mesh_shape)))
+    shard, world = mesh.get_group("shard"), mesh_shape[-1]
+    replicate = mesh.get_group("replicate") if len(mesh_shape) == 2 else None
+    model = _hp(mesh_shape)
+    layers: Any = model.layers
+    states = [fsdp_state(m) for m in (model, *layers)]
+    groups = [(g, state is not states[0]) for state in states if state for g in state.groups]
+    full = {id(g): torch.empty(g.flat.padded_numel) for g, _ in groups}
+    received = {id(g): torch.empty(g.flat.padded_numel) for g, _ in groups}
+    chunks = {id(g): torch.empty(g.plan.chunk_numel) for g, _ in groups}
+
+    def step() -> float:
+        for g, _ in groups:  # forward
+            dist.all_gather_single(full[id(g)], g.sharded_flat, group=shard)
+        for g, block in reversed(groups):  # backward: blocks again, then every reduce
+            if block:
+                dist.all_gather_single(full[id(g)], g.sharded_flat, group=shard)
+            dist.all_to_all_single(received[id(g)], full[id(g)], group=shard)
+            add_in_rank_order(received[id(g)].view(world, -1), chunks[id(g)])
+        if replicate is not None:
+            dist.all_reduce(torch.cat(list(chunks.values())), group=replicate)
+        return 0.0
+
+    return step
+
+
 def _batch() -> tuple[torch.Tensor, torch.Tensor]:
     world, rank = dist.get_world_size(), dist.get_rank()
     g = torch.Generator().manual_seed(1)
@@ -314,19 +361,21 @@ def _bench_world(variants: tuple[Variant, ...]) -> dict[str, Any]:
     counts: list[dict[str, Any]] = []
     for variant in variants:
         before = _in_use()
-        model = _build(variant)
-        train = _trainer(model)
+        model = None if variant.impl == "comm" else _build(variant)
+        train = _communication(variant.mesh) if model is None else _trainer(model)
         losses.append([train() for _ in range(WARMUP)])
         peaks.append(_step_peak(train) - before)
-        model.zero_grad(set_to_none=True)
+        if model is not None:
+            model.zero_grad(set_to_none=True)
         rests.append(_in_use() - before)
         counts.append(_counts(train))
         trainers.append(train)
-    synced = [run for run, v in zip(losses, variants, strict=True) if v.impl != "local"]
+    synced = [run for run, v in zip(losses, variants, strict=True) if v.impl not in _NO_SYNC]
     drift = max(
         abs(a - b) for run in synced for other in synced for a, b in zip(run, other, strict=True)
     )
-    drift = max(drift, *(abs(run[0] - losses[0][0]) for run in losses))
+    trained = [run for run, v in zip(losses, variants, strict=True) if v.impl != "comm"]
+    drift = max(drift, *(abs(run[0] - losses[0][0]) for run in trained))
     if drift > LOSS_TOLERANCE:
         raise AssertionError(f"warm-up losses of {variants} differ by {drift:.2e}: {losses}")
     times: list[list[float]] = [[] for _ in variants]
@@ -381,7 +430,9 @@ def _table(results: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:
         ddp = by[(f"DDP w{world}", "ddp")]
         floor = by[(f"floor w{world}", "local")]
         layouts = [
-            r["layout"] for r in result["rows"] if r["impl"] not in ("ddp", "hp_per_param", "local")
+            r["layout"]
+            for r in result["rows"]
+            if r["impl"] not in ("ddp", "hp_per_param", "local", "comm")
         ]
         for layout in dict.fromkeys(layouts):
             hp, theirs = by[(layout, "hp")], by[(layout, "torch")]
@@ -414,6 +465,12 @@ def _table(results: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:
                 "collectives_torch": theirs["collectives"],
                 "collectives_ddp": ddp["collectives"],
             }
+            comm = by.get((layout, "comm"))
+            if comm is not None:
+                # Where hp's step lies between everything overlapped (the floor) and nothing
+                # overlapped (floor + its collectives alone): the share of them it hides.
+                row["comm_ms"] = comm["ms"]
+                row["hp_hidden_fraction"] = 1 - (hp["ms"] - floor["ms"]) / comm["ms"]
             rows.append(row)
             copies = f"{hp['copies']}/{theirs['copies']}"
             print(
@@ -451,6 +508,14 @@ def _table(results: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:
             )
             + f", DDP {ddp['ms'] / floor['ms']:.2f}"
         )
+        for r in rows:
+            if r["world"] == world and "comm_ms" in r:
+                print(
+                    f"{'  comm':<10}{r['comm_ms']:>8.1f} ms  {r['layout']}: hp-fsdp's collectives "
+                    f"alone; floor + comm {r['floor_ms'] + r['comm_ms']:.1f} ms "
+                    f"({(r['floor_ms'] + r['comm_ms']) / r['floor_ms']:.2f} x floor); hp hides "
+                    f"{100 * r['hp_hidden_fraction']:.0f} % of it"
+                )
     print(
         "ms: median over rounds of the mean step time (forward + backward + AdamW); hp/DDP and "
         f"torch/DDP: against DDP on the same world; MiB: peak during a step ({MEMORY_MEASURE}, "

@@ -18,9 +18,9 @@ of ``j``'s all-gather, and holds ``j``'s unsharded parameters from ``i``'s start
   all-gather at any batch where data parallelism pays; on accelerators collectives run on their
   own streams, and on CPU gloo's all-gather runs on its own thread, so a gather issued one
   group early overlaps the compute in both directions (measured: ``benchmarks/fsdp_step.py``,
-  backward prefetch 0.90x the step time at world 2 on a 2-core CPU, now that hp-fsdp no longer
-  allocates a block's gradient buffer at the start of backward, which used to make it cost a
-  block more than torch FSDP2's peak).
+  backward prefetch 0.95x the step time of forward-only prefetch at world 2 on a 2-core CPU,
+  interleaved rounds, and hp-fsdp no longer allocates a block's gradient buffer at the start of
+  backward, which made it cost a block more than torch FSDP2's peak).
 
 So the default (:func:`hp_fsdp.policy.default_prefetch`) prefetches in both directions on
 every device, as FSDP2 does, and ``PrefetchPolicy.max_bytes`` bounds what backward prefetch may
