@@ -22,6 +22,7 @@ from torch import nn
 from hp_dtensor import DTensor
 from hp_dtensor.interop import is_torch_dtensor
 from hp_dtensor.watchdog import watch
+from hp_muon.nonfinite import find_nonfinite_gradient
 
 __all__ = [
     "Located",
@@ -113,24 +114,18 @@ def _bad(t: torch.Tensor | None) -> bool:
 def count_nonfinite(tensors: Iterable[torch.Tensor | None]) -> int:
     """How many of ``tensors`` (this rank's pieces; None skipped) hold a NaN or inf (local).
 
-    Screened with one fused 2-norm per device and dtype (``torch._foreach_norm``: NaN or inf
-    whenever an element is; 0.5 ms for the 57 gradients of the debug model against 9 ms for
-    ``isfinite().all()`` on each, one host sync per tensor), then checked element by element
-    only where the norm is not finite: a finite tensor of about 1e19 overflows its 2-norm."""
-    kinds: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-    for t in tensors:
-        if t is not None and t.numel() > 0:
-            local = _local(t).detach()
-            kinds.setdefault((local.device, local.dtype), []).append(local)
-    suspects: list[torch.Tensor] = []
-    for (_, dtype), members in kinds.items():
-        if not dtype.is_floating_point or dtype.itemsize == 1:  # no fused norm for these
-            suspects += members
-            continue
-        norms = torch.stack(torch._foreach_norm(members, 2))
-        flags = (~torch.isfinite(norms)).tolist()
-        suspects += [t for t, flagged in zip(members, flags, strict=True) if flagged]
-    return sum(1 for t in suspects if not bool(torch.isfinite(t).all()))
+    hp-muon's check without a group (:func:`hp_muon.nonfinite.find_nonfinite_gradient`): one
+    fused 2-norm per device and dtype (0.5 ms for the 57 gradients of the debug model against
+    9 ms for ``isfinite().all()`` on each, one host sync per tensor), element by element only
+    where a norm is not finite (a finite tensor of about 1e19 overflows its 2-norm). Integer
+    tensors hold no NaN or inf."""
+    local = [
+        _local(t).detach()
+        for t in tensors
+        if t is not None and t.numel() > 0 and t.is_floating_point()
+    ]
+    found = find_nonfinite_gradient(list(enumerate(local)), group=None)
+    return 0 if found is None else len(found.local)
 
 
 def _first_local(
