@@ -303,7 +303,7 @@ class FSDPParamGroup:
     @property
     def unsharded_bytes(self) -> int:
         """Bytes the group's unsharded parameters take while unsharded (in the compute dtype)."""
-        return self.flat.padded_numel * torch.empty((), dtype=self.param_dtype).element_size()
+        return self.flat.padded_numel * self.param_dtype.itemsize
 
     @property
     def unsharded_flat(self) -> torch.Tensor:
@@ -731,8 +731,8 @@ class FSDPParamGroup:
         if leaf is None or leaf.grad is None:
             return
         grad, leaf.grad = leaf.grad, None
-        if self._arrived is None:
-            self._arrived = [None] * len(self.params)
+        self.prepare_gradients()  # a no-op when this backward already prepared the group
+        assert self._arrived is not None
         held = self._arrived[index]
         self._arrived[index] = grad if held is None else held.add_(grad)
 

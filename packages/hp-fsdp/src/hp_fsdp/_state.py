@@ -266,23 +266,22 @@ class FSDPState:
     ) -> list[FSDPState]:
         if explicit is not None:
             return explicit
-        policy = self.implicit_prefetch
-        implicit = policy.forward if step > 0 else policy.backward
-        if not implicit or self not in order:
+        if self not in order:
             return []
         index = order.index(self) + step
         if not 0 <= index < len(order):
             return []
         candidate = order[index]
+        policy = self.implicit_prefetch
+        implicit = policy.forward if step > 0 else policy.backward
         direction = Direction.FORWARD if step > 0 else Direction.BACKWARD
-        if all(
+        decisions = [
             decide_prefetch(
-                direction, True, g.fsdp.shard_size, g.unsharded_bytes, policy.max_bytes
-            ).prefetch
+                direction, implicit, g.fsdp.shard_size, g.unsharded_bytes, policy.max_bytes
+            )
             for g in candidate.groups
-        ):
-            return [candidate]
-        return []
+        ]
+        return [candidate] if decisions and all(d.prefetch for d in decisions) else []
 
     # Backward --------------------------------------------------------------------------------
 
