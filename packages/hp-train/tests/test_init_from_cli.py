@@ -97,3 +97,8 @@ def test_init_from_takes_the_architecture_from_the_checkpoint(tmp_path: Path) ->
     assert model.rope_theta == 50000.0
     with pytest.raises(ValueError, match="drop --dim, --model"):
         parse(["--init-from", str(source), "--dim", "64", "--model", "small"], 1)
+    # MoE options have defaults: one given with another value is refused too, not ignored.
+    with pytest.raises(ValueError, match="drop --top-k, --aux-loss-weight"):
+        parse(["--init-from", str(source), "--top-k", "1", "--aux-loss-weight", "0.5"], 1)
+    with pytest.raises(ValueError, match="drop --experts"):
+        parse(["--init-from", str(source), "--experts", "4"], 1)

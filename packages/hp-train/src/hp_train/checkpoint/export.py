@@ -1,6 +1,8 @@
 """``python -m hp_train.checkpoint.export --checkpoint DIR --out HF_DIR``: the command line of
 the one exporter, :func:`hp_train.checkpoint.hf.export_hf` (an hp-train checkpoint as a Hugging
-Face folder, ``config.json`` + ``model.safetensors``, that ``transformers`` loads).
+Face folder, ``config.json`` + ``model.safetensors`` + the run's tokenizer, that
+``transformers`` loads; the ``config.json`` of the source checkpoint, for a run started
+``--init-from`` one).
 
 ``DIR`` is a checkpoint step folder (``<out>/checkpoints/step_000100``), whose
 ``hp_train_config.json`` holds the model (``{"model": ModelConfig.to_dict()}``); given the
@@ -18,9 +20,10 @@ from pathlib import Path
 
 from hp_train.checkpoint.dcp import latest_checkpoint
 from hp_train.checkpoint.hf import EXPORT_DTYPES, WeightsMismatchError, export_hf
+from hp_train.checkpoint.hf.carry import read_carried
 from hp_train.config.schema import ConfigError, ModelConfig
 
-__all__ = ["CONFIG_NAME", "DTYPES", "main", "model_config_of", "step_folder"]
+__all__ = ["CONFIG_NAME", "DTYPES", "carried_lines", "main", "model_config_of", "step_folder"]
 
 #: The file of a checkpoint step folder that holds its run's model configuration.
 CONFIG_NAME = "hp_train_config.json"
@@ -69,6 +72,30 @@ def model_config_of(step: Path) -> ModelConfig:
     return ModelConfig.from_dict(raw["model"])
 
 
+def carried_lines(step: Path) -> list[str]:
+    """What the export of the checkpoint step folder ``step`` writes besides the weights, one
+    line each: where ``config.json`` comes from and which tokenizer it holds (or that the
+    checkpoint carries none).
+
+    Raises:
+        ConfigError: as :func:`hp_train.checkpoint.hf.carry.read_carried`.
+    """
+    carried = read_carried(step)
+    if carried is None:
+        return [
+            "config.json from the model's configuration alone, and no tokenizer: the "
+            "checkpoint carries neither (saved before hp-train wrote them into checkpoints)"
+        ]
+    origin = " (from --init-from)" if carried.tokenizer_from_source else ""
+    if carried.config is None:
+        config = "config.json: the model's configuration and its tokenizer's special token ids"
+    else:
+        config = f"config.json: {carried.source}'s keys, with the export's dtype" + (
+            "" if origin else " and the special token ids of the run's tokenizer"
+        )
+    return [config, f"tokenizer: {carried.tokenizer_name}"]
+
+
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="python -m hp_train.checkpoint.export",
@@ -94,10 +121,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         if latest:
             print(f"hp_train.checkpoint.export: taking the latest complete checkpoint {step}")
         out = export_hf(step, args.out, model_config_of(step), dtype=DTYPES[args.dtype])
+        lines = carried_lines(step)
     except (ConfigError, WeightsMismatchError, FileExistsError) as error:
         print(f"hp_train.checkpoint.export: error: {error}", file=sys.stderr)
         return 2
     print(f"hp_train.checkpoint.export: wrote {out} from {step}")
+    for line in lines:
+        print(f"  {line}")
     return 0
 
 

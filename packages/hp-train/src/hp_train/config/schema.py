@@ -76,6 +76,9 @@ class MoEConfig:
             has an MoE feed-forward; the others are dense.
         n_shared_experts: always-on experts added to the routed output (0 for none).
         aux_loss_weight: weight of the load-balancing loss added to the language-model loss.
+        normalize_topk: divide each token's k routing weights by their sum (Mixtral's router,
+            Qwen3-MoE's ``norm_topk_prob``); otherwise they are the chosen experts' softmax
+            probabilities as they are.
     """
 
     n_experts: int = option(
@@ -92,6 +95,9 @@ class MoEConfig:
         0, "always-on experts added to the routed output", table="model", flag="shared-experts"
     )
     aux_loss_weight: float = option(0.01, "weight of the load-balancing loss", table="model")
+    normalize_topk: bool = option(
+        False, "divide each token's k routing weights by their sum", table="model"
+    )
 
     def __post_init__(self) -> None:
         for name in ("n_experts", "top_k", "expert_ffn_dim", "every"):
@@ -100,6 +106,10 @@ class MoEConfig:
             raise ConfigError(
                 f"moe.top_k={self.top_k} exceeds moe.n_experts={self.n_experts}; a token "
                 "cannot go to more experts than exist"
+            )
+        if not isinstance(self.normalize_topk, bool):
+            raise ConfigError(
+                f"moe.normalize_topk must be true or false, got {self.normalize_topk!r}"
             )
         if self.n_shared_experts < 0:
             raise ConfigError(f"moe.n_shared_experts must be >= 0, got {self.n_shared_experts}")
@@ -435,8 +445,9 @@ class TrainConfig:
             on another host; a restart with ``--resume`` or ``--resume-if-present`` continues
             from the newest one (:mod:`hp_train.recovery`).
         log_every: precision monitoring every N steps.
-        divergence_threshold: warn when a rank's local loss differs from the mean over ranks by
-            more than this fraction.
+        divergence_threshold: warn when a rank's loss on the shared probe batch differs from
+            the median of the ranks that evaluated the same tokens by more than this fraction
+            (healthy ranks agree to rounding; :mod:`hp_train.observe.monitor`).
         microbatches: microbatches per step and data-parallel rank under pipeline parallelism
             (must divide the per-rank batch; 1 without pipelining).
         pp_schedule: the pipeline schedule, ``"1f1b"`` or ``"gpipe"``.
@@ -522,7 +533,10 @@ class TrainConfig:
     )
     log_every: int = option(5, "precision monitoring interval", table=_TRAINING)
     divergence_threshold: float = option(
-        0.5, "warn when a rank's loss is off the mean by this fraction", table=_TRAINING
+        1e-3,
+        "warn when a rank's loss on the shared probe batch is off the median of the ranks "
+        "that evaluated it by this fraction",
+        table=_TRAINING,
     )
     microbatches: int = option(
         1, "pipeline microbatches per step", table="parallel", unset="pp; 1 without pipelining"

@@ -158,7 +158,8 @@ class FeedForward(nn.Module):
 
 
 def moe_feed_forward(dim: int, moe: MoEConfig) -> MoE:
-    """The MoE block (:mod:`hp_train.model.moe`) for ``moe``: softmax top-k routing, grouped
+    """The MoE block (:mod:`hp_train.model.moe`) for ``moe``: softmax top-k routing (the k
+    weights renormalized if ``normalize_topk``), grouped
     SwiGLU experts (``experts.w1``/``w3`` ``[E, ffn, dim]``, ``experts.w2`` ``[E, dim, ffn]``),
     shared experts of ``n_shared_experts x expert_ffn_dim`` hidden units, and the
     load-balancing loss with weight ``aux_loss_weight`` entering through the block's
@@ -168,6 +169,7 @@ def moe_feed_forward(dim: int, moe: MoEConfig) -> MoE:
         moe.expert_ffn_dim,
         moe.n_experts,
         moe.top_k,
+        normalize_weights=moe.normalize_topk,
         shared_hidden=moe.expert_ffn_dim * moe.n_shared_experts,
         aux_loss_coef=moe.aux_loss_weight,
     )

@@ -1,13 +1,16 @@
 """Hugging Face ``config.json`` to :class:`~hp_train.config.schema.ModelConfig` and back.
 
-Three architectures map onto hp-train's decoder: ``LlamaForCausalLM`` (``model_type``
-``llama``), ``Qwen2ForCausalLM`` (``qwen2``: q/k/v biases) and ``Qwen3ForCausalLM``
-(``qwen3``: per-head q/k norms, an explicit head width). Keys are read as ``transformers``
+Five architectures map onto hp-train's decoder: ``LlamaForCausalLM`` (``model_type``
+``llama``), ``Qwen2ForCausalLM`` (``qwen2``: q/k/v biases), ``Qwen3ForCausalLM``
+(``qwen3``: per-head q/k norms, an explicit head width), and the MoE ones
+``Qwen3MoeForCausalLM`` (``qwen3_moe``: Qwen3's attention, MoE feed-forwards) and
+``MixtralForCausalLM`` (``mixtral``: Llama's attention, every feed-forward MoE), whose MoE keys
+:mod:`hp_train.checkpoint.hf.moe_config` maps. Keys are read as ``transformers``
 5 writes them (``rope_parameters``) and as older versions did (``rope_theta`` and
 ``rope_scaling``); a key absent from the file means what ``transformers``' config class of
 that architecture defaults it to. What the decoder cannot compute (another activation, MoE
-layers, sliding-window attention, other rotary scalings, partial rotary, dropout, MLP biases)
-is a :class:`~hp_train.config.schema.ConfigError` naming the key.
+layers in a dense architecture, sliding-window attention, other rotary scalings, partial
+rotary, dropout, MLP biases) is a :class:`~hp_train.config.schema.ConfigError` naming the key.
 """
 
 from __future__ import annotations
@@ -19,6 +22,12 @@ from typing import Any
 
 import torch
 
+from hp_train.checkpoint.hf.moe_config import (
+    MOE_FAMILIES,
+    moe_config_keys,
+    moe_family,
+    read_moe_config,
+)
 from hp_train.config.schema import ConfigError, ModelConfig, RopeScaling
 
 __all__ = [
@@ -35,6 +44,8 @@ HF_ARCHITECTURES: Mapping[str, str] = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "MixtralForCausalLM": "mixtral",
 }
 
 #: Hugging Face rotary types hp-train computes.
@@ -54,7 +65,16 @@ _MOE_KEYS = (
     "num_experts_per_tok",
 )
 # What transformers' config classes default to when config.json lacks the key.
-_MAX_POSITIONS_DEFAULT = {"llama": 2048, "qwen2": 32768, "qwen3": 32768}
+_MAX_POSITIONS_DEFAULT = {
+    "llama": 2048,
+    "qwen2": 32768,
+    "qwen3": 32768,
+    "qwen3_moe": 32768,
+    "mixtral": 4096 * 32,
+}
+# Families whose defaults differ from the others' (rms_norm_eps 1e-6, rope_theta 1e4).
+_NORM_EPS_DEFAULT = {"mixtral": 1e-5}
+_ROPE_THETA_DEFAULT = {"mixtral": 1e6}
 _REQUIRED = (
     "vocab_size",
     "hidden_size",
@@ -152,7 +172,8 @@ def _refuse_unsupported(raw: Mapping[str, Any], family: str, where: str, layers:
             f"{where}: hidden_act {act!r} is not supported; hp-train's feed-forward is SwiGLU "
             "('silu')"
         )
-    for key in _MOE_KEYS:
+    # The MoE families' keys are read_moe_config's to check.
+    for key in _MOE_KEYS if family not in MOE_FAMILIES else ():
         if raw.get(key):
             raise ConfigError(
                 f"{where}: {key}={raw[key]!r} describes MoE layers, which hp-train cannot "
@@ -176,7 +197,7 @@ def _refuse_unsupported(raw: Mapping[str, Any], family: str, where: str, layers:
                 f"{where}: layer_types has {other}; hp-train's attention is full causal "
                 "attention in every layer ('full_attention'), no sliding window"
             )
-    if family != "llama" and raw.get("use_sliding_window"):
+    if family in ("qwen2", "qwen3") and raw.get("use_sliding_window"):
         window_layers = raw.get("max_window_layers", 28)
         if raw.get("sliding_window") is not None and window_layers < layers:
             raise ConfigError(
@@ -226,9 +247,24 @@ def _rope(
     )
 
 
+def _attention(raw: Mapping[str, Any], family: str, where: str) -> tuple[int, bool, bool]:
+    """``head_dim``, ``qkv_bias``, ``o_bias`` of a ``family`` config ``raw``."""
+    dim, heads = raw["hidden_size"], raw["num_attention_heads"]
+    # Only Qwen3's config class has a head_dim default of its own; the others divide.
+    head_dim = _int(raw, "head_dim", where, 128 if family == "qwen3" else dim // heads)
+    if family == "qwen2":
+        return head_dim, True, False
+    if family == "mixtral":
+        # Mixtral's projections have no biases whatever the file says.
+        return head_dim, False, False
+    bias = _flag(raw, "attention_bias", where, False)
+    return head_dim, bias, bias
+
+
 def read_hf_config(path: str | Path, *, max_seq_len: int | None = None) -> ModelConfig:
     """The :class:`~hp_train.config.schema.ModelConfig` of the Hugging Face checkpoint folder
-    ``path`` (its ``config.json``).
+    ``path`` (its ``config.json``): ``moe`` set for Qwen3-MoE and Mixtral
+    (:func:`~hp_train.checkpoint.hf.moe_config.read_moe_config`).
 
     Postconditions: ``Transformer(read_hf_config(path))`` has exactly the tensors of the
     checkpoint (``hp_train.checkpoint.hf.names``), computes what ``transformers`` computes with
@@ -238,9 +274,9 @@ def read_hf_config(path: str | Path, *, max_seq_len: int | None = None) -> Model
 
     Raises:
         ConfigError: ``path`` is no local folder (a Hub name is refused: no downloads), it has
-            no ``config.json``, the architecture is not Llama/Qwen2/Qwen3 (the supported ones
-            are listed), a setting cannot be expressed (the key is named), or ``max_seq_len``
-            exceeds ``max_position_embeddings``.
+            no ``config.json``, the architecture is not one of :data:`HF_ARCHITECTURES`
+            (the supported ones are listed), a setting cannot be expressed (the key is
+            named), or ``max_seq_len`` exceeds ``max_position_embeddings``.
     """
     folder = local_folder(path)
     file = folder / "config.json"
@@ -267,13 +303,11 @@ def read_hf_config(path: str | Path, *, max_seq_len: int | None = None) -> Model
             f"max_seq_len={max_seq_len} exceeds the checkpoint's max_position_embeddings="
             f"{max_positions} ({where})"
         )
-    head_default = 128 if family == "qwen3" else dim // heads
-    head_dim = _int(raw, "head_dim", where, head_default)
+    head_dim, qkv_bias, o_bias = _attention(raw, family, where)
+    if family in _ROPE_THETA_DEFAULT and "rope_theta" not in raw:
+        raw["rope_theta"] = _ROPE_THETA_DEFAULT[family]
     theta, scaling = _rope(raw, where, max_positions)
-    if family == "qwen2":
-        qkv_bias, o_bias = True, False
-    else:
-        qkv_bias = o_bias = _flag(raw, "attention_bias", where, False)
+    moe = read_moe_config(raw, family, where, layers) if family in MOE_FAMILIES else None
     return ModelConfig(
         vocab_size=raw["vocab_size"],
         dim=dim,
@@ -282,23 +316,21 @@ def read_hf_config(path: str | Path, *, max_seq_len: int | None = None) -> Model
         n_kv_heads=_int(raw, "num_key_value_heads", where, heads),
         ffn_dim=raw["intermediate_size"],
         max_seq_len=max_seq_len,
-        norm_eps=_float(raw, "rms_norm_eps", where, 1e-6),
+        norm_eps=_float(raw, "rms_norm_eps", where, _NORM_EPS_DEFAULT.get(family, 1e-6)),
         rope_theta=theta,
         explicit_head_dim=None if head_dim * heads == dim else head_dim,
         qkv_bias=qkv_bias,
         o_bias=o_bias,
-        qk_norm=family == "qwen3",
+        qk_norm=family in ("qwen3", "qwen3_moe"),
         tie_embeddings=_flag(raw, "tie_word_embeddings", where, False),
         rope_scaling=scaling,
+        moe=moe,
     )
 
 
 def _family_of(config: ModelConfig) -> str:
     if config.moe is not None:
-        raise ConfigError(
-            "the model has MoE layers (moe is set): no Hugging Face architecture is mapped "
-            "for hp-train's MoE blocks, so it cannot be exported"
-        )
+        return moe_family(config)
     if config.qk_norm:
         family = "qwen3"
     elif config.qkv_bias and not config.o_bias:
@@ -316,13 +348,16 @@ def _family_of(config: ModelConfig) -> str:
 
 def hf_config_dict(config: ModelConfig, dtype: torch.dtype) -> dict[str, Any]:
     """The ``config.json`` of ``config`` for ``transformers``: ``Qwen3ForCausalLM`` with q/k
-    norms, ``Qwen2ForCausalLM`` with q/k/v biases only, ``LlamaForCausalLM`` otherwise; weights
-    of ``dtype``. ``max_position_embeddings`` is ``max_seq_len``.
+    norms, ``Qwen2ForCausalLM`` with q/k/v biases only, ``LlamaForCausalLM`` otherwise; with
+    MoE layers ``Qwen3MoeForCausalLM`` (q/k norms) or ``MixtralForCausalLM``
+    (:func:`~hp_train.checkpoint.hf.moe_config.moe_family`); weights of ``dtype``.
+    ``max_position_embeddings`` is ``max_seq_len``.
 
-    Postcondition: ``read_hf_config`` of a folder with it gives ``config`` back.
+    Postcondition: ``read_hf_config`` of a folder with it gives ``config`` back (for Mixtral,
+    which has no dense layer, with ``ffn_dim`` = ``moe.expert_ffn_dim``).
 
     Raises:
-        ConfigError: MoE layers (no architecture is mapped), or biases no architecture has.
+        ConfigError: biases, or MoE layers, no architecture has (the reason is named).
     """
     family = _family_of(config)
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": config.rope_theta}
@@ -349,9 +384,11 @@ def hf_config_dict(config: ModelConfig, dtype: torch.dtype) -> dict[str, Any]:
         "dtype": str(dtype).removeprefix("torch."),
         "use_cache": True,
     }
-    if family != "qwen2":
+    if family not in ("qwen2", "mixtral"):
         out["attention_bias"] = config.qkv_bias
-    if family == "llama":
+    if family in MOE_FAMILIES:
+        out.update(moe_config_keys(config, family))
+    elif family == "llama":
         out["mlp_bias"] = False
     else:
         out["use_sliding_window"] = False

@@ -6,7 +6,10 @@ torch DTensors of the global shapes (hp-fsdp's state dict), each with this rank'
 and where it sits (``__create_chunk_list__``: offsets and sizes). Each rank reads from the
 safetensors files only that box of each tensor its stage holds, then
 ``model.load_state_dict`` puts the pieces into the sharded parameters. A model on one device
-(plain tensors) reads every tensor whole.
+(plain tensors) reads every tensor whole. An MoE block's expert stacks come from one stored
+tensor per expert or from fused stacks (:mod:`hp_train.checkpoint.hf.moe_names`): a rank reads
+the experts of its box only, and of a fused ``gate_up_proj`` the rows of ``w1`` and of ``w3``
+apart, each cut to its box.
 """
 
 from __future__ import annotations
@@ -18,8 +21,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from hp_train.checkpoint.hf.hf_config import local_folder
-from hp_train.checkpoint.hf.names import expected_tensors, hf_name
+from hp_train.checkpoint.hf.names import expected_tensors, expert_layout, tensor_sources
 from hp_train.checkpoint.hf.safetensors_index import SafetensorsCheckpoint
+from hp_train.checkpoint.hf.tensor_source import Source
 from hp_train.config.schema import ModelConfig
 
 __all__ = ["WeightsMismatchError", "check_tensors", "load_hf_weights"]
@@ -77,8 +81,13 @@ def _model_config(model: nn.Module) -> ModelConfig:
     return config
 
 
-def _fill(name: str, value: torch.Tensor, hf: str, files: SafetensorsCheckpoint) -> None:
-    """Read this rank's piece of ``value`` (the model's tensor ``name``) from tensor ``hf``."""
+def _read(source: Source, box: list[tuple[int, int]], files: SafetensorsCheckpoint) -> torch.Tensor:
+    parts = [files.read(name, part) for name, part in source.reads(box)]
+    return torch.stack(parts) if source.kind == "stacked" else parts[0]
+
+
+def _fill(name: str, value: torch.Tensor, source: Source, files: SafetensorsCheckpoint) -> None:
+    """Read this rank's piece of ``value`` (the model's tensor ``name``) from ``source``."""
     if isinstance(value, DTensor):
         local = value.to_local()
         chunks = value.__create_chunk_list__()
@@ -90,7 +99,7 @@ def _fill(name: str, value: torch.Tensor, hf: str, files: SafetensorsCheckpoint)
         box = [(o, o + s) for o, s in zip(chunks[0].offsets, chunks[0].sizes, strict=True)]
     else:
         local = value
-        want = files.shapes[hf]
+        want = source.shape
         if tuple(local.shape) != want:
             raise WeightsMismatchError(
                 f"{name} is a plain tensor of shape {tuple(local.shape)}, not the global "
@@ -105,7 +114,7 @@ def _fill(name: str, value: torch.Tensor, hf: str, files: SafetensorsCheckpoint)
     if local.numel() == 0:
         return
     with torch.no_grad():
-        local.copy_(files.read(hf, box))
+        local.copy_(_read(source, box, files))
 
 
 def load_hf_weights(model: nn.Module, path: str | Path) -> None:
@@ -113,9 +122,9 @@ def load_hf_weights(model: nn.Module, path: str | Path) -> None:
     over the ranks that hold it, when it is laid out).
 
     ``model`` is an :class:`~hp_train.model.llama.Transformer` of the config
-    ``read_hf_config(path)``
-    gives: on one device, or laid out by :func:`hp_train.parallel.parallelize.parallelize` (TP, then
-    FSDP), possibly a pipeline stage holding some of the modules. Postcondition: every tensor
+    ``read_hf_config(path)`` gives: on one device, or laid out by
+    :func:`hp_train.parallel.parallelize.parallelize` (TP, EP, then FSDP), possibly a pipeline
+    stage holding some of the modules. Postcondition: every tensor
     the model (stage) holds equals the checkpoint's (cast to the model's dtype), and each rank
     has read from the files only the boxes of its own pieces.
 
@@ -128,12 +137,13 @@ def load_hf_weights(model: nn.Module, path: str | Path) -> None:
     """
     config = _model_config(model)
     folder = local_folder(path)
-    expected = expected_tensors(config)
     with SafetensorsCheckpoint(folder) as files:
+        layout = expert_layout(config, files.shapes)
         # The whole model's tensors, whatever this stage holds: every rank checks the same
         # names and shapes, so all fail together before the collectives below.
-        check_tensors(files.shapes, expected, str(folder))
+        check_tensors(files.shapes, expected_tensors(config, layout), str(folder))
+        sources = tensor_sources(config, layout)
         state = model.state_dict()
         for name, value in state.items():
-            _fill(name, value, hf_name(name), files)
+            _fill(name, value, sources[name], files)
     model.load_state_dict(state)

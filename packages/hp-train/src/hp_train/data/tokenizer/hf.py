@@ -36,9 +36,25 @@ class HFTokenizer:
         vocab_size: one more than the largest id (added tokens included).
         eos_id: the id of ``eos_token``.
         eos_token: the end-of-sequence token.
+        bos_id: the id of the beginning-of-sequence token its configuration names (never
+            written into the data; carried into a Hugging Face export's ``config.json``), or
+            None where it names none (or one the vocabulary lacks).
+        bos_token: that token (None with ``bos_id``).
+        file: the ``tokenizer.json`` it was loaded from (None: built in memory).
+        folder: the folder it was loaded from, whose other tokenizer files (its
+            ``tokenizer_config.json``, ...) belong to it; None when a bare file was given.
     """
 
-    def __init__(self, tokenizer: Tokenizer, eos_token: str, name: str) -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        eos_token: str,
+        name: str,
+        *,
+        bos_token: str | None = None,
+        file: Path | None = None,
+        folder: Path | None = None,
+    ) -> None:
         eos_id = tokenizer.token_to_id(eos_token)
         if eos_id is None:
             raise ConfigError(
@@ -53,6 +69,11 @@ class HFTokenizer:
         self.eos_token = eos_token
         self.eos_id = eos_id
         self.vocab_size = max(tokenizer.get_vocab(with_added_tokens=True).values()) + 1
+        bos_id = None if bos_token is None else tokenizer.token_to_id(bos_token)
+        self.bos_id: int | None = bos_id
+        self.bos_token = None if bos_id is None else bos_token
+        self.file = file
+        self.folder = folder
 
     def encode(self, text: str) -> list[int]:
         """The ids of ``text``."""
@@ -66,8 +87,9 @@ class HFTokenizer:
         return f"HFTokenizer({self.name!r}, vocab_size={self.vocab_size}, eos={self.eos_token!r})"
 
 
-def _configured_eos(folder: Path) -> str | None:
-    """The ``eos_token`` of ``tokenizer_config.json`` or ``special_tokens_map.json``."""
+def _configured_token(folder: Path, key: str = "eos_token") -> str | None:
+    """The token ``key`` (``eos_token``, ``bos_token``) of ``tokenizer_config.json`` or
+    ``special_tokens_map.json``."""
     for name in ("tokenizer_config.json", "special_tokens_map.json"):
         path = folder / name
         if not path.is_file():
@@ -76,7 +98,7 @@ def _configured_eos(folder: Path) -> str | None:
             config = json.loads(path.read_text(encoding="utf-8"))
         except json.JSONDecodeError as err:
             raise ConfigError(f"{path} is not JSON: {err}") from None
-        value = config.get("eos_token") if isinstance(config, dict) else None
+        value = config.get(key) if isinstance(config, dict) else None
         if isinstance(value, dict):
             value = value.get("content")
         if isinstance(value, str) and value:
@@ -95,7 +117,8 @@ def load_tokenizer(path: str | Path) -> HFTokenizer:
 
     The end of sequence is the ``eos_token`` of ``tokenizer_config.json`` (or
     ``special_tokens_map.json``) beside it, else the first special token named in
-    :data:`EOS_NAMES`.
+    :data:`EOS_NAMES`; the beginning of sequence (:attr:`HFTokenizer.bos_id`) is its
+    ``bos_token``, if any.
 
     Raises:
         ConfigError: ``path`` is not local (a hub name: nothing is downloaded), holds no
@@ -121,7 +144,7 @@ def load_tokenizer(path: str | Path) -> HFTokenizer:
         tokenizer = Tokenizer.from_file(str(file))
     except Exception as err:  # tokenizers raises its own Exception for a bad file
         raise ConfigError(f"{file} is not a tokenizers tokenizer.json: {err}") from None
-    eos = _configured_eos(file.parent) or _special_eos(tokenizer)
+    eos = _configured_token(file.parent) or _special_eos(tokenizer)
     if eos is None:
         special = sorted(
             t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special
@@ -131,4 +154,11 @@ def load_tokenizer(path: str | Path) -> HFTokenizer:
             '{"eos_token": "<token>"} into tokenizer_config.json beside it, naming one of its '
             f"tokens (special tokens present: {special}; recognised names: {list(EOS_NAMES)})"
         )
-    return HFTokenizer(tokenizer, eos, str(given))
+    return HFTokenizer(
+        tokenizer,
+        eos,
+        str(given),
+        bos_token=_configured_token(file.parent, "bos_token"),
+        file=file,
+        folder=given if given.is_dir() else None,
+    )
