@@ -676,7 +676,10 @@ def demo(session: nox.Session) -> None:
 
     Extra arguments go to ``hp_train`` (e.g. ``nox -s demo -- --steps 100 --resume``).
     """
-    install_closure(session, "hp-train", test_extra=False, extra_requirements=["matplotlib"])
+    # hp-train's plot and tensorboard extras: the loss plot, and `-- --tensorboard` works.
+    install_closure(
+        session, "hp-train", test_extra=False, extra_requirements=["matplotlib", "tensorboard"]
+    )
     out = ROOT / "hp_train_out"
     tokenizer = out / "tokenizer"
     if not (tokenizer / "tokenizer.json").is_file():

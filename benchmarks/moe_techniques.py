@@ -15,7 +15,7 @@ Two measurements:
   ``ROUNDS`` interleaved rounds (variant order rotated per round), each variant one run of
   ``STEPS`` steps. Step time: the median of the ``step_time_s`` records of ``metrics.jsonl``
   after the first two steps of each run, all rounds pooled. Peak memory: the last record's
-  ``peak_memory_bytes`` per rank (on CPU the process's peak RSS: torch, the model, the
+  ``peak_rss_bytes`` per rank (on CPU the process's peak RSS: torch, the model, the
   optimizer and the data included; it cannot be reset, so it moves little). Losses: each
   step's global loss, checked bit-equal to ``--ac none`` for AC and swap, within
   ``FP8_LOSS_RTOL`` (relative, every step) for FP8.
@@ -189,7 +189,7 @@ def _summarize(runs: dict[str, list[list[dict[str, Any]]]]) -> dict[str, dict[st
     for name, variant_runs in runs.items():
         times = [float(x["step_time_s"]) for run in variant_runs for x in run[SKIP:]]
         peaks = [
-            max(int(run[-1]["peak_memory_bytes"][rank]) for run in variant_runs)
+            max(int(run[-1]["peak_rss_bytes"][rank]) for run in variant_runs)
             for rank in range(WORLD)
         ]
         losses = [[float(x["loss"]) for x in run] for run in variant_runs]
@@ -266,7 +266,7 @@ def main() -> None:
         f"\nstep time: median of steps {SKIP}..{STEPS - 1} of {ROUNDS} runs each; held: the "
         "largest rank's bytes saved for backward at the end of a forward (ActivationMeter); RSS "
         "rise: the largest rank's peak RSS over that step above its RSS before it; peak RSS: "
-        "the trainer's peak_memory_bytes (whole process, max over rounds)"
+        "the trainer's peak_rss_bytes (whole process, max over rounds)"
     )
     print(
         f"losses: AC and swap must be bit-equal to ac none at every step; FP8 within relative "

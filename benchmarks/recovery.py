@@ -220,6 +220,7 @@ def run_job(name: str, args: list[str], out: Path, kill_at: int | None) -> Run:
                 now = time.monotonic()
                 for line in lines:
                     record = json.loads(line)
+                    record["step"] -= 1  # metrics.jsonl counts from 1; this benchmark from 0
                     run.records.append(record)
                     run.arrivals.append(now)
                     if kill_at is not None and run.killed_at is None and record["step"] >= kill_at:

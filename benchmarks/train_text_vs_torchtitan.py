@@ -235,7 +235,8 @@ def _hp_train_rank(tokenizer: str, folder: str, steps: int) -> dict[str, Any]:
         records = [json.loads(line) for line in (Path(folder) / "metrics.jsonl").open()]
         result["losses"] = [summary.losses[s] for s in range(steps)]
         result["step_s"] = [r["step_time_s"] for r in records]
-        result["lrs"] = [r["lr"][0] for r in records]
+        # lr by optimizer group name; the first group's, as torchtitan logs one.
+        result["lrs"] = [next(iter(r["lr"].values())) for r in records]
         result["optimizer"] = "AdamW (for-loop: torch.optim.AdamW defaults on CPU)"
     return result
 

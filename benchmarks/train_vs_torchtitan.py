@@ -184,8 +184,9 @@ def _hp_train_rank(layout: Layout, folder: str) -> dict[str, Any]:
     if runtime.rank == 0:
         records = [json.loads(line) for line in (Path(folder) / "metrics.jsonl").open()]
         by_step = {r["step"]: r["step_time_s"] for r in records}
-        result["warmup_s"] = [by_step[s] for s in range(WARMUP)]
-        result["timed_s"] = [by_step[s] for s in range(WARMUP, WARMUP + TIMED)]
+        # metrics.jsonl counts steps from 1.
+        result["warmup_s"] = [by_step[s + 1] for s in range(WARMUP)]
+        result["timed_s"] = [by_step[s + 1] for s in range(WARMUP, WARMUP + TIMED)]
     return result
 
 

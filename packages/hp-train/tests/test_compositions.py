@@ -133,7 +133,7 @@ def _launch(
 
 def _differences(ref: dict[str, Any], got: dict[str, Any]) -> tuple[float, float]:
     loss = max(abs(ref["losses"][s] - got["losses"][s]) for s in ref["losses"])
-    norm = abs(ref["norms"][0] - got["norms"][0]) / ref["norms"][0]
+    norm = abs(ref["norms"][1] - got["norms"][1]) / ref["norms"][1]  # step 1 (1-based)
     return loss, norm
 
 
@@ -364,15 +364,18 @@ def test_refused_pair_names_both_options(key: str) -> None:
     assert refusal.second in str(raised.value)
 
 
-def test_trainer_checks_combinations_before_any_process_group() -> None:
-    """The trainer refuses a pair when it is built, before meshes or groups exist."""
+def test_trainer_checks_combinations_before_any_process_group(tmp_path: Path) -> None:
+    """The trainer refuses a pair when it is built, before meshes or groups exist; the
+    refusal is the last line of the run's log."""
     from hp_train.runtime import Runtime
     from hp_train.trainer import Trainer
 
     model, parallel, config = REFUSED["--fp8 tensorwise|blockwise|--tp N>1"]
     runtime = Runtime(rank=0, world_size=2, local_rank=0, device=torch.device("cpu"))
     with pytest.raises(ConfigError, match="--fp8"):
-        Trainer(model, parallel, config, RunOptions(Path("unused")), runtime)
+        Trainer(model, parallel, config, RunOptions(tmp_path), runtime)
+    last = (tmp_path / "logs" / "rank_0.log").read_text().splitlines()[-1]
+    assert "run stopped: ConfigError: --fp8" in last
 
 
 def test_readme_table_of_refused_pairs_is_the_code() -> None:
@@ -472,5 +475,5 @@ def test_sigkill_and_resume_is_identical(kind: str, tmp_path: Path) -> None:
     assert proc.returncode != 0
     run_on_ranks(4, _train_on_pool_rank, [*args, "--out", str(killed), "--resume"], timeout=300)
     got, want = _logged_losses(killed), _logged_losses(reference)
-    assert sorted(got) == list(range(RESUME_STEPS))
+    assert sorted(got) == list(range(1, RESUME_STEPS + 1))  # metrics.jsonl: 1-based
     assert got == want

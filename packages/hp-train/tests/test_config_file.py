@@ -13,6 +13,7 @@ import pytest
 from hp_train.config.cli import _TABLES, _parser, parse, parse_args, resolved_options
 from hp_train.config.schema import ConfigError, ModelConfig, ParallelConfig, TrainConfig
 from hp_train.config.toml_file import dump_toml, option_tables
+from hp_train.observe.profiling import step_list_option
 from hp_train.observe.run_record import resume_conflicts, run_record
 
 
@@ -33,6 +34,8 @@ def _sample(action: argparse.Action) -> object:
         return 3
     if action.type is float:
         return 0.25
+    if action.type is step_list_option:
+        return "2-3"
     return "some/path"
 
 
@@ -50,6 +53,15 @@ def test_every_option_has_a_key_in_its_table(tmp_path: Path) -> None:
         for key, value in body[table.name].items():
             got = getattr(args, key)
             assert (str(got) if isinstance(got, Path) else got) == value, key
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "inf"])
+def test_peak_tflops_must_be_a_finite_positive_number(value: str, tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=f"--peak-tflops must be a number .* got {value}"):
+        parse(["--peak-tflops", value], world_size=1)
+    path = _write(tmp_path, f"[run]\npeak_tflops = {value}\n")
+    with pytest.raises(ConfigError, match="--peak-tflops must be"):
+        parse(["--config", str(path)], world_size=1)
 
 
 def test_flags_override_the_file(tmp_path: Path) -> None:

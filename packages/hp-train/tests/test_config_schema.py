@@ -125,9 +125,9 @@ def _field_of(configs: tuple[Any, ...], d: Declared) -> object:
 @pytest.fixture
 def fake_tokenizer(monkeypatch: pytest.MonkeyPatch) -> None:
     """``--tokenizer`` loads the file to size the vocabulary; a stand-in of 300 tokens."""
-    import hp_train.data.tokenizer as tokenizer
+    from hp_train.data.tokenizer import choice
 
-    monkeypatch.setattr(tokenizer, "load_tokenizer", lambda path: SimpleNamespace(vocab_size=300))
+    monkeypatch.setattr(choice, "load_tokenizer", lambda path: SimpleNamespace(vocab_size=300))
 
 
 def test_the_schema_declares_every_field() -> None:

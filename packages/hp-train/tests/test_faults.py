@@ -498,13 +498,13 @@ def test_nan_lr_stops_every_rank_before_the_step_under_torchrun(tmp_path: Path) 
     assert f"{EXIT_NONFINITE}" in codes, done.stderr[-3000:]
     assert set(codes) <= {f"{EXIT_NONFINITE}", f"-{signal.SIGTERM.value}"}, codes
     records = read_metrics(out / "metrics.jsonl")
-    stopped = int(str(records[-1]["step"]))
-    latest = _step_dir(out, stopped)
+    stopped = int(str(records[-1]["step"]))  # 1-based: the step that stopped the run
+    latest = _step_dir(out, stopped - 1)
     _expect("nan-lr", done.stderr, n=stopped, checkpoint=latest)
     for rank in (0, 1):
         _expect("nan-lr", _log(out, rank), n=stopped, checkpoint=latest)
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [
-        f"step_{s:06d}" for s in range(1, stopped + 1)
+        f"step_{s:06d}" for s in range(1, stopped)
     ]
     state = checkpoint_state(latest, tmp_path / "latest.pt")
     tensors = [t for t in _leaves(state) if t.is_floating_point()]
@@ -536,8 +536,9 @@ def test_nan_in_one_ranks_gradient_stops_naming_it(
 ) -> None:
     got = _pool(nproc, tmp_path, *dims, poison=poison)
     assert got.error == "NonFiniteError"
-    _expect("nan-grad", got.message, n=1, name=poison.name, r=poison.rank)
-    _expect("nan-grad", _log(tmp_path, poison.rank), n=1, name=poison.name, r=poison.rank)
+    # The messages count steps from 1, as the step lines and metrics.jsonl do.
+    _expect("nan-grad", got.message, n=2, name=poison.name, r=poison.rank)
+    _expect("nan-grad", _log(tmp_path, poison.rank), n=2, name=poison.name, r=poison.rank)
     assert not (tmp_path / "checkpoints").exists()  # stopped at step 1, before any save
 
 
@@ -546,7 +547,7 @@ def test_nan_loss_in_one_micro_step_stops(tmp_path: Path) -> None:
     poison = Poison(rank=1, steps=(2,), name="tok_embeddings.weight", what="loss")
     got = _pool(2, tmp_path, "--tp", "1", "--grad-accum", "2", poison=poison)
     assert got.error == "NonFiniteError"
-    _expect("nan-loss-accum", got.message, n=2, name="tok_embeddings.weight")
+    _expect("nan-loss-accum", got.message, n=3, name="tok_embeddings.weight")
     assert not _step_dir(tmp_path, 4).exists()
     assert _step_dir(tmp_path, 2).is_dir()
 
@@ -568,8 +569,8 @@ def test_skip_nonfinite_skips_counts_and_gives_up(tmp_path: Path) -> None:
     assert [r.get("skipped_steps") for r in records if r.get("skipped")] == [1, 2]
     assert all(math.isfinite(float(str(r["loss"]))) for r in records if not r.get("skipped"))
     log = _log(tmp_path / "two")
-    _expect("skip", log, n=1, i=1, limit=2)
-    _expect("skip", log, n=3, i=2, limit=2)
+    _expect("skip", log, n=2, i=1, limit=2)
+    _expect("skip", log, n=4, i=2, limit=2)
     rank_losses = records[3]["rank_losses"]
     assert isinstance(rank_losses, list)
     assert rank_losses[1] is None  # rank 1's loss was NaN at the monitored step 3
@@ -579,7 +580,7 @@ def test_skip_nonfinite_skips_counts_and_gives_up(tmp_path: Path) -> None:
 
     got = _pool(2, tmp_path / "one", *extra, "1", poison=poison)
     assert got.error == "NonFiniteError"
-    _expect("skip-exceeded", got.message, n=3, limit=1, steps=[1])
+    _expect("skip-exceeded", got.message, n=4, limit=1, steps=[2])
 
 
 @pytest.mark.multiprocess
@@ -589,7 +590,7 @@ def test_nonfinite_weights_are_never_saved(tmp_path: Path) -> None:
     poison = Poison(rank=0, steps=(3,), name="layers.1.ffn.w1.weight", what="parameter")
     got = _pool(2, tmp_path, "--tp", "1", poison=poison)
     assert got.error == "NonFiniteError"
-    _expect("nan-weights", got.message, n=3, name=poison.name, r=0, step="000004")
+    _expect("nan-weights", got.message, n=4, name=poison.name, r=0, step="000004")
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_000002"]
 
 
@@ -602,7 +603,8 @@ def test_resume_after_a_nonfinite_stop_continues_from_the_last_finite_checkpoint
     extra = ("--tp", "1", "--steps", "6")
     got = _pool(2, tmp_path, *extra, poison=Poison(rank=0, steps=(5,)))
     assert got.error == "NonFiniteError"
-    first = {int(str(r["step"])): r["loss"] for r in read_metrics(tmp_path / "metrics.jsonl")}
+    # Summary.losses are by 0-based step, metrics.jsonl's records 1-based.
+    first = {int(str(r["step"])) - 1: r["loss"] for r in read_metrics(tmp_path / "metrics.jsonl")}
     resumed = _pool(2, tmp_path, *extra, "--resume")
     assert resumed.first_step == 4
     assert sorted(resumed.losses) == [4, 5]
@@ -754,7 +756,7 @@ def _after_step_2(saved: Path) -> dict[int, float]:
     """The losses of steps 2 and 3 of the uninterrupted run: what a run resumed from its
     step-2 checkpoint must repeat bit for bit (step 3's depends on the optimizer state too)."""
     losses = _logged_losses(saved)
-    return {2: losses[2], 3: losses[3]}
+    return {2: losses[3], 3: losses[4]}  # Summary's 0-based steps, metrics.jsonl's 1-based
 
 
 @pytest.mark.multiprocess
@@ -911,7 +913,7 @@ def test_resume_with_nothing_to_resume_is_an_error_unless_asked(tmp_path: Path) 
     got = _pool(2, fresh, "--resume-if-present", "--steps", "2")
     assert (got.error, got.first_step) == (None, 0), got.message
     _expect("resume-if-present", _log(fresh), dir=fresh / "checkpoints")
-    assert sorted(_logged_losses(fresh)) == [0, 1]  # a new run's records only
+    assert sorted(_logged_losses(fresh)) == [1, 2]  # a new run's records only
     assert _pool(2, fresh, "--resume-if-present").first_step == 2
 
 

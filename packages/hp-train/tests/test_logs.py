@@ -15,7 +15,15 @@ import pytest
 import torch.distributed as dist
 
 from hp_testing import run_on_ranks
-from hp_train.observe.logs import LOGGER_NAME, close_logging, log_file, setup_logging
+from hp_train.observe.logs import (
+    CONSOLE,
+    FILE_ONLY,
+    LOGGER_NAME,
+    close_logging,
+    console_is_terminal,
+    log_file,
+    setup_logging,
+)
 from hp_train.observe.progress import ProgressBar
 
 # A file line: "2031-01-02 03:04:05,678 rank 1 INFO hp_train.trainer: message".
@@ -97,6 +105,38 @@ def test_quiet_keeps_warnings_on_the_console_and_everything_in_the_file(
         ("INFO", "hp_train.data.loader", "read 3 files"),
         ("ERROR", "hp_train.data.loader", "file 4 is empty"),
     ]
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_file_only_records_and_the_terminal_question(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``extra=FILE_ONLY`` keeps a record off the console (the run's header and end line, and
+    the step lines while a terminal shows the progress bar); :func:`console_is_terminal` asks
+    the console of the set-up, not of this moment."""
+    for console, tty in ((io.StringIO(), False), (_Terminal(), True)):
+        monkeypatch.setattr(sys, "stderr", console)
+        setup_logging(tmp_path / str(tty), 0)
+        monkeypatch.setattr(sys, "stderr", io.StringIO())
+        assert console_is_terminal() is tty
+        log = logging.getLogger("hp_train.trainer")
+        log.info("==== header ====", extra=FILE_ONLY)
+        log.info("step 1/2", extra={CONSOLE: not tty})
+        log.warning("careful")
+        close_logging()
+        assert console.getvalue() == ("" if tty else "step 1/2\n") + "WARNING: careful\n"
+        assert [m for *_, m in file_lines(tmp_path / str(tty), 0)] == [
+            "==== header ====",
+            "step 1/2",
+            "careful",
+        ]
+    assert console_is_terminal() is False  # no logging set up
+    setup_logging(tmp_path, 1)
+    assert console_is_terminal() is False  # a rank without a console
 
 
 def test_level_applies_to_console_and_file(

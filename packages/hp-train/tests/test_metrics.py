@@ -13,9 +13,12 @@ import pytest
 import torch
 
 from hp_train.observe.metrics import (
+    MEMORY_LABELS,
     NONFINITE_KEY,
     MetricsWriter,
+    memory_key,
     peak_memory_bytes,
+    per_rank_memory,
     read_metrics,
     to_json_record,
 )
@@ -210,3 +213,13 @@ def test_device_module_is_found_generically(monkeypatch: pytest.MonkeyPatch) -> 
     assert peak_memory_bytes(torch.device("xpu")) is None
     monkeypatch.setattr(torch, "get_device_module", lambda device_type: SimpleNamespace())
     assert peak_memory_bytes(torch.device("xpu")) is None
+
+
+def test_the_memory_figure_is_keyed_by_what_it_measures() -> None:
+    assert memory_key("cpu") == "peak_rss_bytes"
+    assert memory_key(torch.device("cuda", 1)) == "peak_allocated_bytes"
+    assert MEMORY_LABELS["peak_rss_bytes"] == "peak RSS"
+    assert per_rank_memory({"peak_rss_bytes": [3, None]}) == ("peak_rss_bytes", [3, None])
+    # A record of an older run: its unlabelled figure is still read.
+    assert per_rank_memory({"peak_memory_bytes": [5]}) == ("peak_memory_bytes", [5])
+    assert per_rank_memory({"loss": 1.0}) is None

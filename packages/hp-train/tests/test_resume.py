@@ -145,11 +145,11 @@ def test_resume_after_sigkill_of_one_rank(uninterrupted: Path, tmp_path: Path) -
     records = read_metrics(killed / "metrics.jsonl")
     assert records[: len(before)] == before  # a resumed run appends
     resumed = records[len(before) :]
-    assert [r["step"] for r in resumed] == list(range(killed_at, STEPS))
+    assert [r["step"] for r in resumed] == list(range(killed_at + 1, STEPS + 1))  # 1-based
     # --quiet: the console shows warnings only; rank 0's log file has the rest.
     logged = (killed / "logs" / "rank_0.log").read_text()
     assert f"resumed from {path} (step {killed_at})" in logged
-    assert f"{STEPS - killed_at} steps (from step {killed_at})" in printed
+    assert f"{STEPS - killed_at} steps ({killed_at + 1}-{STEPS})" in printed
     want = _losses(uninterrupted)
     for record in resumed:
         step = record["step"]
@@ -172,7 +172,7 @@ def test_resume_at_another_world_size(uninterrupted: Path, tmp_path: Path) -> No
     shutil.copytree(saved, two / "checkpoints" / saved.name)
     assert _run_in_pool(2, two, "--resume") == 2 * EVERY
     want, got = _losses(uninterrupted), _losses(two)
-    assert sorted(got) == list(range(2 * EVERY, STEPS))
+    assert sorted(got) == list(range(2 * EVERY + 1, STEPS + 1))  # metrics.jsonl: 1-based
     worst = max(abs(got[s] - want[s]) for s in got)
     print(f"4 -> 2 ranks: max |loss difference| = {worst:.3g} over steps {sorted(got)}")
     assert worst <= OTHER_WORLD_SIZE_TOLERANCE
@@ -191,7 +191,7 @@ def test_pipelined_checkpoint_resumes_with_other_data_and_tensor_sizes(tmp_path:
     dp_instead_of_tp = ("--pp", "2", "--tp", "1", "--optimizer", "adamw", "--resume")
     assert _run_in_pool(4, second, *dp_instead_of_tp) == 2 * EVERY
     want, got = _losses(first), _losses(second)
-    assert sorted(got) == list(range(2 * EVERY, STEPS))
+    assert sorted(got) == list(range(2 * EVERY + 1, STEPS + 1))  # metrics.jsonl: 1-based
     worst = max(abs(got[s] - want[s]) for s in got)
     print(f"pp2 x tp2 -> pp2 x dp2: max |loss difference| = {worst:.3g}")
     assert worst <= PIPELINED_RESUME_TOLERANCE

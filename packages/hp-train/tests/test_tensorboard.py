@@ -18,9 +18,10 @@ from hp_train.observe.tensorboard import (
     EVAL_LOSS,
     EVAL_PERPLEXITY,
     GRAD_NORM,
+    MFU,
     MISSING_TENSORBOARD,
     MOE_AUX_LOSS,
-    PEAK_MEMORY_MIB,
+    PEAK_RSS_MIB,
     SCALAR_TAGS,
     STEP_TIME_S,
     TOKENS_PER_S,
@@ -54,7 +55,9 @@ def test_the_tags_are_the_documented_ones() -> None:
         "optim/grad_norm",
         "perf/tokens_per_s",
         "perf/step_time_s",
-        "memory/peak_mib",
+        "perf/mfu",
+        "memory/peak_rss_mib",
+        "memory/peak_allocated_mib",
     }
     assert lr_tag("muon") == "optim/lr/muon"
 
@@ -71,7 +74,8 @@ def test_scalars_are_read_back_with_their_steps(tmp_path: Path) -> None:
                 GRAD_NORM: 1.5 + step,
                 TOKENS_PER_S: 12345.6 + step,
                 STEP_TIME_S: 0.125 * (step + 1),
-                PEAK_MEMORY_MIB: peak_mib([300 * 2**20 + step, None, 512 * 2**20]),
+                PEAK_RSS_MIB: peak_mib([300 * 2**20 + step, None, 512 * 2**20]),
+                MFU: 0.25 + step / 100,
                 MOE_AUX_LOSS: None,  # a dense model: skipped
             }
             if step % 2 == 0:
@@ -84,7 +88,7 @@ def test_scalars_are_read_back_with_their_steps(tmp_path: Path) -> None:
         log.scalars(5, {TRAIN_LOSS: math.nan, GRAD_NORM: math.inf, STEP_TIME_S: -math.inf})
         log.scalars(6, {TRAIN_LOSS: 0.5, EVAL_PERPLEXITY: math.inf})
         expected[TRAIN_LOSS].append((6, 0.5))
-    assert expected[PEAK_MEMORY_MIB][0] == (0, 512.0)
+    assert expected[PEAK_RSS_MIB][0] == (0, 512.0)
     assert read_back(log_dir) == expected
 
 

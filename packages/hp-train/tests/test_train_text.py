@@ -72,8 +72,8 @@ def test_held_out_loss_falls_on_shipped_text_with_a_trained_bpe(
     assert last < EVAL_BOUND_AFTER_200, evals
     assert first - last > EVAL_DROP_AT_LEAST, evals
     records = {int(str(r["step"])): r for r in read_metrics(tmp_path / "metrics.jsonl")}
-    assert records[199]["eval_loss"] == last
-    assert records[199]["eval_perplexity"] == pytest.approx(2.718281828459045**last)
+    assert records[200]["eval_loss"] == last  # metrics.jsonl counts steps from 1
+    assert records[200]["eval_perplexity"] == pytest.approx(2.718281828459045**last)
 
 
 def _jsonl(folder: Path) -> Path:
@@ -161,4 +161,4 @@ def test_configuration_is_written_and_an_incompatible_resume_is_refused(
     error = run_on_ranks(2, _run, other)[0]["error"]
     assert "training.lr: 0.003 -> 0.01" in error
     assert "training.seq_len: 32 -> 16" in error
-    assert "step_000008" in error
+    assert "step_000010" in error  # the resumed run to 10 checkpointed its last step

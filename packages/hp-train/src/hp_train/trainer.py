@@ -27,9 +27,10 @@ import json
 import math
 import os
 import signal
+import sys
 import time
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,7 +39,9 @@ import torch
 import torch.distributed as dist
 
 from hp_dtensor.watchdog import watch
+from hp_fsdp import FSDPModule
 from hp_offload import OffloadedOptimizer
+from hp_train import __version__
 from hp_train.checkpoint.dcp import (
     LEGACY_MARK,
     CheckpointCorruptError,
@@ -54,21 +57,40 @@ from hp_train.checkpoint.dcp import (
     save_checkpoint,
     verify_checkpoint,
 )
+from hp_train.checkpoint.hf.carry import checkpoint_files
 from hp_train.config.combinations import check_combination
 from hp_train.config.schema import ConfigError, ModelConfig, ParallelConfig, TrainConfig
 from hp_train.config.toml_file import CONFIG_FILE, dump_toml
 from hp_train.data.loader import Batch, DataSpec, TrainData, build_data
-from hp_train.data.tokenizer import ByteTokenizer, TextTokenizer, load_tokenizer
+from hp_train.data.tokenizer import TextTokenizer
+from hp_train.data.tokenizer.choice import run_tokenizer as choose_tokenizer
 from hp_train.model.llama import Transformer, lm_loss
 from hp_train.objects import gather_objects
-from hp_train.observe.logs import close_logging, setup_logging
-from hp_train.observe.metrics import MetricsWriter, peak_memory_bytes, read_metrics, write_json
+from hp_train.observe.flops import mfu, training_flops_per_token
+from hp_train.observe.layer_norms import global_layer_norms
+from hp_train.observe.logs import (
+    CONSOLE,
+    FILE_ONLY,
+    close_logging,
+    console_is_terminal,
+    setup_logging,
+)
+from hp_train.observe.metrics import (
+    MEMORY_LABELS,
+    MetricsWriter,
+    memory_key,
+    peak_memory_bytes,
+    per_rank_memory,
+    read_metrics,
+    write_json,
+)
 from hp_train.observe.monitor import (
+    LayerNorms,
     clip_grads_to_norm_,
-    divergent_ranks,
+    gather_probes,
     global_grad_norm,
-    local_norms,
-    rank_losses,
+    probe_batch,
+    probe_divergences,
     snapshot,
 )
 from hp_train.observe.nonfinite import (
@@ -77,15 +99,27 @@ from hp_train.observe.nonfinite import (
     first_nonfinite,
     nonfinite_state,
 )
+from hp_train.observe.peak_flops import Peak, peak_flops
 from hp_train.observe.plot import write_curves
 from hp_train.observe.progress import ProgressBar
+from hp_train.observe.run_header import (
+    RunFacts,
+    command_line,
+    config_hash,
+    end_line,
+    header_lines,
+    stop_line,
+)
 from hp_train.observe.run_record import RECORD_FILE, read_record, resume_conflicts, run_record
+from hp_train.observe.step_line import StepFigures, format_number, step_line
+from hp_train.observe.step_observers import StepObservers, open_step_observers
 from hp_train.observe.tensorboard import (
     EVAL_LOSS,
     EVAL_PERPLEXITY,
     GRAD_NORM,
+    MEMORY_TAGS,
+    MFU,
     MOE_AUX_LOSS,
-    PEAK_MEMORY_MIB,
     STEP_TIME_S,
     TOKENS_PER_S,
     TRAIN_LOSS,
@@ -161,6 +195,13 @@ class RunOptions:
             :func:`hp_train.checkpoint.hf.read_hf_config`).
             A resumed run takes the checkpoint's weights instead.
         tensorboard: write TensorBoard event files into ``out_dir/tensorboard``.
+        profile_steps: 1-based steps to profile (:class:`hp_train.observe.profiling.StepProfiler`:
+            a trace per rank in ``out_dir/profile``, a top-operators table in the log).
+        memory_snapshot_steps: 1-based steps whose memory to measure
+            (:class:`hp_train.observe.memory_snapshot.MemorySnapshot`, into ``out_dir/memory``).
+        wandb: an offline Weights & Biases run of the scalars in ``out_dir/wandb`` (rank 0;
+            :func:`hp_train.observe.wandb_log.open_wandb`).
+        wandb_project: its W&B project.
         snapshot_dir: this host's folder for in-memory snapshots (``snapshot_every``); None:
             :func:`hp_train.recovery.setup.snapshot_root`'s default under ``/dev/shm``.
         stop_on_signals: on SIGTERM or SIGINT, finish the step the ranks agree on, write a
@@ -168,6 +209,9 @@ class RunOptions:
             command line's behaviour; from the main thread only).
         options: the resolved command-line options by table, written as ``config.toml`` (the
             command line fills them; None from Python: no ``config.toml``).
+        peak_tflops: one rank's peak TFLOP/s for MFU; None: estimated from the machine
+            (:func:`hp_train.observe.peak_flops.peak_flops`), or unknown.
+        command: the command line the log header names; None: this process's ``sys.argv``.
     """
 
     out_dir: Path
@@ -182,6 +226,12 @@ class RunOptions:
     snapshot_dir: Path | None = None
     stop_on_signals: bool = False
     options: Mapping[str, Mapping[str, object]] | None = None
+    profile_steps: tuple[int, ...] = ()
+    memory_snapshot_steps: tuple[int, ...] = ()
+    wandb: bool = False
+    wandb_project: str = "hp-train"
+    peak_tflops: float | None = None
+    command: str | None = None
 
 
 @dataclass(frozen=True)
@@ -197,6 +247,9 @@ class Summary:
         checkpoint: the last checkpoint written, if any.
         eval_losses: the held-out loss of every evaluation of this invocation, by the step
             after which it ran (``eval_every``).
+        mfu: model FLOPs utilization at the median step time (None without a known peak).
+        memory_label: what ``peak_memory_bytes`` measures (``peak RSS`` on CPU, ``peak
+            allocated`` on an accelerator).
         skipped_steps: the steps skipped for a non-finite loss or gradient
             (``skip_nonfinite``) over the whole run, a resumed one's earlier ones included.
     """
@@ -209,6 +262,35 @@ class Summary:
     checkpoint: str | None
     eval_losses: dict[int, float] = field(default_factory=dict)
     skipped_steps: list[int] = field(default_factory=list)
+    mfu: float | None = None
+    memory_label: str = "peak memory"
+
+
+@dataclass
+class _Loop:
+    """The state of one invocation's step loop: its writers and what it measured (steps
+    0-based, as :class:`Summary` keeps them)."""
+
+    metrics: MetricsWriter | None
+    board: TensorBoardLog | None
+    bar: ProgressBar
+    tty: bool
+    first: int
+    observers: StepObservers
+    losses: dict[int, float] = field(default_factory=dict)
+    eval_losses: dict[int, float] = field(default_factory=dict)
+    times: list[float] = field(default_factory=list)
+    last_checkpoint: str | None = None
+    snapshot_ms: float | None = None
+
+    def close(self) -> None:
+        """Close the bar, the writers and the observers."""
+        self.bar.close()
+        if self.metrics is not None:
+            self.metrics.close()
+        if self.board is not None:
+            self.board.close()
+        self.observers.close()
 
 
 def _set_determinism(config: TrainConfig) -> None:
@@ -237,9 +319,10 @@ def data_spec(config: TrainConfig) -> DataSpec:
     )
 
 
-def run_tokenizer(config: TrainConfig) -> TextTokenizer:
-    """The run's tokenizer: ``config.tokenizer``'s, or bytes."""
-    return ByteTokenizer() if config.tokenizer is None else load_tokenizer(config.tokenizer)
+def run_tokenizer(config: TrainConfig, init_from: Path | None = None) -> TextTokenizer:
+    """The run's tokenizer: ``config.tokenizer``'s, or bytes (None or ``"bytes"``); named
+    "<folder> (from --init-from)" when it is the ``init_from`` folder's."""
+    return choose_tokenizer(config.tokenizer, init_from)
 
 
 def check_vocabulary(model_config: ModelConfig, tokenizer: TextTokenizer) -> None:
@@ -264,6 +347,81 @@ class Trainer:
         options: RunOptions,
         runtime: Runtime,
     ) -> None:
+        # Logging first, so that the run's log says what it ran and why it stopped, whatever
+        # stops it (a configuration error below included).
+        self.log = setup_logging(options.out_dir, runtime.rank, quiet=options.quiet)
+        self.current_step: int | None = None  # 0-based, while a step runs
+        try:
+            self.flops_per_token = training_flops_per_token(model_config, config.seq_len)
+            self.peak: Peak = peak_flops(
+                runtime.device, config.mixed_precision, options.peak_tflops
+            )
+            self._log_header(model_config, parallel, config, options, runtime)
+            self._check_and_keep(model_config, parallel, config, options, runtime)
+        except BaseException as exc:
+            self._log_stop(exc)
+            close_logging()
+            raise
+
+    def _log_header(
+        self,
+        model_config: ModelConfig,
+        parallel: ParallelConfig,
+        config: TrainConfig,
+        options: RunOptions,
+        runtime: Runtime,
+    ) -> None:
+        """The run's header block into this rank's log file
+        (:mod:`hp_train.observe.run_header`)."""
+        device = str(runtime.device)
+        if runtime.device.type == "cuda" and torch.cuda.is_available():
+            device += f" ({torch.cuda.get_device_name(runtime.device)})"
+        mesh = {
+            name: getattr(parallel, name) for name in ("dp_replicate", "dp_shard", "cp", "tp", "pp")
+        }
+        if parallel.ep > 1:
+            mesh["ep (within dp_shard)"] = parallel.ep
+        facts = RunFacts(
+            version=__version__,
+            command=options.command or command_line(sys.argv),
+            config_hash=config_hash(run_record(model_config, parallel, config)),
+            world_size=runtime.world_size,
+            rank=runtime.rank,
+            mesh=mesh,
+            device=device,
+            flops_per_token=self.flops_per_token,
+            seq_len=config.seq_len,
+            peak_flops=self.peak.flops,
+            peak_how=self.peak.how,
+        )
+        for line in header_lines(facts):
+            self.log.info("%s", line, extra=FILE_ONLY)
+
+    def _log_stop(self, exc: BaseException) -> None:
+        """The run's last line, for an error or a signal that stopped it (the log file only:
+        the console shows the error its own way); a traceback where the error is not one of
+        the run's own reports."""
+        step = None if self.current_step is None else self.current_step + 1
+        reported = (
+            ConfigError,
+            NonFiniteError,
+            CheckpointError,
+            StoppedBySignalError,
+            KeyboardInterrupt,
+        )
+        trace = None if isinstance(exc, reported) else exc
+        self.log.error("%s", stop_line(exc, step), exc_info=trace, extra=FILE_ONLY)
+
+    def _check_and_keep(
+        self,
+        model_config: ModelConfig,
+        parallel: ParallelConfig,
+        config: TrainConfig,
+        options: RunOptions,
+        runtime: Runtime,
+    ) -> None:
+        """The checks of the run's configuration that need no process group (each raises
+        :class:`ConfigError` naming what is wrong), then the run's fixed state."""
         check_model_fits(model_config, parallel)
         self.local_batch = config.check_batch(parallel)
         if config.seq_len > model_config.max_seq_len:
@@ -272,7 +430,7 @@ class Trainer:
                 f"{model_config.max_seq_len}"
             )
         check_combination(model_config, parallel, config)
-        self.tokenizer = run_tokenizer(config)
+        self.tokenizer = run_tokenizer(config, options.init_from)
         check_vocabulary(model_config, self.tokenizer)
         self.model_config = model_config
         self.parallel = parallel
@@ -287,7 +445,8 @@ class Trainer:
         self.keeper: SnapshotKeeper | None = None
         self.signals: StopSignals | None = None
         self.stop_signal: int | None = None
-        self.log = setup_logging(self.out, runtime.rank, quiet=options.quiet)
+        self.memory_key = memory_key(runtime.device)
+        self.said_no_probe = False  # that pipelining runs no divergence probe, said once
 
     # ----------------------------------------------------------------------------- build
     def build(self) -> None:
@@ -306,6 +465,7 @@ class Trainer:
         self.pipeline = self._build_pipeline()
         muon_plan = self.job.stage_of(self.runtime.rank).muon_plan(self.runtime.rank)
         self.optimizer = build_optimizer(self.model, self.config, muon_plan=muon_plan)
+        self.group_names = group_names(self.optimizer)
         check_applied(self.job, self.model, self.optimizer, self.layout, self.runtime.rank)
         write_plan(self.out / PLAN_FILE, self.job, self.runtime.rank)
         self.stage_of = (
@@ -654,7 +814,9 @@ class Trainer:
             local_lm = self._forward_backward(batch)
         else:
             local_lm = self.pipeline.step(batch.inputs, batch.targets)
-        record: dict[str, Any] = {"step": step, "lr": self.schedule.get_last_lr()}
+        # Steps are 1-based in the record, as on the console and in the plot.
+        lrs = dict(zip(self.group_names, self.schedule.get_last_lr(), strict=True))
+        record: dict[str, Any] = {"step": step + 1, "lr": lrs}
         aux = self._aux_loss()
         if aux is not None:
             record["moe_aux_loss"] = aux
@@ -671,9 +833,7 @@ class Trainer:
             self.stepper.step()
             self.schedule.step()
             if monitored:
-                record["layers"] = {
-                    k: asdict(v) for k, v in local_norms(self.model, before).items()
-                }
+                record["layers"] = {k: asdict(v) for k, v in self._layer_norms(before).items()}
         else:
             self._skip_or_stop(step, record, bad_grads)
             with warnings.catch_warnings():
@@ -730,7 +890,8 @@ class Trainer:
             found.append(f"{bad_grads} gradient piece(s) over the ranks are non-finite")
         elif "grad_norm" in record:
             found.append(f"the global gradient norm is {record['grad_norm']}")
-        what = f"step {step}: {' and '.join(found)}; {report.describe()}"
+        # 1-based, as the console's step lines and metrics.jsonl count.
+        what = f"step {step + 1}: {' and '.join(found)}; {report.describe()}"
         record["nonfinite_at"] = None if report.first is None else report.first.describe()
         limit = self.config.skip_nonfinite
         if limit and report.parameter is None and len(self.skipped) < limit:
@@ -747,7 +908,8 @@ class Trainer:
         if report.parameter is not None:
             why = "the weights themselves are non-finite, which skipping a step cannot mend"
         elif limit:
-            why = f"more than --skip-nonfinite {limit} steps were non-finite ({self.skipped})"
+            skipped = [s + 1 for s in self.skipped]  # 1-based, as the message's step
+            why = f"more than --skip-nonfinite {limit} steps were non-finite ({skipped})"
         else:
             why = "stopped before the optimizer step applied it"
         latest = latest_checkpoint(self.checkpoints)
@@ -783,6 +945,18 @@ class Trainer:
             dist.all_reduce(both, group=self.pipeline.pp_group)
         return float(both[0]) if float(both[1]) > 0 else None
 
+    def _layer_norms(self, before: dict[str, torch.Tensor] | None) -> dict[str, LayerNorms]:
+        """Per layer, the norms of the whole tensors over the ranks
+        (:func:`~hp_train.observe.layer_norms.global_layer_norms`), every stage's layers
+        under pipeline parallelism (collective)."""
+        norms = global_layer_norms(self.model, before)
+        if self.pipeline is None:
+            return norms
+        merged: dict[str, LayerNorms] = {}
+        for stage in gather_objects(norms, "all_gather_object (per-layer norms of the stages)"):
+            merged.update(stage)  # type: ignore[call-overload]
+        return dict(sorted(merged.items()))
+
     def _grad_norm(self) -> float:
         """The global gradient norm; the pipeline's stages hold disjoint parameters, so their
         squared norms add."""
@@ -795,25 +969,38 @@ class Trainer:
         return math.sqrt(float(square))
 
     def _monitor(self, record: dict[str, Any], local_lm: float, warn: bool = True) -> None:
-        """Per-rank losses (warning on divergent ranks unless ``warn`` is off: a skipped
-        non-finite step was reported already) and peak memory into ``record``."""
-        per_rank = rank_losses(local_lm)
-        record["rank_losses"] = per_rank
-        holders = self._loss_ranks()
-        for d in divergent_ranks(per_rank, self.config.divergence_threshold, holders):
+        """Per-rank training losses, every rank's loss on the step's shared probe batch (a
+        warning names each rank off the consensus, :mod:`hp_train.observe.monitor`, unless
+        ``warn`` is off: a skipped non-finite step was reported already) and peak memory into
+        ``record``. No probe under pipeline parallelism (no forward-only schedule)."""
+        probe: float | None = None
+        key = 0 if self.layout.cp_mesh is None else self.layout.cp_mesh.get_local_rank(0)
+        if self.pipeline is None:
+            rows = self.local_batch // self.config.grad_accum  # a training micro-step's shape
+            inputs, targets = probe_batch(
+                self.model_config.vocab_size,
+                rows,
+                self.config.seq_len,
+                self.config.seed,
+                int(record["step"]),
+            )
+            (probe,) = self._forward_only_losses([Batch(inputs, targets)])
+        elif self.is_main and not self.said_no_probe:
+            self.said_no_probe = True
+            self.log.info(
+                "no divergence check under pipeline parallelism: the shared probe batch needs "
+                "a forward-only pipeline schedule"
+            )
+        record["rank_losses"], probes, keys = gather_probes(local_lm, probe, key)
+        if self.pipeline is None:
+            record["probe_losses"] = probes
+        for d in probe_divergences(probes, keys, self.config.divergence_threshold):
             if self.is_main and warn:
                 warnings.warn(d.message(), stacklevel=1)
         peaks: list[object] = [None] * self.runtime.world_size
         with watch("all_gather_object (peak memory per rank)"):
             dist.all_gather_object(peaks, peak_memory_bytes(self.runtime.device))
         record["peak_memory_bytes"] = peaks
-
-    def _loss_ranks(self) -> list[int] | None:
-        """The ranks that compute a loss (the last pipeline stage's), None for every rank."""
-        if self.layout.pipeline_mesh is None:
-            return None
-        grid = self.layout.pipeline_mesh.mesh
-        return [r for r in grid.ranks if grid.coordinate(r)[0] == self.parallel.pp - 1]
 
     # -------------------------------------------------------------------------- evaluate
     @torch.no_grad()
@@ -829,17 +1016,32 @@ class Trainer:
             raise ConfigError(
                 "the held-out data gives no batch: raise eval_fraction or pass a larger eval_data"
             )
+        losses = self._forward_only_losses(batches)
+        return self._global_mean(sum(losses) / len(batches))
+
+    @torch.no_grad()
+    def _forward_only_losses(self, batches: Sequence[Batch]) -> list[float]:
+        """The loss of each of ``batches`` in evaluation mode (no dropout, and none of
+        training's random numbers drawn), forward only.
+
+        Postcondition: every FSDP module is resharded, as after a training step. A forward
+        without backward leaves the root's parameters (and any kept unsharded after forward)
+        gathered, since only backward reshards them (as in torch FSDP2, whose ``reshard()``
+        this calls too); a snapshot or checkpoint taken next must see the sharded layout.
+        """
         device = self.runtime.device
-        total = 0.0
-        # No dropout in evaluation, and none of training's random numbers drawn.
+        losses: list[float] = []
         self.model.eval()
         try:
             for batch in batches:
                 inputs, targets = batch.inputs.to(device), batch.targets.to(device)
-                total += float(self._loss(Batch(inputs, targets)))
+                losses.append(float(self._loss(Batch(inputs, targets))))
         finally:
             self.model.train()
-        return self._global_mean(total / len(batches))
+            for module in self.model.modules():
+                if isinstance(module, FSDPModule):
+                    module.reshard()
+        return losses
 
     # ------------------------------------------------------------------------------ save
     def save(self, step: int) -> Path:
@@ -857,7 +1059,7 @@ class Trainer:
         if float(bad):
             report = first_nonfinite(self.model, self._stage(), self.optimizer)
             raise NonFiniteError(
-                f"after step {step - 1}: {report.describe()}; not writing checkpoint "
+                f"after step {step}: {report.describe()}; not writing checkpoint "
                 f"step_{step:06d} from non-finite state. Lower the learning rate or clip "
                 "with --clip-grad-norm",
                 step - 1,
@@ -870,13 +1072,16 @@ class Trainer:
         }
         if self.options.options is not None:
             files[CONFIG_FILE] = dump_toml(self.options.options)
+        files.update(checkpoint_files(self.options.init_from, self.tokenizer))  # HF export
         return save_checkpoint(
             self.checkpoints, step, self.model, self.optimizer, self.stage_of, files
         )
 
     # ------------------------------------------------------------------------------- run
     def run(self) -> Summary:
-        """Build, resume, train to ``config.steps``, report (collective).
+        """Build, resume, train to ``config.steps``, report (collective). Every rank's log
+        ends with the run's end line, or the error or signal that stopped it
+        (:mod:`hp_train.observe.run_header`).
 
         Raises:
             StoppedBySignalError: ``stop_on_signals`` and a SIGTERM or SIGINT: every rank
@@ -886,9 +1091,14 @@ class Trainer:
             return self._run()
         except (NonFiniteError, CheckpointError) as exc:
             self.log.error("%s", exc)
+            self._log_stop(exc)
             raise
         except StoppedBySignalError as exc:
             self.log.warning("%s", exc)
+            self._log_stop(exc)
+            raise
+        except BaseException as exc:
+            self._log_stop(exc)
             raise
         finally:
             close_logging()
@@ -898,81 +1108,158 @@ class Trainer:
         start = self.resume()
         self.stepper = self._stepper()
         self.schedule = build_schedule(self.optimizer, self.config, start)
-        config = self.config
-        metrics_path = self.out / "metrics.jsonl"
-        if self.is_main and start == 0:
-            # A new run (checkpoints are of steps >= 1); a resumed one appends.
-            metrics_path.unlink(missing_ok=True)
-        metrics = MetricsWriter(metrics_path) if self.is_main else None
-        board = self._tensorboard(start)
-        bar = ProgressBar(enabled=self.is_main and not self.options.quiet)
-        losses: dict[int, float] = {}
-        eval_losses: dict[int, float] = {}
-        times: list[float] = []
-        last_checkpoint: str | None = None
-        snapshot_ms: float | None = None
+        loop = self._open_loop(start)
         if self.options.stop_on_signals:
             # Only around the loop: before the first step there is nothing new to save.
-            self.signals = StopSignals(grace=lambda: _GRACE_STEPS * max(times, default=0.0))
+            self.signals = StopSignals(grace=lambda: _GRACE_STEPS * max(loop.times, default=0.0))
             self.signals.__enter__()
         try:
-            for step in range(start, config.steps):
-                began = time.perf_counter()
-                last = step == config.steps - 1
-                try:
-                    record = self.train_step(step, monitored=step % config.log_every == 0 or last)
-                except NonFiniteError as exc:
-                    if metrics is not None and exc.record is not None:
-                        metrics.write(exc.record)
-                    raise
-                elapsed = time.perf_counter() - began
-                times.append(elapsed)
-                losses[step] = record["loss"]
-                record.update(step_time_s=elapsed, tokens_per_s=self.tokens_per_step / elapsed)
-                if config.eval_every and ((step + 1) % config.eval_every == 0 or last):
-                    eval_loss = self.evaluate()
-                    eval_losses[step] = eval_loss
-                    record.update(eval_loss=eval_loss, eval_perplexity=_perplexity(eval_loss))
-                    self.log.info(
-                        "step %d: eval loss %.4f (perplexity %.2f)",
-                        step + 1,
-                        eval_loss,
-                        _perplexity(eval_loss),
-                    )
-                if config.checkpoint_every and (step + 1) % config.checkpoint_every == 0:
-                    last_checkpoint = str(self.save(step + 1))
-                    record["checkpoint"] = last_checkpoint
-                if self.stop_signal is not None:
-                    record["stopped_by"] = signal.Signals(self.stop_signal).name
-                    if record.get("checkpoint") is None:
-                        record["checkpoint"] = str(self.save(step + 1))
-                if snapshot_ms is not None:
-                    record["snapshot_ms"] = snapshot_ms  # the copy after the previous step
-                if metrics is not None:
-                    metrics.write(record)
-                snapshot_ms = self._snapshot(step)
-                if board is not None:
-                    board.scalars(step, _board_values(record))
-                bar.update(
-                    step + 1,
-                    config.steps,
-                    loss=record["loss"],
-                    tok_s=self.tokens_per_step / elapsed,
-                    step_ms=elapsed * 1e3,
-                )
+            for step in range(start, self.config.steps):
+                self.current_step = step
+                record = self._step(step, loop)
                 if self.stop_signal is not None:
                     self._discard_snapshots()
                     raise StoppedBySignalError(self.stop_signal, step + 1, record["checkpoint"])
+            self.current_step = None
             self._discard_snapshots()
         finally:
             if self.signals is not None:
                 self.signals.__exit__(None, None, None)
-            bar.close()
-            if metrics is not None:
-                metrics.close()
-            if board is not None:
-                board.close()
-        return self._summary(start, losses, eval_losses, times, last_checkpoint)
+            loop.close()
+        summary = self._summary(start, loop)
+        self.log.info("%s", end_line(self._summary_text(summary)), extra=FILE_ONLY)
+        return summary
+
+    def _open_loop(self, start: int) -> _Loop:
+        """The step loop's writers: ``metrics.jsonl`` (rank 0; a new run's replaces an old
+        one, a resumed run's appends), TensorBoard's events, the progress bar (rank 0, on a
+        terminal only: elsewhere the step lines tell the progress)."""
+        metrics_path = self.out / "metrics.jsonl"
+        if self.is_main and start == 0:
+            # A new run (checkpoints are of steps >= 1); a resumed one appends.
+            metrics_path.unlink(missing_ok=True)
+        tty = console_is_terminal()
+        return _Loop(
+            metrics=MetricsWriter(metrics_path) if self.is_main else None,
+            board=self._tensorboard(start),
+            bar=ProgressBar(enabled=self.is_main and not self.options.quiet and tty),
+            tty=tty,
+            first=start,
+            observers=self._observers(start),
+        )
+
+    def _observers(self, start: int) -> StepObservers:
+        """The steps' profiler, memory measurement and W&B run, as the options ask."""
+        options = self.options
+        return open_step_observers(
+            self.out,
+            rank=self.runtime.rank,
+            device=self.runtime.device,
+            model=self.model,
+            optimizer=self.optimizer,
+            profile_steps=options.profile_steps,
+            memory_steps=options.memory_snapshot_steps,
+            wandb_project=options.wandb_project if options.wandb else None,
+            wandb_config=options.options or {},
+            resume_step=start or None,
+        )
+
+    def _step(self, step: int, loop: _Loop) -> dict[str, Any]:
+        """Train ``step`` (0-based), then evaluate, checkpoint, write and show its record as
+        the configuration asks; the record. Monitored, with a step line: every
+        ``log_every``-th step (1-based), the last, and the first of this invocation (a batch
+        log shows at once that the run trains, and what a step costs)."""
+        config = self.config
+        began = time.perf_counter()
+        last = step == config.steps - 1
+        monitored = (step + 1) % config.log_every == 0 or last or step == loop.first
+        loop.observers.begin(step + 1)
+        try:
+            record = self.train_step(step, monitored=monitored)
+        except NonFiniteError as exc:
+            if loop.metrics is not None and exc.record is not None:
+                loop.metrics.write(exc.record)
+            raise
+        elapsed = time.perf_counter() - began
+        for line in loop.observers.end(step + 1):
+            self.log.info("%s", line)
+        loop.times.append(elapsed)
+        loop.losses[step] = record["loss"]
+        self._performance(record, elapsed)
+        self._evaluate_into(step, last, record, loop)
+        if config.checkpoint_every and ((step + 1) % config.checkpoint_every == 0 or last):
+            # The last step too, whatever checkpoint_every: a finished run can be continued.
+            loop.last_checkpoint = str(self.save(step + 1))
+            record["checkpoint"] = loop.last_checkpoint
+        if self.stop_signal is not None:
+            record["stopped_by"] = signal.Signals(self.stop_signal).name
+            if record.get("checkpoint") is None:
+                record["checkpoint"] = str(self.save(step + 1))
+        if loop.snapshot_ms is not None:
+            record["snapshot_ms"] = loop.snapshot_ms  # the copy after the previous step
+        if loop.metrics is not None:
+            loop.metrics.write(record)
+        loop.snapshot_ms = self._snapshot(step)
+        if loop.board is not None:
+            loop.board.scalars(step + 1, _board_values(record))
+        loop.observers.scalars(step + 1, _board_values(record))
+        loop.bar.update(
+            step + 1, config.steps, loss=record["loss"], tok_s=record["tokens_per_s"],
+            step_ms=elapsed * 1e3,
+        )  # fmt: skip
+        if monitored:
+            self._log_step(record, loop.tty)
+        return record
+
+    def _performance(self, record: dict[str, Any], elapsed: float) -> None:
+        """Step time, throughput, FLOPs and MFU into ``record``; the per-rank memory figure
+        under the key that says what it measures (``peak_rss_bytes`` on CPU,
+        ``peak_allocated_bytes`` on an accelerator)."""
+        record.update(step_time_s=elapsed, tokens_per_s=self.tokens_per_step / elapsed)
+        record["flops_per_token"] = self.flops_per_token
+        record["mfu"] = mfu(
+            self.flops_per_token,
+            self.tokens_per_step,
+            elapsed,
+            self.runtime.world_size,
+            self.peak.flops,
+        )
+        if "peak_memory_bytes" in record:  # _monitor's figure, by rank
+            record[self.memory_key] = record.pop("peak_memory_bytes")
+
+    def _evaluate_into(self, step: int, last: bool, record: dict[str, Any], loop: _Loop) -> None:
+        every = self.config.eval_every
+        if not (every and ((step + 1) % every == 0 or last)):
+            return
+        eval_loss = self.evaluate()
+        loop.eval_losses[step] = eval_loss
+        record.update(eval_loss=eval_loss, eval_perplexity=_perplexity(eval_loss))
+        self.log.info(
+            "step %d: eval loss %.4f (perplexity %.2f)",
+            step + 1,
+            eval_loss,
+            _perplexity(eval_loss),
+        )
+
+    def _log_step(self, record: Mapping[str, Any], tty: bool) -> None:
+        """The step line (:mod:`hp_train.observe.step_line`) into the log file, and on rank
+        0's console unless that is a terminal showing the progress bar; the memory figure is
+        this rank's."""
+        own = peak_memory_bytes(self.runtime.device)
+        aux = record.get("moe_aux_loss")
+        figures = StepFigures(
+            step=int(record["step"]),
+            total=self.config.steps,
+            loss=float(record["loss"]),
+            lr=record["lr"],
+            grad_norm=record.get("grad_norm"),
+            tokens_per_s=float(record["tokens_per_s"]),
+            step_time_s=float(record["step_time_s"]),
+            mfu=record.get("mfu"),
+            memory=None if own is None else (MEMORY_LABELS[self.memory_key], own),
+            extra={} if aux is None else {"aux loss": float(aux)},
+        )
+        self.log.info("%s", step_line(figures), extra={CONSOLE: not tty})
 
     def _stepper(self) -> torch.optim.Optimizer | OffloadedOptimizer:
         """What steps the parameters: the optimizer, or with ``offload`` of the optimizer an
@@ -986,36 +1273,61 @@ class Trainer:
     def _tensorboard(self, start: int) -> TensorBoardLog | None:
         if not self.options.tensorboard or not self.is_main:
             return None
-        # A resumed run hides what the interrupted one logged after its checkpoint.
-        return open_tensorboard(self.out / "tensorboard", purge_step=start or None)
+        # A resumed run hides what the interrupted one logged after its checkpoint (its steps
+        # are 1-based: the first the resumed run writes is start + 1).
+        return open_tensorboard(self.out / "tensorboard", purge_step=start + 1 if start else None)
 
-    def _summary(
-        self,
-        start: int,
-        losses: dict[int, float],
-        eval_losses: dict[int, float],
-        times: list[float],
-        last_checkpoint: str | None,
-    ) -> Summary:
+    def _summary(self, start: int, loop: _Loop) -> Summary:
         peaks: list[object] = [None] * self.runtime.world_size
         with watch("all_gather_object (peak memory per rank)"):
             dist.all_gather_object(peaks, peak_memory_bytes(self.runtime.device))
+        times = loop.times
         median = sorted(times)[len(times) // 2] if times else math.nan
-        if self.is_main and losses:
+        if self.is_main and loop.losses:
             self._plot()
         return Summary(
-            losses=losses,
+            losses=loop.losses,
             first_step=start,
             tokens_per_s=self.tokens_per_step / median if times else math.nan,
             step_time_s=median,
             peak_memory_bytes=[p if isinstance(p, int) else None for p in peaks],
-            checkpoint=last_checkpoint,
-            eval_losses=eval_losses,
+            checkpoint=loop.last_checkpoint,
+            eval_losses=loop.eval_losses,
             skipped_steps=list(self.skipped),
+            mfu=mfu(
+                self.flops_per_token,
+                self.tokens_per_step,
+                median,
+                self.runtime.world_size,
+                self.peak.flops,
+            ),
+            memory_label=MEMORY_LABELS[self.memory_key],
+        )
+
+    def _summary_text(self, summary: Summary) -> str:
+        """The end line's summary: steps, loss, median step time, throughput, MFU, memory."""
+        if not summary.losses:
+            return f"no step to run (the run was at step {summary.first_step} already)"
+        steps = sorted(summary.losses)
+        first, last = summary.losses[steps[0]], summary.losses[steps[-1]]
+        peaks = ", ".join(
+            "n/a" if p is None else f"{p / 2**20:.0f}" for p in summary.peak_memory_bytes
+        )
+        utilization = (
+            "MFU n/a" if summary.mfu is None else f"MFU {format_number(summary.mfu * 100)}%"
+        )
+        return (
+            f"{len(steps)} steps ({steps[0] + 1} to {steps[-1] + 1} of {self.config.steps}), "
+            f"loss {first:.4f} -> {last:.4f}, median step "
+            f"{format_number(summary.step_time_s * 1e3)} ms, "
+            f"{format_number(summary.tokens_per_s)} tokens/s, {utilization}, "
+            f"{summary.memory_label} per rank (MiB) {peaks}"
+            + (f", checkpoint {summary.checkpoint}" if summary.checkpoint else "")
         )
 
     def _plot(self) -> None:
-        """``loss.png`` of the whole run so far (a resumed run's earlier steps included)."""
+        """``loss.png`` of the whole run so far (a resumed run's earlier steps included;
+        ``metrics.jsonl``'s steps are 1-based, as the plot's)."""
         train_curve: dict[int, float] = {}
         eval_curve: dict[int, float] = {}
         for record in read_metrics(self.out / "metrics.jsonl"):
@@ -1023,9 +1335,9 @@ class Trainer:
             train_curve[step] = _as_float(record["loss"])
             if "eval_loss" in record:
                 eval_curve[step] = _as_float(record["eval_loss"])
-        series = {"train loss": [(float(s + 1), v) for s, v in sorted(train_curve.items())]}
+        series = {"train loss": [(float(s), v) for s, v in sorted(train_curve.items())]}
         if eval_curve:
-            series["eval loss"] = [(float(s + 1), v) for s, v in sorted(eval_curve.items())]
+            series["eval loss"] = [(float(s), v) for s, v in sorted(eval_curve.items())]
         write_curves(
             self.out / "loss.png", series, title="training loss", x_label="step", y_label="loss"
         )
@@ -1077,7 +1389,7 @@ def _perplexity(loss: float) -> float:
 
 def _board_values(record: Mapping[str, Any]) -> dict[str, float | None]:
     """TensorBoard's scalars of a metrics record (the learning rate per parameter group, by
-    its index in the schedule)."""
+    its name; the memory figure under the tag of what it measures)."""
     values: dict[str, float | None] = {
         TRAIN_LOSS: record["loss"],
         MOE_AUX_LOSS: record.get("moe_aux_loss"),
@@ -1086,11 +1398,33 @@ def _board_values(record: Mapping[str, Any]) -> dict[str, float | None]:
         GRAD_NORM: record.get("grad_norm"),
         TOKENS_PER_S: record["tokens_per_s"],
         STEP_TIME_S: record["step_time_s"],
-        PEAK_MEMORY_MIB: peak_mib(record.get("peak_memory_bytes", [])),
+        MFU: record.get("mfu"),
     }
-    for index, lr in enumerate(record["lr"]):
-        values[lr_tag(str(index))] = float(lr)
+    memory = per_rank_memory(record)
+    if memory is not None and memory[0] in MEMORY_TAGS:
+        values[MEMORY_TAGS[memory[0]]] = peak_mib(memory[1])
+    for group, lr in record["lr"].items():
+        values[lr_tag(group)] = float(lr)
     return values
+
+
+def group_names(optimizer: torch.optim.Optimizer) -> list[str]:
+    """A name per parameter group of ``optimizer``, in ``param_groups`` order: the lower-case
+    class name of the optimizer that owns the group (``muon``, ``adamw``: a chained
+    optimizer's parts, ``hp_muon.ChainedOptimizer.optimizers``), with ``_<i>`` after it
+    (from 1) where one optimizer has several groups."""
+    parts = getattr(optimizer, "optimizers", None) or (optimizer,)
+    names: list[str] = []
+    for part in parts:
+        base = type(part).__name__.lower()
+        count = len(part.param_groups)
+        names += [base] if count == 1 else [f"{base}_{i}" for i in range(1, count + 1)]
+    if len(names) != len(optimizer.param_groups):
+        raise ValueError(
+            f"{type(optimizer).__name__} has {len(optimizer.param_groups)} parameter groups "
+            f"but its parts name {len(names)} ({names})"
+        )
+    return names
 
 
 def train(

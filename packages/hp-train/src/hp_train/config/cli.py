@@ -12,6 +12,7 @@ flags.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import math
 import os
 import signal
@@ -30,6 +31,7 @@ from hp_train.checkpoint.hf import WeightsMismatchError
 from hp_train.config.options import (
     TABLE_TITLES,
     CliOption,
+    JobArgumentParser,
     add_options,
     config_kwargs,
     field_options,
@@ -45,6 +47,8 @@ from hp_train.observe.out_dir import (
     prepare_out_dir,
     release_out_dir,
 )
+from hp_train.observe.profiling import parse_step_ranges, step_list_option
+from hp_train.observe.wandb_log import check_wandb_available
 from hp_train.parallel.run_plan import plan_report
 from hp_train.recovery.signals import StoppedBySignalError
 from hp_train.runtime import init_runtime, release_process_groups, shutdown
@@ -87,7 +91,7 @@ def _options() -> tuple[CliOption, ...]:
 def _parser() -> argparse.ArgumentParser:
     """The command line: every field option of :data:`_CONFIGS` in the group of its table,
     and the flags that are no field (:func:`_add_command_flags`)."""
-    p = argparse.ArgumentParser(prog="hp-train", description=__doc__.split("\n\n")[0])
+    p = JobArgumentParser(prog="hp-train", description=__doc__.split("\n\n")[0])
     p.add_argument(
         "--config",
         type=Path,
@@ -147,11 +151,52 @@ def _add_command_flags(groups: Mapping[str, argparse._ActionsContainer]) -> None
     r.add_argument("--quiet", action="store_true")
     r.add_argument("--tensorboard", action="store_true", help="TensorBoard events in <out>")
     r.add_argument(
+        "--peak-tflops",
+        type=float,
+        default=None,
+        help="one rank's peak TFLOP/s, for MFU (default: estimated from the machine, named in "
+        "the log's header; unknown accelerators show MFU n/a)",
+    )
+    r.add_argument(
+        "--wandb",
+        action="store_true",
+        help="a Weights & Biases run of the same scalars, offline, in <out>/wandb (upload it "
+        "later with wandb sync; needs pip install 'hp-train[wandb]')",
+    )
+    r.add_argument("--wandb-project", default="hp-train", help="the W&B project of --wandb")
+    r.add_argument(
+        "--profile",
+        type=step_list_option,
+        default=None,
+        metavar="STEPS",
+        help="profile these steps (1-based: 5, 5,7 or 5-7): a Chrome/Perfetto trace per rank in "
+        "<out>/profile and a table of the top operators in the log",
+    )
+    r.add_argument(
+        "--memory-snapshot",
+        type=step_list_option,
+        default=None,
+        metavar="STEPS",
+        help="measure memory in these steps (as --profile): the allocator snapshot on a GPU, "
+        "live tensors by kind on CPU, in <out>/memory and the log",
+    )
+    r.add_argument(
         "--print-plan",
         action="store_true",
         help="print the parallel plan of these flags and exit (one process, no torchrun; "
         "--dp-shard defaults to 1, or to what WORLD_SIZE leaves)",
     )
+
+
+def _peak_tflops(value: float | None) -> float | None:
+    """``--peak-tflops`` (from the command line or a ``--config`` file), checked.
+
+    Raises:
+        ConfigError: not a finite number above 0.
+    """
+    if value is not None and not (math.isfinite(value) and value > 0):
+        raise ConfigError(f"--peak-tflops must be a number of TFLOP/s above 0, got {value!r}")
+    return value
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -167,7 +212,22 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if args.config is not None:
         parser.set_defaults(**read_config_file(args.config, option_tables(parser, _TABLES)))
         args = parser.parse_args(argv)
+    _check_extras(args)
     return args
+
+
+def _check_extras(args: argparse.Namespace) -> None:
+    """Refuse, before anything is loaded, an option whose optional package is not installed.
+
+    Raises:
+        ConfigError: ``--tensorboard`` without the ``tensorboard`` package.
+    """
+    if args.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        from hp_train.observe.tensorboard import MISSING_TENSORBOARD
+
+        raise ConfigError(
+            f"--tensorboard: {MISSING_TENSORBOARD} (not installed), or leave --tensorboard out"
+        )
 
 
 def resolved_options(args: argparse.Namespace) -> dict[str, dict[str, object]]:
@@ -181,8 +241,12 @@ def _model_config(args: argparse.Namespace, tokenizer_vocab: int | None) -> Mode
     if args.init_from is not None:
         given = [o.flag for o in options if o.owner is ModelConfig and o.field in sizes]
         given += ["--model"] if args.model else []
-        if args.experts is not None:
-            given.append("--experts")
+        # The MoE options have defaults, so a value other than its default is one given.
+        given += [
+            o.flag
+            for o in options
+            if o.owner is MoEConfig and getattr(args, o.dest) not in (None, o.default)
+        ]
         if given:
             raise ConfigError(
                 f"--init-from takes the architecture from {args.init_from}/config.json; drop "
@@ -219,12 +283,16 @@ def parse(
 ) -> tuple[ModelConfig, ParallelConfig, TrainConfig, RunOptions, argparse.Namespace]:
     """The run's configuration from the command line (``world_size`` fills ``dp_shard``)."""
     args = parse_args(argv)
-    tokenizer_vocab = None
-    if args.tokenizer is not None:
-        from hp_train.data.tokenizer import load_tokenizer
+    from hp_train.data.tokenizer import choice
 
-        tokenizer_vocab = load_tokenizer(args.tokenizer).vocab_size
-    model = _model_config(args, tokenizer_vocab)
+    # --init-from's own tokenizer unless --tokenizer says otherwise ("bytes": bytes).
+    args.tokenizer = choice.resolve_tokenizer(args.tokenizer, args.init_from)
+    tokenizer = None
+    if args.tokenizer not in (None, choice.BYTES):
+        tokenizer = choice.run_tokenizer(args.tokenizer, args.init_from)
+    model = _model_config(args, None if tokenizer is None else tokenizer.vocab_size)
+    if tokenizer is not None and args.init_from is not None:
+        choice.check_init_vocabulary(tokenizer, model.vocab_size, args.init_from)
     options = _options()
     axes = config_kwargs(options, args, ParallelConfig)
     if args.dp_shard is None:
@@ -240,6 +308,8 @@ def parse(
     schedule = config_kwargs(options, args, TrainConfig)
     schedule.setdefault("microbatches", parallel.pp)
     config = TrainConfig(**schedule)
+    if args.wandb:
+        check_wandb_available()  # before the data loads: a missing extra fails at once
     run = RunOptions(
         out_dir=args.out,
         resume=args.resume,
@@ -253,6 +323,13 @@ def parse(
         snapshot_dir=args.snapshot_dir,
         stop_on_signals=True,
         options=resolved_options(args),
+        peak_tflops=_peak_tflops(args.peak_tflops),
+        profile_steps=() if args.profile is None else parse_step_ranges(args.profile),
+        memory_snapshot_steps=(
+            () if args.memory_snapshot is None else parse_step_ranges(args.memory_snapshot)
+        ),
+        wandb=args.wandb,
+        wandb_project=args.wandb_project,
     )
     return model, parallel, config, run, args
 
@@ -265,14 +342,14 @@ def _print_summary(
     peaks = ", ".join("n/a" if p is None else f"{p / 2**20:.0f}" for p in summary.peak_memory_bytes)
     written = [n for n in ("metrics.jsonl", "loss.png") if (out / n).is_file()]
     print(
-        f"hp-train: {len(steps)} steps (from step {summary.first_step}) on "
+        f"hp-train: {len(steps)} steps ({steps[0] + 1}-{steps[-1] + 1}) on "
         f"dp_replicate={parallel.dp_replicate} x dp_shard={parallel.dp_shard} x tp={parallel.tp}"
         f"{f' x pp={parallel.pp}' if parallel.pp > 1 else ''}"
         f"{f' x cp={parallel.cp} ({parallel.cp_variant})' if parallel.cp > 1 else ''}"
         f"{_expert_note(parallel)}"
         f" ({'MoE' if model.moe else 'dense'} dim {model.dim}, {model.n_layers} layers)\n"
         f"  loss {first:.4f} -> {last:.4f}; median step {summary.step_time_s * 1e3:.0f} ms, "
-        f"{summary.tokens_per_s:.0f} tokens/s; peak memory per rank (MiB): {peaks}\n"
+        f"{summary.tokens_per_s:.0f} tokens/s; {summary.memory_label} per rank (MiB): {peaks}\n"
         + _eval_line(summary)
         + _skipped_line(summary)
         + f"  wrote {', '.join(str(out / name) for name in written)}"
@@ -284,7 +361,7 @@ def _print_summary(
 def _skipped_line(summary: Summary) -> str:
     if not summary.skipped_steps:
         return ""
-    steps = ", ".join(str(s) for s in summary.skipped_steps)
+    steps = ", ".join(str(s + 1) for s in summary.skipped_steps)  # 1-based, as logged
     return (
         f"  skipped {len(summary.skipped_steps)} step(s) with a non-finite loss or gradient "
         f"(--skip-nonfinite): {steps}\n"
@@ -346,7 +423,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         pre = parse_args(argv)
     except ConfigError as exc:
-        report_error(str(exc))
+        report_error(str(exc), log=_early_log(argv))
         return 2
     if pre.print_plan:
         return _print_plan(argv, pre)
@@ -365,8 +442,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             _print_summary(summary, model, parallel, options.out_dir)
     except (ConfigError, WeightsMismatchError) as exc:
         log = None
-        if options is not None and not isinstance(exc, OutDirInUseError):
-            log = (Path(options.out_dir), runtime.rank)  # not another run's logs
+        if not isinstance(exc, OutDirInUseError):  # not another run's logs
+            # Before the options are resolved (a missing extra, a tokenizer that does not
+            # load) the command line's --out is the run's folder all the same.
+            out = pre.out if options is None else options.out_dir
+            log = (Path(out), runtime.rank)
         report_error(str(exc), log=log)
         release_process_groups()
         return EXIT_CONFIG
@@ -390,6 +470,23 @@ def main(argv: Sequence[str] | None = None) -> int:
             release_out_dir(Path(options.out_dir))
     shutdown()
     return 0
+
+
+def _early_log(argv: Sequence[str] | None) -> tuple[Path, int] | None:
+    """Where an error found while the options are read (a missing extra such as
+    ``--tensorboard`` without its package, a bad value) is logged: the rank's log in the
+    ``--out`` folder of the command line (or its default), as torchrun's ``RANK`` names the
+    rank; None where ``--out`` itself cannot be read (``--print-plan`` writes no log)."""
+    early = argparse.ArgumentParser(add_help=False)
+    early.add_argument("--out", type=Path, default=Path("hp_train_out"))
+    early.add_argument("--print-plan", action="store_true")
+    try:
+        known, _ = early.parse_known_args(sys.argv[1:] if argv is None else list(argv))
+    except SystemExit:  # argparse's own error (``--out`` without a value): no folder
+        return None
+    if known.print_plan:
+        return None
+    return known.out, int(os.environ.get("RANK", "0"))
 
 
 def _abandon_process_group() -> None:

@@ -14,21 +14,44 @@ those groups: :mod:`hp_train.config.toml_file`), and :func:`config_kwargs` turns
 values back into a dataclass's keyword arguments. A field added with :func:`option` is thereby a
 flag of ``hp-train`` and a key of its ``--config`` file (and a flag of ``hp-dryrun`` where the
 dry run takes that class's options) without another edit.
+
+:class:`JobArgumentParser` is the parser both command lines use: ``--help`` shows each option's
+default (:class:`DefaultsHelpFormatter`), and under torchrun, where every rank parses the same
+command line, a usage error is printed once for the job (by rank 0), not once per rank.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import copy
 import dataclasses
+import os
+import sys
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from datetime import timedelta
 from types import UnionType
-from typing import Any, TypeVar, Union, get_args, get_origin, get_type_hints
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    NoReturn,
+    TypeVar,
+    Union,
+    get_args,
+    get_origin,
+    get_type_hints,
+)
+
+if TYPE_CHECKING:
+    from _typeshed import SupportsWrite
 
 __all__ = [
     "OPTION_KEY",
     "TABLE_TITLES",
     "CliOption",
+    "DefaultsHelpFormatter",
+    "JobArgumentParser",
     "Option",
     "add_options",
     "config_kwargs",
@@ -239,3 +262,97 @@ def config_kwargs(
         if value is not None:
             given[opt.field] = opt.field_value(value)
     return given
+
+
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """``--help`` with ``(default: X)`` after every option that has a default: one that is not
+    None (an option the caller fills says what it is in its own help) and not a flag that is
+    off unless given; a help text that already names its default is left as it is, and an
+    option without help text gets the default alone."""
+
+    @staticmethod
+    def _default_text(action: argparse.Action) -> str | None:
+        default = action.default
+        # Identity, not equality: a default of 0 or 0.0 equals False and is shown.
+        if not action.option_strings or any(default is v for v in (None, False, argparse.SUPPRESS)):
+            return None
+        shown = ",".join(map(str, default)) if isinstance(default, tuple) else str(default)
+        return f"(default: {shown.replace('%', '%%')})"
+
+    def _format_action(self, action: argparse.Action) -> str:
+        shown = self._default_text(action)
+        if not action.help and shown is not None:
+            action = copy.copy(action)
+            action.help = shown
+        return super()._format_action(action)
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        shown = self._default_text(action)
+        if shown is None or "default" in text:
+            return action.help
+        return f"{text} {shown}"
+
+
+#: The longest a rank other than 0 waits, after a usage error, for rank 0 to say it printed:
+#: under torchrun the first rank to exit makes the agent stop the others, and rank 0 must have
+#: printed by then.
+USAGE_ERROR_WAIT_S = 30.0
+
+
+def _job_rank() -> int | None:
+    """This process's rank under torchrun (``RANK``), None outside it."""
+    rank = os.environ.get("RANK")
+    return int(rank) if rank is not None and rank.isdigit() else None
+
+
+def _printed_key() -> str:
+    env = os.environ
+    run = f"{env.get('TORCHELASTIC_RUN_ID', '')}/{env.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    return f"hp_train/usage_error/{run}/printed"
+
+
+def _job_store() -> Any:
+    """torchrun's store (:func:`hp_train.observe.errors.torchrun_store`), or None outside a
+    multi-rank torchrun job or when it cannot be reached."""
+    from hp_train.observe.errors import torchrun_store
+
+    try:
+        found = torchrun_store()
+    except (RuntimeError, ValueError):
+        return None
+    return None if found is None else found[0]
+
+
+class JobArgumentParser(argparse.ArgumentParser):
+    """An argument parser for a command every rank of a job runs: a usage error (and
+    ``--help``) is printed by rank 0 alone (or by the process, outside torchrun); every rank
+    exits with argparse's status 2, the others once rank 0 has printed (through torchrun's
+    store, at most :data:`USAGE_ERROR_WAIT_S`), so that they do not stop rank 0 before."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", DefaultsHelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def print_help(self, file: SupportsWrite[str] | None = None) -> None:
+        """Argparse's ``--help``, on rank 0 only."""
+        if _job_rank() in (None, 0):
+            super().print_help(file)
+
+    def error(self, message: str) -> NoReturn:
+        """Argparse's usage error (usage and message on stderr, exit status 2), printed by
+        rank 0 only."""
+        rank = _job_rank()
+        if rank is None:
+            super().error(message)
+        store = _job_store()
+        if rank == 0:
+            self.print_usage(sys.stderr)
+            print(f"{self.prog}: error: {message}", file=sys.stderr, flush=True)
+            if store is not None:
+                store.set(_printed_key(), "1")
+        elif store is not None:
+            # Rank 0 gone or never getting here raises: exit all the same.
+            with contextlib.suppress(RuntimeError):
+                store.wait([_printed_key()], timedelta(seconds=USAGE_ERROR_WAIT_S))
+        self.exit(2)

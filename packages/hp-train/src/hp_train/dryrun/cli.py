@@ -3,7 +3,7 @@
 Examples::
 
     python -m hp_train.dryrun --model moe_505b --topology ascend_supernode \\
-        --dp-shard 768 --ep 32 --microbatches 2 --ac full
+        --dp-shard 768 --ep 32 --grad-accum 2 --ac full
     python -m hp_train.dryrun --model moe_505b --topology ascend_supernode --search
     python -m hp_train.dryrun --reproduce-paper
     python -m hp_train.dryrun --model tiny-moe --dp-shard 2 --tp 2 --rank 1 --print-plan
@@ -11,9 +11,14 @@ Examples::
 The model, parallel and step flags are the trainer's own options, generated from the same
 config fields (:mod:`hp_train.config.options`; model sizes default to the preset's here,
 ``--mixed-precision`` to bf16); a pair the trainer refuses
-(:mod:`hp_train.config.combinations`) is refused with its message. ``--search`` keeps what fits
-``--memory-limit-gib`` (default: the device preset's memory); ``--reproduce-paper`` prints
-:mod:`hp_planner.price.reproduce`'s report for the ``moe_505b`` preset. The pricing is
+(:mod:`hp_train.config.combinations`) is refused with its message. As in the trainer,
+``--grad-accum`` splits each step into accumulation steps and ``--microbatches`` is the
+pipeline's (with ``--pp``); ``--microbatches`` without ``--pp``, its old spelling of
+``--grad-accum``, still works and says it is deprecated. The report is
+:func:`hp_train.dryrun.report.format_prediction`'s: units that suit each figure, whether the
+peak fits the device, lines wrapped to the terminal (at most 100 columns). ``--search`` keeps
+what fits ``--memory-limit-gib`` (default: the device preset's memory); ``--reproduce-paper``
+prints :mod:`hp_planner.price.reproduce`'s report for the ``moe_505b`` preset. The pricing is
 :mod:`hp_planner.price`'s, of the trainer's model (:class:`~hp_train.dryrun.trainer_model
 .TrainerModel`).
 
@@ -41,7 +46,6 @@ from hp_planner.price import (
     StepShape,
     device_for,
     dry_run,
-    format_dry_run,
     format_reproduction,
     format_search,
     planned_model,
@@ -51,15 +55,18 @@ from hp_planner.price import (
     search,
     topology_preset,
 )
+from hp_train.config.combinations import REFUSALS
 from hp_train.config.options import (
     TABLE_TITLES,
     CliOption,
+    JobArgumentParser,
     add_options,
     config_kwargs,
     field_options,
 )
 from hp_train.config.presets import MODEL_PRESETS, model_preset
 from hp_train.config.schema import ConfigError, ModelConfig, MoEConfig, ParallelConfig, TrainConfig
+from hp_train.dryrun.report import format_prediction, report_width, wrap_lines
 from hp_train.dryrun.trainer_model import TrainerModel
 
 __all__ = ["build_parser", "main"]
@@ -69,6 +76,7 @@ _TRAIN_FIELDS = (
     "global_batch",
     "seq_len",
     "microbatches",
+    "grad_accum",
     "pp_schedule",
     "ac",
     "swap",
@@ -100,7 +108,8 @@ def _shared_options() -> tuple[CliOption, ...]:
         "microbatches": {
             "default": 1,
             "unset": None,
-            "help": "pipeline microbatches with --pp > 1, gradient-accumulation steps without",
+            "help": "pipeline microbatches per step with --pp > 1 (without --pp: deprecated, "
+            "the old spelling of --grad-accum)",
         },
         "swap": {
             "help": "the blocks' kept activations in host memory (with --ac none or selective); "
@@ -122,7 +131,7 @@ def _shared_options() -> tuple[CliOption, ...]:
 def build_parser() -> argparse.ArgumentParser:
     """The command line's argument parser: the trainer's model, parallel and step options
     (:func:`_shared_options`) and the dry run's own."""
-    ap = argparse.ArgumentParser(
+    ap = JobArgumentParser(
         prog="hp-dryrun",
         description="Predict per-rank memory, communication and step time of a training run "
         "without starting processes, or search for the fastest layout that fits.",
@@ -243,7 +252,7 @@ def _step_shape(args: argparse.Namespace, batch: int, seq: int) -> StepShape:
     return StepShape(
         global_batch=batch,
         seq_len=seq,
-        microbatches=args.microbatches,
+        microbatches=_microbatches(args),
         ac="full" if args.recompute else args.ac,
         optimizer=args.optimizer,
         precision=_precision(args),
@@ -255,6 +264,35 @@ def _step_shape(args: argparse.Namespace, batch: int, seq: int) -> StepShape:
         pp_schedule=args.pp_schedule,
         swap=args.swap and not args.search,
     )
+
+
+def _microbatches(args: argparse.Namespace) -> int:
+    """The step's microbatches: the pipeline's ``--microbatches`` with ``--pp > 1``, the
+    accumulation steps of ``--grad-accum`` without. ``--microbatches N>1`` without ``--pp`` is
+    the old spelling of ``--grad-accum``: taken, with a deprecation note on stderr.
+
+    Raises:
+        ConfigError: ``--grad-accum N>1`` with ``--pp`` (the trainer's refusal), or both
+            spellings without ``--pp`` with different values.
+    """
+    if args.pp > 1:
+        if args.grad_accum > 1:
+            (refusal,) = [r for r in REFUSALS if r.first.startswith("--grad-accum")]
+            raise ConfigError(refusal.message())
+        return int(args.microbatches)
+    if args.microbatches == 1:
+        return int(args.grad_accum)
+    if args.grad_accum not in (1, args.microbatches):
+        raise ConfigError(
+            f"--microbatches {args.microbatches} and --grad-accum {args.grad_accum}: without "
+            "--pp, --microbatches is the old spelling of --grad-accum; give --grad-accum alone"
+        )
+    print(
+        f"hp-dryrun: warning: --microbatches {args.microbatches} without --pp is deprecated: "
+        f"it is the trainer's --grad-accum; use --grad-accum {args.microbatches}",
+        file=sys.stderr,
+    )
+    return int(args.microbatches)
 
 
 def _run(args: argparse.Namespace) -> str:
@@ -290,7 +328,8 @@ def _run(args: argparse.Namespace) -> str:
         result = search(
             TrainerModel(model), topology, shape, limit, device=device, space=space, model_name=name
         )
-        return format_search(result, args.top)
+        text = format_search(result, args.top)
+        return "\n".join(wrap_lines(text.splitlines(), report_width()))
     axes = {
         "cp": args.cp,
         "cp_variant": args.cp_variant,
@@ -314,7 +353,7 @@ def _run(args: argparse.Namespace) -> str:
         rank=args.rank,
         model_name=name,
     )
-    return format_dry_run(run, layers=args.layers)
+    return format_prediction(run, layers=args.layers, width=report_width())
 
 
 def _plan_text(name: str, model: ModelConfig, parallel: ParallelConfig, rank: int) -> str:

@@ -8,7 +8,10 @@ logger) for one run:
 * rank 0 also prints to ``sys.stderr`` (the message alone; ``WARNING: ...`` from warnings up),
   through ``tqdm.write`` so a message does not tear a progress bar drawn on the same terminal;
   ``quiet`` keeps only warnings and errors there. Other ranks print nothing, so a job of 64
-  ranks does not say everything 64 times;
+  ranks does not say everything 64 times. A record logged with ``extra=FILE_ONLY`` (or
+  ``extra={CONSOLE: False}``) goes to the file alone: the run's header and end line, and the
+  step lines while the console is a terminal that shows the progress bar instead
+  (:func:`console_is_terminal`);
 * warnings of the :mod:`warnings` module (hp_train's, and those of the libraries it calls, as
   torch's) become records of the ``hp_train.warnings`` logger while the run's logging is set
   up, so they land in the rank's log file (and on rank 0's console) instead of every rank's
@@ -38,11 +41,14 @@ from typing import Protocol, TextIO
 from tqdm import tqdm  # type: ignore[import-untyped]
 
 __all__ = [
+    "CONSOLE",
+    "FILE_ONLY",
     "LIBRARY_LOGGERS",
     "LOGGER_NAME",
     "LOG_DIR",
     "WARNINGS_LOGGER_NAME",
     "close_logging",
+    "console_is_terminal",
     "file_formatter",
     "log_file",
     "setup_logging",
@@ -56,6 +62,10 @@ WARNINGS_LOGGER_NAME = "hp_train.warnings"
 LIBRARY_LOGGERS = ("hp_dtensor",)
 #: The folder of the per-rank log files, inside the run's output directory.
 LOG_DIR = "logs"
+#: The record attribute that, False, keeps a record off the console (``extra={CONSOLE: ...}``).
+CONSOLE = "hp_console"
+#: ``extra=`` of a record for the log file alone.
+FILE_ONLY: dict[str, object] = {CONSOLE: False}
 
 
 class _ShowWarning(Protocol):
@@ -86,7 +96,11 @@ class _ConsoleFormatter(logging.Formatter):
 
 
 class _ConsoleHandler(logging.StreamHandler[TextIO]):
-    """Writes through ``tqdm.write``: a bar on the same stream is cleared and redrawn."""
+    """Writes through ``tqdm.write``: a bar on the same stream is cleared and redrawn; skips
+    records marked for the file alone (:data:`FILE_ONLY`)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return bool(getattr(record, CONSOLE, True)) and bool(super().filter(record))
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
@@ -170,6 +184,18 @@ def setup_logging(
             library.setLevel(logging.WARNING)
     warnings.showwarning = _log_warning
     return logger
+
+
+def console_is_terminal() -> bool:
+    """Whether the console of the run's logging (rank 0's ``sys.stderr`` when it was set up)
+    is a terminal; False without a console (other ranks, or logging not set up)."""
+    if _installed is None:
+        return False
+    for handler in _installed.handlers:
+        if isinstance(handler, _ConsoleHandler):
+            isatty = getattr(handler.stream, "isatty", None)
+            return bool(isatty()) if callable(isatty) else False
+    return False
 
 
 def close_logging() -> None:

@@ -23,9 +23,12 @@ from typing import SupportsFloat, SupportsIndex, TextIO
 import torch
 
 __all__ = [
+    "MEMORY_LABELS",
     "NONFINITE_KEY",
     "MetricsWriter",
+    "memory_key",
     "peak_memory_bytes",
+    "per_rank_memory",
     "read_metrics",
     "to_json_record",
     "write_json",
@@ -227,6 +230,34 @@ def peak_memory_bytes(device: torch.device | str) -> int | None:
     if not callable(max_allocated) or not callable(is_available) or not is_available():
         return None
     return int(max_allocated(device))
+
+
+#: The record key of :func:`peak_memory_bytes`'s figure by what it measures -> its label in
+#: the step line and the summary.
+MEMORY_LABELS: dict[str, str] = {
+    "peak_rss_bytes": "peak RSS",
+    "peak_allocated_bytes": "peak allocated",
+}
+#: The key of runs written before the figure said what it is (read, never written).
+_OLD_MEMORY_KEY = "peak_memory_bytes"
+
+
+def memory_key(device: torch.device | str) -> str:
+    """The metrics record key of what :func:`peak_memory_bytes` measures on ``device``:
+    ``"peak_rss_bytes"`` (the process's resident set, CPU) or ``"peak_allocated_bytes"``
+    (memory occupied by tensors, an accelerator); a key of :data:`MEMORY_LABELS`."""
+    return "peak_rss_bytes" if torch.device(device).type == "cpu" else "peak_allocated_bytes"
+
+
+def per_rank_memory(record: Mapping[str, object]) -> tuple[str, list[int | None]] | None:
+    """The per-rank peak memory a metrics record holds, with its key (a key of
+    :data:`MEMORY_LABELS`, or ``"peak_memory_bytes"`` in records of older runs, whose figure
+    is unlabelled), or None when the record has none."""
+    for key in (*MEMORY_LABELS, _OLD_MEMORY_KEY):
+        value = record.get(key)
+        if isinstance(value, list):
+            return key, [v if isinstance(v, int) else None for v in value]
+    return None
 
 
 def _cpu_peak_rss_bytes() -> int | None:

@@ -1,11 +1,29 @@
-"""Precision monitoring: norms per layer, the global gradient norm and per-rank losses.
+"""Precision monitoring: norms per layer, the global gradient norm and the divergence check.
 
 Local norms are this rank's pieces only (what it holds under FSDP/TP): cheap, no
 communication, and they show a rank whose numbers drift. The global gradient norm counts each
-element once over all ranks (``hp_fsdp.total_grad_norm``). Per-rank losses are all-gathered;
-a rank whose loss differs from the mean over ranks by more than a threshold (relative) is
-reported, because data-parallel ranks see different data but tensor-parallel ranks of one
-data-parallel rank must agree.
+element once over all ranks (``hp_fsdp.total_grad_norm``).
+
+The divergence check compares like with like. Per-rank training losses are recorded, never
+compared: data-parallel ranks see different documents, and their losses legitimately differ
+(by 60% early in a run on ordinary JSON Lines data). Instead, every monitored step each rank
+evaluates one shared probe batch, forward only and without dropout: the same token ids on every
+rank (:func:`probe_batch`, drawn from the run's seed and the step, independent of the data).
+The parameters are synchronized, so every healthy rank computes the same probe loss up to
+rounding, whatever its data. The rule (:func:`divergent_ranks`, pure): among the ranks that
+evaluate the same tokens (every rank; under context parallelism those with the same
+context-parallel coordinate, which see the same columns), the consensus is the median of the
+finite probe losses, and a rank is divergent when its probe loss is non-finite or off the
+consensus by more than ``divergence_threshold`` times the consensus's magnitude. A rank whose
+computation or weights went wrong (a replica whose parameters were corrupted, a device that
+computes wrongly) is named; where the ranks split evenly the median is between the halves and
+every rank is named, as no majority says which is right.
+
+What it cannot see: a corrupted FSDP or tensor-parallel shard reaches every rank through the
+all-gather or the tensor-parallel collectives, so every rank computes the same wrong loss (the
+global loss and the non-finite checks see that); and a rank whose own data is wrong computes the
+probe correctly. Under pipeline parallelism there is no check: hp-train's pipeline has no
+forward-only schedule to run the probe through (as for evaluation).
 """
 
 from __future__ import annotations
@@ -28,10 +46,12 @@ __all__ = [
     "LayerNorms",
     "clip_grads_to_norm_",
     "divergent_ranks",
+    "gather_probes",
     "global_grad_norm",
     "layer_of",
     "local_norms",
-    "rank_losses",
+    "probe_batch",
+    "probe_divergences",
     "snapshot",
 ]
 
@@ -102,42 +122,93 @@ def clip_grads_to_norm_(parameters: Iterable[torch.Tensor], norm: float, max_nor
     return factor
 
 
-def rank_losses(local_loss: float) -> list[float]:
-    """Every rank's local loss, in rank order (collective)."""
-    gathered: list[object] = [None] * dist.get_world_size()
-    with watch("all_gather_object (per-rank losses)"):
-        dist.all_gather_object(gathered, local_loss)
-    return [float(v) for v in gathered]  # type: ignore[arg-type]
-
-
 @dataclass(frozen=True)
 class Divergence:
-    """A rank whose local loss is far from the mean over ranks."""
+    """A rank whose probe loss is off the consensus of the ranks that evaluated the same
+    tokens."""
 
     rank: int
     loss: float
-    mean: float
+    consensus: float
+    peers: tuple[int, ...]
 
     def message(self) -> str:
         """A one-line warning."""
         return (
-            f"rank {self.rank} diverges: local loss {self.loss:.6g} vs mean over ranks "
-            f"{self.mean:.6g}"
+            f"rank {self.rank} diverges: its loss on the shared probe batch is {self.loss:.6g}, "
+            f"the consensus (median) of ranks {list(self.peers)} is {self.consensus:.6g}; the "
+            "ranks hold the same parameters and evaluated the same tokens, so this rank's "
+            "weights or computation differ from the others'"
         )
 
 
+def _median(values: Sequence[float]) -> float:
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    if len(ordered) % 2:
+        return ordered[middle]
+    return (ordered[middle - 1] + ordered[middle]) / 2
+
+
 def divergent_ranks(
-    losses: list[float], threshold: float, ranks: Sequence[int] | None = None
+    losses: Sequence[float], threshold: float, ranks: Sequence[int] | None = None
 ) -> list[Divergence]:
-    """Ranks whose loss is non-finite or differs from the mean of the finite ones by more
-    than ``threshold`` times that mean's magnitude. ``ranks`` restricts the comparison to
-    the ranks that compute a loss (under pipelining, the last stage's); default all."""
-    considered = list(range(len(losses))) if ranks is None else list(ranks)
+    """The ranks among ``ranks`` (default: all) whose loss in ``losses`` (indexed by rank,
+    each the loss of the same computation) is non-finite or differs from the median of the
+    finite ones by more than ``threshold`` times that median's magnitude; in rank order.
+    Ranks of ``losses`` outside ``ranks`` are ignored; with no finite loss among ``ranks``
+    there is no consensus and none is named."""
+    considered = tuple(range(len(losses))) if ranks is None else tuple(ranks)
     finite = [losses[r] for r in considered if math.isfinite(losses[r])]
-    mean = sum(finite) / len(finite) if finite else float("nan")
-    out = []
-    for rank in considered:
-        loss = losses[rank]
-        if not math.isfinite(loss) or abs(loss - mean) > threshold * max(abs(mean), 1e-12):
-            out.append(Divergence(rank, loss, mean))
-    return out
+    if not finite:  # no consensus to be off: the non-finite checks report such a step
+        return []
+    consensus = _median(finite)
+    tolerance = threshold * max(abs(consensus), 1e-12)
+    return [
+        Divergence(rank, losses[rank], consensus, considered)
+        for rank in considered
+        if not math.isfinite(losses[rank]) or abs(losses[rank] - consensus) > tolerance
+    ]
+
+
+def probe_divergences(
+    probes: Sequence[float | None], keys: Sequence[int], threshold: float
+) -> list[Divergence]:
+    """:func:`divergent_ranks` within each set of ranks with the same key in ``keys`` (the
+    ranks that evaluated the same tokens), over the ranks with a probe loss (None: none, e.g.
+    a rank outside the check); in rank order."""
+    groups: dict[int, list[int]] = defaultdict(list)
+    for rank, (probe, key) in enumerate(zip(probes, keys, strict=True)):
+        if probe is not None:
+            groups[key].append(rank)
+    values = [math.nan if p is None else p for p in probes]
+    found = [d for ranks in groups.values() for d in divergent_ranks(values, threshold, ranks)]
+    return sorted(found, key=lambda d: d.rank)
+
+
+def probe_batch(
+    vocab_size: int, rows: int, seq_len: int, seed: int, step: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The shared probe batch of ``step``: inputs and next-token targets, ``rows x seq_len``
+    token ids below ``vocab_size`` (int64, on the CPU), the same on every rank and for every
+    call with these arguments; drawn from a generator of its own (no global random state is
+    used or changed)."""
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    tokens = torch.randint(vocab_size, (rows, seq_len + 1), generator=generator)
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+def gather_probes(
+    local_loss: float, probe: float | None, key: int
+) -> tuple[list[float], list[float | None], list[int]]:
+    """Every rank's local training loss, probe loss (None where it evaluated none) and probe
+    key (which tokens it evaluated), each in rank order (collective: one all-gather)."""
+    gathered: list[object] = [None] * dist.get_world_size()
+    with watch("all_gather_object (per-rank and probe losses)"):
+        dist.all_gather_object(gathered, (local_loss, probe, key))
+    rows = [t for t in gathered if isinstance(t, tuple)]
+    return (
+        [float(t[0]) for t in rows],
+        [None if t[1] is None else float(t[1]) for t in rows],
+        [int(t[2]) for t in rows],
+    )

@@ -18,7 +18,11 @@ tag                     value
 ``optim/grad_norm``     global gradient norm before the optimizer step
 ``perf/tokens_per_s``   tokens of the global batch per second of the step
 ``perf/step_time_s``    wall time of the step in seconds
-``memory/peak_mib``     peak device memory in MiB, the largest over the ranks (:func:`peak_mib`)
+``perf/mfu``            model FLOPs utilization (a fraction; :mod:`hp_train.observe.flops`)
+``memory/peak_rss_mib`` CPU: the process's peak resident set in MiB, the largest over the
+                        ranks (:func:`peak_mib`)
+``memory/peak_allocated_mib``  accelerators: the peak memory occupied by tensors in MiB, the
+                        largest over the ranks
 ======================  ========================================================================
 
 Values are stored as TensorBoard scalars (32-bit floats), at the step given to
@@ -43,9 +47,12 @@ __all__ = [
     "EVAL_PERPLEXITY",
     "GRAD_NORM",
     "LR_PREFIX",
+    "MEMORY_TAGS",
+    "MFU",
     "MISSING_TENSORBOARD",
     "MOE_AUX_LOSS",
-    "PEAK_MEMORY_MIB",
+    "PEAK_ALLOCATED_MIB",
+    "PEAK_RSS_MIB",
     "SCALAR_TAGS",
     "STEP_TIME_S",
     "TOKENS_PER_S",
@@ -64,7 +71,13 @@ LR_PREFIX = "optim/lr/"
 GRAD_NORM = "optim/grad_norm"
 TOKENS_PER_S = "perf/tokens_per_s"
 STEP_TIME_S = "perf/step_time_s"
-PEAK_MEMORY_MIB = "memory/peak_mib"
+MFU = "perf/mfu"
+PEAK_RSS_MIB = "memory/peak_rss_mib"
+PEAK_ALLOCATED_MIB = "memory/peak_allocated_mib"
+#: The memory tag of each metrics record key of :data:`hp_train.observe.metrics.MEMORY_LABELS`.
+MEMORY_TAGS: Mapping[str, str] = MappingProxyType(
+    {"peak_rss_bytes": PEAK_RSS_MIB, "peak_allocated_bytes": PEAK_ALLOCATED_MIB}
+)
 
 #: Every fixed tag -> what it holds (the learning rates are ``LR_PREFIX + group``).
 SCALAR_TAGS: Mapping[str, str] = MappingProxyType(
@@ -76,7 +89,9 @@ SCALAR_TAGS: Mapping[str, str] = MappingProxyType(
         GRAD_NORM: "global gradient norm before the optimizer step",
         TOKENS_PER_S: "tokens of the global batch per second of the step",
         STEP_TIME_S: "wall time of the step in seconds",
-        PEAK_MEMORY_MIB: "peak device memory in MiB, the largest over the ranks",
+        MFU: "model FLOPs utilization of the step (a fraction)",
+        PEAK_RSS_MIB: "CPU: peak resident set of the process in MiB, the largest over the ranks",
+        PEAK_ALLOCATED_MIB: "peak memory occupied by tensors in MiB, the largest over the ranks",
     }
 )
 
