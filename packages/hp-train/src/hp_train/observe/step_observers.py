@@ -49,9 +49,9 @@ class StepObservers:
         top operators), none for a step not chosen."""
         lines: list[str] = []
         if self.memory is not None and (figures := self.memory.step_end(step)):
-            lines.append(f"step {step}: memory: {format_memory(figures)}")
+            lines.append(f"step {step}: {format_memory(figures)}")
         if self.profiler is not None and (table := self.profiler.step_end(step)):
-            lines.append(f"step {step}: profile, top operators by self time:\n{table}")
+            lines.append(table)  # titled with its step, rank and trace file
         return lines
 
     def scalars(self, step: int, values: Mapping[str, float | None]) -> None:
