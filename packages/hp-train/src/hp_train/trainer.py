@@ -996,7 +996,8 @@ class Trainer:
             record["probe_losses"] = probes
         for d in probe_divergences(probes, keys, self.config.divergence_threshold):
             if self.is_main and warn:
-                warnings.warn(d.message(), stacklevel=1)
+                # The run's own report, not a warnings.warn that a process-wide filter can hide.
+                self.log.warning("%s", d.message())
         peaks: list[object] = [None] * self.runtime.world_size
         with watch("all_gather_object (peak memory per rank)"):
             dist.all_gather_object(peaks, peak_memory_bytes(self.runtime.device))
