@@ -24,8 +24,14 @@ import pytest
 
 from hp_train.runtime import TIMEOUT_ENV
 
-# torchrun's failure summary entry of rank 0.
-_EXIT_0_IS_5 = re.compile(r"rank\s*:\s*0 \(local_rank: 0\)\s*\n\s*exitcode\s*:\s*5 ")
+# torchrun's failure summary entry of rank 0: the exit code of a failed collective (5), or
+# torchrun's own SIGTERM (-15). torchrun looks at its workers every --monitor-interval and
+# stops the survivors as soon as it sees one dead; rank 0 prints its diagnosis within 0.05 s
+# of the kill and returns 5 at once, but the interpreter's teardown (torch, gloo) takes about
+# 1.2 s more on 2 cores, so a monitor tick in that window (about one run in four, measured)
+# ends it by SIGTERM first. The exit code itself is asserted where no rank is killed
+# (test_fault_timeout.py).
+_EXIT_0 = re.compile(r"rank\s*:\s*0 \(local_rank: 0\)\s*\n\s*exitcode\s*:\s*(5|-15) ")
 ARGS = [
     "--steps", "100000", "--data", "synthetic", "--global-batch", "2", "--seq-len", "8",
     "--quiet", "--threads", "1", "--dp-shard", "2", "--log-every", "1",
@@ -73,4 +79,4 @@ def test_a_killed_rank_is_named_as_exited_in_the_survivors_log(tmp_path: Path) -
     text = output.decode(errors="replace")
     assert "1800 s timeout" not in text
     assert re.search(r"hp-train: .* rank 1 exited while the group was in it", text), text[-3000:]
-    assert _EXIT_0_IS_5.search(text), text[-3000:]
+    assert _EXIT_0.search(text), text[-3000:]
