@@ -327,6 +327,8 @@ def apply_production(root: nn.Module, mesh: DeviceMesh, resolved: ParallelPlan) 
     for planned_module in resolved.modules:
         name, plan = planned_module.name, planned_module.sharding
         module = root.get_submodule(name)
+        if plan.behaviour is not None:
+            plan.behaviour.prepare_production(module, axis_mesh)
         check = _FirstInputCheck(name, plan) if isinstance(module, nn.Linear) else None
         if plan.replaces_forward:
             edges = _install_production_forward(

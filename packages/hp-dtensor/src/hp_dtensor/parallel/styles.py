@@ -81,6 +81,13 @@ class ParallelStyle(ABC):
         is the 1-d mesh of the parallel axis; ``coordinate`` this rank's place on it."""
         return None
 
+    def prepare_production(self, module: nn.Module, axis_mesh: DeviceMesh) -> None:
+        """Called once ``module``'s parameters are this rank's local pieces (production mode),
+        before any forward: a style tells a module that computes differently when split
+        (:class:`~hp_dtensor.parallel.local_forwards.SplitAwareLinear`) how it is split. No-op
+        by default."""
+        del module, axis_mesh  # the default has nothing to tell
+
     def production_output_is_fresh(self, module: nn.Module) -> bool:
         """Whether the production forward returns tensors that nothing else holds (results
         of its own last op, not an input, a parameter or a view): the output boundary may then
@@ -141,6 +148,17 @@ def _refuse(style: str, module: nn.Module, name: str, supported: str) -> PlanErr
     )
 
 
+def _refuse_split_aware_validation(module: nn.Module, style: str) -> None:
+    """Validation mode runs a module's own forward on DTensors; a linear computing its own
+    product (an FP8 linear) runs on local pieces only, as production mode gives them."""
+    if isinstance(module, local_forwards.SplitAwareLinear):
+        raise PlanError(
+            f"{style} cannot run {type(module).__name__} in validation mode: it computes its "
+            "own product (e.g. in FP8) on plain local pieces, not on DTensors; use "
+            "mode='production'"
+        )
+
+
 def _own_params(module: nn.Module) -> list[str]:
     return [n for n, _ in module.named_parameters(recurse=False)]
 
@@ -179,6 +197,15 @@ class ColwiseParallel(ParallelStyle):
             use_local_output=self.use_local_output,
             style="ColwiseParallel",
         )
+
+    def prepare_production(self, module: nn.Module, axis_mesh: DeviceMesh) -> None:
+        if isinstance(module, nn.Linear):
+            local_forwards.announce_linear_split(module, 0, axis_mesh)
+
+    def install_validation_forward(
+        self, module: nn.Module, sharding: ShardingPlan, mesh: DeviceMesh, axis: str
+    ) -> None:
+        _refuse_split_aware_validation(module, "ColwiseParallel")
 
 
 def _embedding_option_set(module: nn.Embedding, option: str) -> bool:
@@ -250,12 +277,22 @@ class RowwiseParallel(ParallelStyle):
         self, module: nn.Module, sharding: ShardingPlan, axis_mesh: DeviceMesh, coordinate: int
     ) -> Callable[..., Any] | None:
         if isinstance(module, nn.Linear):
-            return local_forwards.rowwise_linear_forward(coordinate)
+            own = isinstance(module, local_forwards.SplitAwareLinear)
+            return local_forwards.rowwise_linear_forward(coordinate, own_product=own)
         embedding = cast(nn.Embedding, module)  # lower() admits nothing else
         shape = (embedding.num_embeddings, embedding.embedding_dim)
         layout = Layout(shape, axis_mesh.mesh, [Shard(0)])
         (start, stop), _ = layout.local_region(axis_mesh.get_rank()).box
         return local_forwards.vocab_parallel_embedding_forward(start, stop)
+
+    def prepare_production(self, module: nn.Module, axis_mesh: DeviceMesh) -> None:
+        if isinstance(module, nn.Linear):
+            local_forwards.announce_linear_split(module, 1, axis_mesh)
+
+    def install_validation_forward(
+        self, module: nn.Module, sharding: ShardingPlan, mesh: DeviceMesh, axis: str
+    ) -> None:
+        _refuse_split_aware_validation(module, "RowwiseParallel")
 
     def production_output_is_fresh(self, module: nn.Module) -> bool:
         # Both production forwards end in an op of their own (a linear, a masked fill).

@@ -17,6 +17,8 @@ Scale convention everywhere: the stored scale multiplies, ``x ~= data.float() * 
 * :mod:`~hp_kernels.float8.scaling` / :mod:`~hp_kernels.float8.linear`:
   :class:`Float8LinearConfig` (dynamic or delayed scaling, tensorwise or blockwise),
   :class:`Float8Linear` and :func:`convert_to_float8`.
+* :mod:`~hp_kernels.float8.tensor_parallel`: :class:`TensorParallelSplit`, the scales of a
+  column- or row-parallel Float8Linear's pieces reduced over the group (one rank's values).
 """
 
 from hp_kernels.float8.bounds import matmul_error_bound
@@ -40,6 +42,7 @@ from hp_kernels.float8.scaling import (
     delayed_scale,
     push_amax,
 )
+from hp_kernels.float8.tensor_parallel import TensorParallelSplit
 
 __all__ = [
     "Float8Format",
@@ -47,6 +50,7 @@ __all__ = [
     "Float8LinearConfig",
     "ScalingGranularity",
     "ScalingType",
+    "TensorParallelSplit",
     "convert_to_float8",
     "delayed_scale",
     "dequantize_blockwise",

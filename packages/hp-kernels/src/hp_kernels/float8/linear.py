@@ -14,15 +14,23 @@ of that dtype; the output has the input's dtype. Autocast is not consulted.
 
 Pre-quantized weights (for an FP8 parameter all-gather): see
 :meth:`Float8Linear.set_prequantized_weight`.
+
+Tensor parallelism: shapes follow ``self.weight`` (a piece of the whole under a
+column- or row-parallel plan, ``in_features``/``out_features`` staying the whole's), and
+:meth:`Float8Linear.set_tensor_parallel` makes the scales of the split operands those of the
+whole tensor (:mod:`hp_kernels.float8.tensor_parallel`), so each rank quantizes its piece
+exactly as one rank quantizes the whole; :meth:`Float8Linear.linear_with_bias` is the product
+with a bias of the caller's (a row-parallel executor adds the bias on one rank).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from hp_kernels.float8.formats import Float8Format
@@ -38,6 +46,12 @@ from hp_kernels.float8.scaling import (
     ScalingType,
     delayed_scale,
     push_amax,
+)
+from hp_kernels.float8.tensor_parallel import (
+    TensorParallelSplit,
+    quantize_split_blockwise,
+    quantize_split_tensorwise,
+    reduce_amax,
 )
 
 __all__ = ["Float8Linear", "convert_to_float8"]
@@ -94,17 +108,27 @@ def _quantize(
     block: tuple[int, int] | None,
     scaling: ScalingType,
     history: Tensor | None,
+    split: tuple[TensorParallelSplit, int] | None = None,
 ) -> _Operand:
-    """Quantize a 2-d tensor per the config; a delayed history is used, then updated."""
+    """Quantize a 2-d tensor per the config; a delayed history is used, then updated.
+    ``split``: the tensor is this rank's piece along the given dim, scaled as the whole."""
     t = t.detach()
     if block is not None:
+        if split is not None:
+            data, scales, shape = quantize_split_blockwise(t, fmt, block, split[1], split[0])
+            return _Operand(data, scales, shape)
         data, scales = quantize_blockwise_2d(t, fmt, block)
         return _Operand(data, scales, block)
     if scaling is ScalingType.DYNAMIC:
-        data, scale = quantize_tensorwise(t, fmt)
+        if split is not None:
+            data, scale = quantize_split_tensorwise(t, fmt, split[0])
+        else:
+            data, scale = quantize_tensorwise(t, fmt)
         return _Operand(data, scale, None)
     assert history is not None  # buffers exist whenever a tensor uses delayed scaling
     amax = t.abs().amax().float() if t.numel() else t.new_zeros((), dtype=torch.float32)
+    if split is not None:
+        amax = reduce_amax(amax, split[0])
     scale = delayed_scale(history, amax, fmt)
     data, scale = quantize_tensorwise(t, fmt, scale)
     push_amax(history, amax)
@@ -139,6 +163,7 @@ class _Float8MatmulFn(torch.autograd.Function):
             (1, b) if blockwise else None,
             cfg.input_scaling,
             module._history("amax_history_input"),
+            module._split_of("input"),
         )
         if w_op is None:
             w_op = _quantize(
@@ -147,6 +172,7 @@ class _Float8MatmulFn(torch.autograd.Function):
                 (b, b) if blockwise else None,
                 cfg.weight_scaling,
                 module._history("amax_history_weight"),
+                module._split_of("weight"),
             )
         # Through save_for_backward, so saved-tensor hooks (offload, checkpoint) see the FP8
         # copies; only the block shapes ride on ctx.
@@ -172,6 +198,7 @@ class _Float8MatmulFn(torch.autograd.Function):
             (1, cfg.block_size) if blockwise else None,
             cfg.grad_output_scaling,
             module._history("amax_history_grad_output"),
+            module._split_of("grad_output"),
         )
         x_data, x_scale, w_data, w_scale = ctx.saved_tensors
         x_op = _Operand(x_data, x_scale, ctx.blocks[0])
@@ -219,6 +246,7 @@ class Float8Linear(nn.Linear):
         if not isinstance(self.config, Float8LinearConfig):
             raise TypeError(f"config must be a Float8LinearConfig, got {self.config!r}")
         self._prequantized: _Prequantized | None = None
+        self._tp_split: TensorParallelSplit | None = None
         kinds = (
             self.config.input_scaling,
             self.config.weight_scaling,
@@ -232,6 +260,59 @@ class Float8Linear(nn.Linear):
     def _history(self, name: str) -> Tensor | None:
         history = self._buffers.get(name)
         return history
+
+    def set_tensor_parallel(
+        self,
+        group: Any,
+        dim: int,
+        bounds: Sequence[tuple[int, int]],
+        index: int,
+        reduce_max: Callable[[Tensor], None],
+    ) -> None:
+        """Declare that ``self.weight`` now holds piece ``bounds[index]`` of the whole weight
+        along ``dim`` (0: output features, column-parallel; 1: input features, row-parallel),
+        the pieces of all ranks of ``group`` being ``bounds`` in group-rank order.
+
+        Afterwards every call quantizes the weight, and the activation split with it (dim 0:
+        grad_output; dim 1: input), with the scales the whole tensor gets on one rank (see
+        :mod:`hp_kernels.float8.tensor_parallel`): the quantized values of each piece are
+        exactly one rank's. Every call is then collective over ``group`` (all its ranks call
+        the module's forward and backward in the same order). A tensor-parallel executor calls
+        this once it has replaced the weight by the local piece; ``group=None`` is the default
+        process group. ``reduce_max`` replaces a float32 tensor in place by its element-wise max
+        over ``group`` (the amax reduction; an executor passes one its watchdog names).
+
+        Raises:
+            ValueError: ``dim`` not 0 or 1; ``bounds`` not contiguous pieces from 0 covering
+                the whole weight's ``in`` or ``out`` features; ``index`` not in ``bounds``;
+                ``index`` differing from this rank's rank in ``group``.
+        """
+        pieces = tuple((int(a), int(b)) for a, b in bounds)
+        split = TensorParallelSplit(group, dim, pieces, index, reduce_max)
+        if dist.is_initialized() and dist.get_rank(group) != index:
+            raise ValueError(
+                f"index {index} is not this rank's rank {dist.get_rank(group)} in the group; "
+                "bounds must be given in group-rank order"
+            )
+        whole = self.out_features if dim == 0 else self.in_features
+        if split.extent != whole:
+            raise ValueError(
+                f"bounds {split.bounds} cover {split.extent} features along dim {dim}, the "
+                f"linear has {whole}"
+            )
+        self._tp_split = split
+
+    @property
+    def tensor_parallel_split(self) -> TensorParallelSplit | None:
+        """The split :meth:`set_tensor_parallel` declared, or None (the weight is whole)."""
+        return self._tp_split
+
+    def _split_of(self, operand: str) -> tuple[TensorParallelSplit, int] | None:
+        """The split of ``operand`` and its split dim (in its 2-d form), or None."""
+        split = self._tp_split
+        if split is None or not split.splits(operand):
+            return None
+        return split, (split.dim if operand == "weight" else 1)
 
     @classmethod
     def from_float(
@@ -272,7 +353,8 @@ class Float8Linear(nn.Linear):
           consumes it in its first call.
 
         Args:
-            data: FP8 (e4m3fn or e5m2) tensor, shape ``[out, in]`` or flat ``[out * in]``.
+            data: FP8 (e4m3fn or e5m2) tensor of ``self.weight``'s shape (under tensor
+                parallelism its local piece), or flat.
             scales: with ``block_size=None``, one tensorwise scale; otherwise the scales of
                 :func:`~hp_kernels.float8.quantize_blockwise` over the row-major flattened
                 weight (blocks start at flat offset 0; a sharded quantizer must therefore use
@@ -305,12 +387,13 @@ class Float8Linear(nn.Linear):
         pre, self._prequantized = self._prequantized, None
         if pre is None:
             return None
-        shape = (self.out_features, self.in_features)
+        # The weight's own shape: under tensor parallelism a piece of the whole.
+        shape = (self.weight.shape[0], self.weight.shape[1])
         if pre.block_size is None:
             return _Operand(pre.data.reshape(shape), pre.scales.reshape(()), None)
-        if self.in_features % pre.block_size == 0:
+        if shape[1] % pre.block_size == 0:
             # Flat blocks that never straddle a row are exactly (1, block) tiles.
-            scales = pre.scales.reshape(self.out_features, -1)
+            scales = pre.scales.reshape(shape[0], -1)
             return _Operand(pre.data.reshape(shape), scales, (1, pre.block_size))
         dense = dequantize_blockwise(
             pre.data.reshape(-1), pre.scales.reshape(-1), pre.block_size, torch.float32
@@ -318,19 +401,36 @@ class Float8Linear(nn.Linear):
         return _Operand(dense.reshape(shape), dense.new_ones(()), None)
 
     def forward(self, input: Tensor) -> Tensor:
-        if input.shape[-1] != self.in_features:
+        return self.linear_with_bias(input, self.bias)
+
+    def linear_with_bias(self, input: Tensor, bias: Tensor | None) -> Tensor:
+        """``input @ self.weight^T + bias`` in FP8, with ``bias`` (``[weight rows]`` or None)
+        in place of ``self.bias``: what a row-parallel executor calls so that the bias is
+        counted on one rank only. Shapes follow ``self.weight``, which under tensor
+        parallelism is this rank's piece (``input [..., weight cols] -> [..., weight rows]``).
+        """
+        rows, cols = self.weight.shape
+        split = self._tp_split
+        if split is not None and self.weight.shape[split.dim] != split.length:
             raise ValueError(
-                f"Float8Linear expects input [..., {self.in_features}], got {tuple(input.shape)}"
+                f"the weight is {rows}x{cols} but set_tensor_parallel gave this rank the piece "
+                f"{split.bounds[split.index]} of dim {split.dim}; declare the split again after "
+                "re-splitting the weight"
+            )
+        if input.shape[-1] != cols:
+            raise ValueError(
+                f"Float8Linear expects input [..., {cols}] (its weight is {rows}x{cols}), got "
+                f"{tuple(input.shape)}"
             )
         lead = input.shape[:-1]
         out: Tensor = _Float8MatmulFn.apply(  # type: ignore[no-untyped-call]
-            input.reshape(-1, self.in_features),
+            input.reshape(-1, cols),
             self.weight,
-            self.bias,
+            bias,
             self,
             self._take_prequantized(),
         )
-        return out.reshape(*lead, self.out_features)
+        return out.reshape(*lead, rows)
 
     def extra_repr(self) -> str:
         c = self.config
