@@ -186,13 +186,19 @@ class ChainedOptimizer(Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        """Evaluate ``closure`` once (with grad), then step every optimizer in order."""
+        """Evaluate ``closure`` once (with grad), then step, in order, every optimizer that has
+        a parameter in its groups. One whose groups are all empty is not stepped: it has
+        nothing to update, and a wrapper stepping the chain in parts (``hp_offload``'s
+        ``OffloadedOptimizer``, a bucket at a time) empties a joint member's groups in every
+        part but the one that steps it whole, where a step with no parameters would still
+        overwrite its last-step statistics and check its plan against nothing."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         for o in self.optimizers:
-            o.step()
+            if any(g["params"] for g in o.param_groups):
+                o.step()
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -28,7 +28,7 @@ import math
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, ClassVar, cast
 
 import torch
 import torch.distributed as dist
@@ -253,7 +253,13 @@ class Muon(Optimizer):
             micro-batch.
         skipped_steps: steps skipped for a non-finite gradient (``nonfinite="skip"``) since
             construction; not part of the state dict.
+        steps_jointly: True (class attribute): a step couples its parameters (one exchange
+            over every matrix with a gradient, entered by every rank of the process group),
+            so a wrapper that steps parameters in parts must hand it all of them in one call
+            (``hp_offload.OffloadedOptimizer`` reads this attribute).
     """
+
+    steps_jointly: ClassVar[bool] = True
 
     def __init__(
         self,

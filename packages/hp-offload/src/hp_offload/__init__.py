@@ -4,7 +4,7 @@ with hp-fsdp, hp-dtensor or plain torch modules through public module hooks."""
 
 from hp_offload.checkpoint import checkpoint_wrapper
 from hp_offload.memory import ActivationMeter
-from hp_offload.optimizer import OffloadedOptimizer, OffloadStepStats
+from hp_offload.optimizer import JOINT_STEP_ATTRIBUTE, OffloadedOptimizer, OffloadStepStats
 from hp_offload.params import ParameterOffload, offload_parameters
 from hp_offload.policy import FULL_RECOMPUTE, ActivationPolicy, BudgetPolicy
 from hp_offload.pool import PoolBrokenError, TensorPool
@@ -15,6 +15,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "FULL_RECOMPUTE",
+    "JOINT_STEP_ATTRIBUTE",
     "ActivationMeter",
     "ActivationPolicy",
     "BudgetPolicy",

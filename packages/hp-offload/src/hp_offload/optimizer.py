@@ -9,7 +9,9 @@ Optionally the wrapper also keeps fp32 master copies of low-precision parameters
 How a step runs (generic over optimizers, no knowledge of their update rule):
 
 1. The parameters that have a gradient are split, in ``param_groups`` order, into buckets of
-   about ``bucket_bytes`` host bytes each (:func:`hp_offload.buckets.plan_buckets`).
+   about ``bucket_bytes`` host bytes each (:func:`hp_offload.buckets.plan_buckets`). The
+   parameters of an optimizer that steps jointly (see below) are one indivisible item of the
+   split, whatever its size: they go to the device together and are stepped in one call.
 2. Pipeline, on a side stream (:class:`hp_offload.streams.Transfers`): prefetch bucket n+1
    to the device, update bucket n, write bucket n back to the host while n+1 updates, and
    release bucket n-1's device buffers. Event log per step: ``("prefetch", n)``,
@@ -23,11 +25,30 @@ How a step runs (generic over optimizers, no knowledge of their update rule):
    to an unwrapped step for optimizers whose update of a parameter depends only on that
    parameter's gradient and state (AdamW, SGD, Adam, torch.optim.Muon, ...).
 
+Joint steps. An optimizer whose update couples its parameters declares it with a true class
+(or instance) attribute :data:`JOINT_STEP_ATTRIBUTE` (``steps_jointly``): hp-muon's distributed
+``Muon`` does, since one step orthogonalizes every matrix in one exchange that every rank of
+its process group enters with the same parameters. Its parameters with a gradient then form one
+bucket, in which its groups are passed whole (parameters without a gradient included, so its
+own indexing is unchanged), and it is stepped exactly once per :meth:`OffloadedOptimizer.step`
+(when any of its parameters has a gradient), on every rank alike whatever ``bucket_bytes`` and
+the local shard sizes are. A chain of optimizers (an optimizer with an ``optimizers`` attribute
+listing members whose groups are its own and whose state its ``state`` merges, such as
+``hp_muon.ChainedOptimizer``) is looked into: its joint members step whole, the others bucket
+by bucket. The chain must not step a member whose groups are all empty
+(``hp_muon.ChainedOptimizer`` does not), since in the other buckets the joint member's groups
+are narrowed to nothing. The joint bucket's state is on the device all at once during its
+update (:attr:`OffloadStepStats.largest_bucket_bytes`); between steps it is on the host like
+the rest.
+
 Consequences worth knowing: optimizer step hooks run once per bucket; optimizers whose update
-couples parameters (a global norm computed inside ``step``) see one bucket at a time and are
-not supported; ``step(closure)`` is refused (the closure would run once per bucket); LBFGS is
-refused. ``step`` returns with the host state complete (it synchronizes on the last
-write-back).
+couples parameters (a global norm computed inside ``step``) and that do not declare it see one
+bucket at a time and are not supported; ``step(closure)`` is refused (the closure would run
+once per bucket); LBFGS is refused. ``step`` returns with the host state complete (it
+synchronizes on the last write-back); when the wrapped step raises, the state it had not
+changed is back on the host and pending copies are finished before the error propagates.
+A plain state tensor's Python attributes (a sharder's layout annotation) carry over to its
+host and device copies.
 """
 
 from __future__ import annotations
@@ -43,10 +64,14 @@ from torch import nn
 from hp_offload.buckets import plan_buckets
 from hp_offload.streams import CopyEvent, Transfers
 
-__all__ = ["MASTER_PARAMS_KEY", "OffloadStepStats", "OffloadedOptimizer"]
+__all__ = ["JOINT_STEP_ATTRIBUTE", "MASTER_PARAMS_KEY", "OffloadStepStats", "OffloadedOptimizer"]
 
 #: Extra top-level key of :meth:`OffloadedOptimizer.state_dict` holding the fp32 masters.
 MASTER_PARAMS_KEY = "offload_master_params"
+
+#: The attribute by which an optimizer declares that its step couples its parameters and must
+#: see all of them in one call (see the module docstring).
+JOINT_STEP_ATTRIBUTE = "steps_jointly"
 
 _DEFAULT_BUCKET_BYTES = 64 * 2**20
 
@@ -59,15 +84,47 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def _carry_attributes(src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
+    """``dst`` with ``src``'s Python attributes (a plain tensor's layout annotation: optimizer
+    state is laid out like its parameter, and a copy must not lose what says so)."""
+    if type(src) is torch.Tensor and type(dst) is torch.Tensor and src.__dict__:
+        dst.__dict__.update(src.__dict__)
+    return dst
+
+
 @dataclass(frozen=True)
 class OffloadStepStats:
-    """What one :meth:`OffloadedOptimizer.step` moved."""
+    """What one :meth:`OffloadedOptimizer.step` moved.
+
+    Attributes:
+        buckets: buckets of the step (a joint optimizer's parameters count as one bucket).
+        h2d_copies: host-to-device copies.
+        h2d_bytes: bytes copied host to device.
+        d2h_copies: device-to-host copies.
+        d2h_bytes: bytes copied device to host.
+        largest_bucket_bytes: the most bytes one bucket brought to the device: about the
+            device memory the step's state needs at once, two buckets overlapping in the
+            pipeline aside (a joint optimizer's whole state where it has one).
+        joint_steps: calls of the wrapped step that stepped a joint optimizer whole (one per
+            joint optimizer with a gradient).
+    """
 
     buckets: int
     h2d_copies: int
     h2d_bytes: int
     d2h_copies: int
     d2h_bytes: int
+    largest_bucket_bytes: int = 0
+    joint_steps: int = 0
+
+
+@dataclass
+class _Planned:
+    """A bucket's parameters and the joint optimizers (indices into the step's
+    :meth:`OffloadedOptimizer._joint_parts`) stepped whole with it."""
+
+    params: list[nn.Parameter]
+    joint: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -75,6 +132,9 @@ class _Bucket:
     index: int
     params: list[nn.Parameter]
     ready: CopyEvent
+    nbytes: int = 0  # bytes brought to the device
+    whole: set[int] = field(default_factory=set)  # ids of the groups stepped whole
+    joint: int = 0  # joint optimizers stepped whole in this bucket
     state: dict[nn.Parameter, dict[str, torch.Tensor]] = field(default_factory=dict)
     data: dict[nn.Parameter, torch.Tensor] = field(default_factory=dict)
     grad: dict[nn.Parameter, torch.Tensor] = field(default_factory=dict)
@@ -102,8 +162,10 @@ class OffloadedOptimizer:
     with a dimension is a host tensor (pinned on accelerators); masters equal the last update.
 
     Raises:
-        TypeError: ``optimizer`` is not an Optimizer, or is LBFGS.
-        ValueError: parameters on several devices, parameters neither on ``device`` nor on the
+        TypeError: ``optimizer`` is not an Optimizer, or is LBFGS; a chain's ``optimizers``
+            holds a non-optimizer; a ``steps_jointly`` that is not a bool.
+        ValueError: a joint member of a chain whose groups are not the chain's, parameters on
+            several devices, parameters neither on ``device`` nor on the
             host, ``stream_parameters`` contradicting where parameters are, non-floating
             parameters with ``master_params``, a non-positive ``bucket_bytes``.
     """
@@ -132,6 +194,7 @@ class OffloadedOptimizer:
         params = self._params()
         if not params:
             raise ValueError("the optimizer has no parameters")
+        self._joint_parts()  # a malformed chain is refused here rather than at the first step
         devices = {p.device for p in params}
         if len(devices) > 1:
             raise ValueError(
@@ -215,33 +278,55 @@ class OffloadedOptimizer:
             assert p.grad is not None
             if p.grad.is_sparse:
                 raise ValueError(f"sparse gradients are not supported (parameter {tuple(p.shape)})")
-        buckets = plan_buckets(
-            [(i, self._bucket_nbytes(p)) for i, p in enumerate(live)], self.bucket_bytes
-        )
+        joint = self._joint_parts()
+        buckets = self._plan(live, joint)
         stats = self.transfers.stats
         stats.reset()
         self.event_log = []
+        largest, joint_steps = self._pipeline(buckets, joint)
+        self.last_step_stats = OffloadStepStats(
+            buckets=len(buckets),
+            h2d_copies=stats.h2d_copies,
+            h2d_bytes=stats.h2d_bytes,
+            d2h_copies=stats.d2h_copies,
+            d2h_bytes=stats.d2h_bytes,
+            largest_bucket_bytes=largest,
+            joint_steps=joint_steps,
+        )
+
+    def _pipeline(
+        self, buckets: list[_Planned], joint: list[list[dict[str, Any]]]
+    ) -> tuple[int, int]:
+        """Prefetch n+1, update n, release n-1; returns the most bytes one bucket brought to the
+        device and the joint steps taken. On an error, the copies in flight finish before it
+        propagates (their device buffers must outlive them)."""
+        largest = joint_steps = 0
         previous: _Bucket | None = None
-        upcoming = self._prefetch(0, [live[i] for i in buckets[0]]) if buckets else None
-        for n in range(len(buckets)):
-            current = upcoming
-            assert current is not None
-            upcoming = (
-                self._prefetch(n + 1, [live[i] for i in buckets[n + 1]])
-                if n + 1 < len(buckets)
-                else None
-            )
-            self._update(current)
-            if previous is not None:
-                self._release(previous)
-            previous = current
+        upcoming = self._prefetch(0, buckets[0], joint) if buckets else None
+        try:
+            for n in range(len(buckets)):
+                current = upcoming
+                assert current is not None
+                upcoming = (
+                    self._prefetch(n + 1, buckets[n + 1], joint) if n + 1 < len(buckets) else None
+                )
+                self._update(current)
+                largest = max(largest, current.nbytes)
+                joint_steps += current.joint
+                if previous is not None:
+                    self._release(previous)
+                previous = current
+        except BaseException:
+            if previous is not None and previous.written is not None:
+                previous.written.synchronize()
+            if upcoming is not None:
+                upcoming.ready.synchronize()
+            raise
         if previous is not None:
             self._release(previous)
             assert previous.written is not None
             previous.written.synchronize()
-        self.last_step_stats = OffloadStepStats(
-            len(buckets), stats.h2d_copies, stats.h2d_bytes, stats.d2h_copies, stats.d2h_bytes
-        )
+        return largest, joint_steps
 
     def state_dict(self) -> dict[str, Any]:
         """The wrapped optimizer's ``state_dict()`` (same format, host tensors), plus, with
@@ -298,6 +383,76 @@ class OffloadedOptimizer:
     def _params(self) -> list[nn.Parameter]:
         return [p for g in self.optimizer.param_groups for p in g["params"]]
 
+    def _joint_parts(self) -> list[list[dict[str, Any]]]:
+        """The param groups of each optimizer that steps jointly: the wrapped one, or the
+        members of a chain (an ``optimizers`` attribute), in order.
+
+        Raises:
+            TypeError: a chain's ``optimizers`` holds something other than optimizers, or a
+                :data:`JOINT_STEP_ATTRIBUTE` is not a bool.
+            ValueError: a joint member's groups are not the chain's own group dicts, or a
+                member's state is missing from the chain's.
+        """
+        chained = getattr(self.optimizer, "optimizers", None)
+        parts = [self.optimizer] if chained is None else list(chained)
+        wrong = [type(o).__name__ for o in parts if not isinstance(o, torch.optim.Optimizer)]
+        if wrong:
+            raise TypeError(
+                f"{type(self.optimizer).__name__}.optimizers is taken as a chain of optimizers "
+                f"and must hold torch.optim.Optimizer instances, found {wrong}"
+            )
+        own = {id(g) for g in self.optimizer.param_groups}
+        for part in parts if chained is not None else ():
+            if any(p not in self.optimizer.state for p in part.state):
+                raise ValueError(
+                    f"{type(self.optimizer).__name__}.state lacks the state of its member "
+                    f"{type(part).__name__}: a chain's state must be its members' state merged "
+                    "(as hp_muon.ChainedOptimizer's is), or the wrapper cannot offload it"
+                )
+        joint: list[list[dict[str, Any]]] = []
+        for part in parts:
+            flag = getattr(part, JOINT_STEP_ATTRIBUTE, False)
+            if not isinstance(flag, bool):
+                raise TypeError(
+                    f"{type(part).__name__}.{JOINT_STEP_ATTRIBUTE} must be a bool, got {flag!r}"
+                )
+            if not flag:
+                continue
+            if any(id(g) not in own for g in part.param_groups):
+                raise ValueError(
+                    f"{type(part).__name__} steps jointly but its param groups are not "
+                    f"{type(self.optimizer).__name__}'s own group dicts: the wrapper hands it "
+                    "its whole groups by setting the chain's, so a chain must list its members' "
+                    "very group dicts (as hp_muon.ChainedOptimizer does)"
+                )
+            joint.append(list(part.param_groups))
+        return joint
+
+    def _plan(self, live: list[nn.Parameter], joint: list[list[dict[str, Any]]]) -> list[_Planned]:
+        """``live`` in buckets of about :attr:`bucket_bytes`; each joint optimizer's parameters
+        are one item, placed where its first one is."""
+        part_of = {id(p): k for k, groups in enumerate(joint) for g in groups for p in g["params"]}
+        items: list[tuple[_Planned, int]] = []
+        first: dict[int, int] = {}
+        for p in live:
+            nbytes = self._bucket_nbytes(p)
+            k = part_of.get(id(p))
+            if k is None:
+                items.append((_Planned([p]), nbytes))
+                continue
+            if k not in first:
+                first[k] = len(items)
+                items.append((_Planned([], [k]), 0))
+            planned, size = items[first[k]]
+            planned.params.append(p)
+            items[first[k]] = (planned, size + nbytes)
+        return [
+            _Planned(
+                [p for item in bucket for p in item.params], [k for i in bucket for k in i.joint]
+            )
+            for bucket in plan_buckets(items, self.bucket_bytes)
+        ]
+
     def _ensure_masters(self) -> None:
         if not self.master_params:
             return
@@ -312,7 +467,7 @@ class OffloadedOptimizer:
                 if _offloadable(value) and (
                     value.device != t.host or (t.pin and not value.is_pinned())
                 ):
-                    state[key] = t.to_host_copy(value)
+                    state[key] = _carry_attributes(value, t.to_host_copy(value))
 
     @contextmanager
     def _stand_ins(self, params: list[nn.Parameter]) -> Iterator[None]:
@@ -342,8 +497,11 @@ class OffloadedOptimizer:
             nbytes += _nbytes(p) + _nbytes(p.grad)
         return nbytes
 
-    def _prefetch(self, index: int, params: list[nn.Parameter]) -> _Bucket:
+    def _prefetch(
+        self, index: int, planned: _Planned, joint: list[list[dict[str, Any]]]
+    ) -> _Bucket:
         t = self.transfers
+        params = planned.params
         sources: list[torch.Tensor] = []
         slots: list[tuple[str, nn.Parameter, str]] = []
         for p in params:
@@ -368,10 +526,12 @@ class OffloadedOptimizer:
                 sources.append(p.grad)
                 slots.append(("grad", p, ""))
         copies, ready = t.h2d(sources)
-        bucket = _Bucket(index, params, ready)
-        for (kind, p, key), dev in zip(slots, copies, strict=True):
+        whole = {id(g) for k in planned.joint for g in joint[k]}
+        nbytes = sum(_nbytes(src) for src in sources)
+        bucket = _Bucket(index, params, ready, nbytes, whole, len(planned.joint))
+        for (kind, p, key), src, dev in zip(slots, sources, copies, strict=True):
             if kind == "state":
-                bucket.state.setdefault(p, {})[key] = dev
+                bucket.state.setdefault(p, {})[key] = _carry_attributes(src, dev)
             elif kind == "data":
                 bucket.data[p] = dev
             else:
@@ -403,9 +563,16 @@ class OffloadedOptimizer:
                     p.data = bucket.data.get(p, p.data)
                     p.grad = grad
             for g, ps in zip(groups, full, strict=True):
-                g["params"] = [p for p in ps if p in members]
+                # A joint optimizer's groups go whole: its step indexes every parameter.
+                g["params"] = ps if id(g) in bucket.whole else [p for p in ps if p in members]
             self.event_log.append(("update", bucket.index))
             self.optimizer.step()
+        except BaseException:
+            # The state as it was before the bucket, on the host (the failed step's device
+            # copies are dropped).
+            for p, old in host_state.items():
+                self.optimizer.state[p].update(old)
+            raise
         finally:
             for g, ps in zip(groups, full, strict=True):
                 g["params"] = ps
@@ -428,7 +595,7 @@ class OffloadedOptimizer:
                     continue
                 host = old.get(key)
                 if host is None or host.shape != dev.shape or host.dtype != dev.dtype:
-                    host = t.host_empty_like(dev)
+                    host = _carry_attributes(dev, t.host_empty_like(dev))
                 pairs.append((dev, host))
                 state[key] = host
             if p in bucket.data:
