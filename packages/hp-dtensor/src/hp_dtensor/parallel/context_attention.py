@@ -37,6 +37,7 @@ from torch import nn
 
 from hp_dtensor.collectives import _apply, all_to_all, ring_shift
 from hp_dtensor.device_mesh import DeviceMesh
+from hp_dtensor.parallel._eager import eager_under_compile
 from hp_dtensor.parallel.context_plan import (
     BlockKind,
     ContextParallelError,
@@ -226,6 +227,7 @@ _VARIANTS: dict[str, Callable[..., torch.Tensor]] = {
 }
 
 
+@eager_under_compile
 def context_parallel_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -234,7 +236,13 @@ def context_parallel_attention(
     axis: str,
     plan: ContextParallelPlan,
 ) -> torch.Tensor:
-    """Run ``plan.variant`` on this rank's local shards (both modes call this)."""
+    """Run ``plan.variant`` on this rank's local shards (both modes call this).
+
+    Always eager, also inside code ``torch.compile`` traces (one graph break there): the
+    ring's point-to-point shifts cannot be traced, and they sit inside the loop over ring
+    steps, where a graph cannot resume; Ulysses' all-to-alls go through the process group's
+    own calls as well.
+    """
     return _VARIANTS[plan.variant](q, k, v, mesh, axis, balanced=plan.balanced, scale=plan.scale)
 
 

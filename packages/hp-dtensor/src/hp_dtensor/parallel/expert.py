@@ -47,15 +47,24 @@ from hp_dtensor.collectives import _apply, all_reduce, all_to_all_rows
 from hp_dtensor.device_mesh import DeviceMesh
 from hp_dtensor.dtensor import DTensor
 from hp_dtensor.interop import layout_of
+from hp_dtensor.parallel._eager import eager_under_compile
 from hp_dtensor.parallel._region import _PartialToExact as _CopyToTp
 from hp_dtensor.parallel.expert_module import ExpertModule, expert_module_of
-from hp_dtensor.parallel.moe_ops import combine, grouped_swiglu, route, sort_by_expert, swiglu
+from hp_dtensor.parallel.moe_ops import (
+    Routing,
+    combine,
+    grouped_swiglu,
+    route,
+    sort_by_expert,
+    swiglu,
+)
 from hp_dtensor.parallel.plan import PlanError
 from hp_layout import Layout, ReduceOp, Shard
 
 __all__ = [
     "DispatchPlan",
     "TpConvention",
+    "exchange_through_experts",
     "expert_parallel_forward",
     "install_validation_forward",
     "plan_dispatch",
@@ -182,6 +191,11 @@ def run_expert_parallel(
     their local tensors). Returns this rank's output (plain, ``x``'s shape): the single-device
     output of these tokens. Sets ``moe.last_counts`` (global counts) and ``moe.last_aux_loss``
     (this rank's term). Collective over ``ep_axis`` (and ``tp_axis``).
+
+    Under ``torch.compile`` the routing before the exchange and the combine after it (every
+    shape there fixed by the token count) are traced; :func:`exchange_through_experts`, whose
+    sizes are known only once the counts are exchanged, runs eager between them: one graph
+    break per traced forward.
     """
     tokens = x.reshape(-1, moe.dim)
     router = moe.router
@@ -195,6 +209,39 @@ def run_expert_parallel(
         normalize=router.normalize,
         scale=router.route_scale,
     )
+    back, order, global_counts, num_tokens, aux_grad = exchange_through_experts(
+        moe, tokens, routing, mesh, ep_axis, tp_axis, tp_convention
+    )
+    out = combine(back, order, routing.weights)
+    if moe.shared is not None:
+        shared = moe.shared
+        out = out + swiglu(
+            tokens, _local(shared.w1.weight), _local(shared.w2.weight), _local(shared.w3.weight)
+        )
+    out = moe.finish(out, routing.scores, global_counts, num_tokens, aux_grad=aux_grad)
+    return out.view_as(x)
+
+
+@eager_under_compile
+def exchange_through_experts(
+    moe: ExpertModule,
+    tokens: torch.Tensor,
+    routing: Routing,
+    mesh: DeviceMesh,
+    ep_axis: str,
+    tp_axis: str | None,
+    tp_convention: TpConvention,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, float]:
+    """The data-dependent middle of :func:`run_expert_parallel`: the count all-gather, the
+    token copies to their experts' ranks, the local experts on the rows received and the
+    results back. Always eager, also inside code ``torch.compile`` traces (one graph break
+    there): every size in it depends on the routing of every rank.
+
+    Returns ``(back, order, global_counts, num_tokens, aux_grad)``: the ``T * k`` expert
+    outputs in :func:`sort_by_expert`'s order, that order, the tokens per expert over the ep
+    group (also stored in ``moe.last_counts``), the number of tokens over the group and the
+    gradient seed of this rank's load-balancing term.
+    """
     ep = _comm.AxisGroup.of(mesh, ep_axis)
     counts = _comm.all_gather_dim(routing.counts.unsqueeze(0), 0, [1] * ep.size, ep)
     plan = plan_dispatch(counts.tolist(), ep.index)
@@ -216,19 +263,12 @@ def run_expert_parallel(
     back = all_to_all_rows(
         y.index_select(0, _inverse(index)), mesh, ep_axis, plan.recv_sizes, plan.send_sizes
     )
-    out = combine(back, order, routing.weights)
-    if moe.shared is not None:
-        shared = moe.shared
-        out = out + swiglu(
-            tokens, _local(shared.w1.weight), _local(shared.w2.weight), _local(shared.w3.weight)
-        )
     global_counts = counts.sum(0)
     moe.last_counts = global_counts
-    num_tokens = int(global_counts.sum()) // router.top_k
+    num_tokens = int(global_counts.sum()) // moe.router.top_k
     # Adjoint convention over tp: the aux term is replicated there, seeded once.
     aux_grad = 0.0 if tp is not None and tp_convention == "adjoint" and tp.index else 1.0
-    out = moe.finish(out, routing.scores, global_counts, num_tokens, aux_grad=aux_grad)
-    return out.view_as(x)
+    return back, order, global_counts, num_tokens, aux_grad
 
 
 # Installation ------------------------------------------------------------------------------

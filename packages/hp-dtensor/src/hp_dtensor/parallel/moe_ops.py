@@ -96,7 +96,11 @@ def route(
         weights = weights / weights.sum(dim=-1, keepdim=True)
     if scale != 1.0:
         weights = weights * scale
-    counts = torch.bincount(experts.reshape(-1), minlength=num_experts)
+    # Not bincount, whose output length depends on the largest id: a fixed length keeps the
+    # routing traceable by torch.compile in one graph.
+    chosen = experts.reshape(-1)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=chosen.device)
+    counts = counts.scatter_add(0, chosen, torch.ones_like(chosen))
     return Routing(experts=experts, weights=weights, scores=probs, counts=counts)
 
 
