@@ -21,7 +21,10 @@
   stages and shapes;
 * ``BACKWARD_INPUT`` computes the stage input's gradient only (``torch.autograd.grad`` on the
   input, keeping the graph); ``BACKWARD_WEIGHT`` later computes the weight gradients
-  (``torch.autograd.backward(..., inputs=parameters)``).
+  (``torch.autograd.backward(..., inputs=leaves)``, the leaves being every tensor the graph
+  accumulates a gradient into except the stage input: the parameters themselves, or the
+  unsharded tensors a data-parallel sharder such as hp-fsdp computes with, whose
+  gradient-accumulation hooks then fire in the weight pass and not in the input pass).
 
 Memory: between a microbatch's forward and its backward a stage keeps its input, output and
 autograd graph. Between ``BACKWARD_INPUT`` and ``BACKWARD_WEIGHT`` it keeps the graph (retained),
@@ -168,6 +171,10 @@ class PipelineSchedule:
             e.g. hp-fsdp's ``set_requires_all_reduce(last)`` keeps HSDP's slow-tier
             all-reduce to once per step while every microbatch reduce-scatters (torch
             pipelining's ``backward_maybe_with_nosync`` plays this role for FSDP2).
+        before_input_gradients: called as ``before_input_gradients(stage)`` right before each
+            ``BACKWARD_INPUT``: a data-parallel sharder hooks in here to hold its gradient
+            reduction until the weight pass (hp-fsdp: ``set_requires_gradient_sync(False)``,
+            and ``True`` again in ``before_weight_gradients``).
         scale_loss: divide each microbatch's loss by ``num_microbatches`` before its backward
             (default), so the accumulated gradients are those of the batch mean. With False the
             backward starts from the unscaled loss and the gradients are the sum over
@@ -191,6 +198,7 @@ class PipelineSchedule:
         placement: StagePlacement | None = None,
         timeout: timedelta = DEFAULT_TIMEOUT,
         before_weight_gradients: Callable[[PipelineStage, bool], None] | None = None,
+        before_input_gradients: Callable[[PipelineStage], None] | None = None,
         scale_loss: bool = True,
         forward_only: bool = False,
     ) -> None:
@@ -253,6 +261,7 @@ class PipelineSchedule:
         self._keep_outputs = False
         self._program = self._group(plan.actions[plan_rank])
         self.before_weight_gradients = before_weight_gradients
+        self.before_input_gradients = before_input_gradients
         self._last_weight_action = {
             a.stage: a for a in plan.actions[plan_rank] if a.kind in _WEIGHT_GRADIENT_KINDS
         }
@@ -437,7 +446,9 @@ class PipelineSchedule:
         self._to_send: dict[tuple[int, int], torch.Tensor] = {}
         self._grad_out: dict[tuple[int, int], torch.Tensor] = {}
         self._input_grads: dict[tuple[int, int], torch.Tensor] = {}
-        self._weight_pending: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor | None]] = {}
+        self._weight_pending: dict[
+            tuple[int, int], tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]
+        ] = {}
         self._losses: dict[int, torch.Tensor] = {}
         self._outputs: dict[int, torch.Tensor] = {}
         self._pending_sends = []
@@ -519,17 +530,19 @@ class PipelineSchedule:
         elif a.kind is ActionKind.BACKWARD_INPUT:
             x, out = self._pop(self._saved, key, a, "its forward")
             grad = self._output_grad(a)
+            if self.before_input_gradients is not None:
+                self.before_input_gradients(self.stages[a.stage])
             if x.requires_grad:
                 (gx,) = torch.autograd.grad(out, x, grad, retain_graph=True)
                 x.grad = gx
                 self._deliver_input_grad(a, x)
-            self._weight_pending[key] = (out, grad)
+            self._weight_pending[key] = (out, grad, x)
         elif a.kind is ActionKind.BACKWARD_WEIGHT:
-            out, grad = self._pop(self._weight_pending, key, a, "its BACKWARD_INPUT")
+            out, grad, x = self._pop(self._weight_pending, key, a, "its BACKWARD_INPUT")
             self._before_weight_gradients(a)
-            params = self.stages[a.stage].parameters()
-            if params:
-                torch.autograd.backward(out, grad, inputs=params)
+            leaves = _weight_leaves(out, x)
+            if leaves:
+                torch.autograd.backward(out, grad, inputs=leaves)
         else:  # pragma: no cover - COMPUTE_KINDS are exhausted above
             raise PipelineError(f"unknown compute action {a}")
 
@@ -664,6 +677,27 @@ class PipelineSchedule:
                 f"announced {meta} to stage {a.stage + 1}; every microbatch must have the shape "
                 "of the first"
             )
+
+
+def _weight_leaves(out: torch.Tensor, stage_input: torch.Tensor) -> list[torch.Tensor]:
+    """Every tensor the autograd graph of ``out`` accumulates a gradient into, but
+    ``stage_input``: the weights the weight pass differentiates (whatever tensors the module
+    computed with, which under a sharder are not the module's registered parameters)."""
+    if out.grad_fn is None:
+        return []
+    leaves: dict[int, torch.Tensor] = {}
+    seen: dict[int, object] = {}  # the nodes themselves kept alive, so their ids stay unique
+    todo = [out.grad_fn]
+    while todo:
+        node = todo.pop()
+        if id(node) in seen:
+            continue
+        seen[id(node)] = node
+        variable = getattr(node, "variable", None)  # an AccumulateGrad node's leaf
+        if isinstance(variable, torch.Tensor) and variable is not stage_input:
+            leaves[id(variable)] = variable
+        todo.extend(nxt for nxt, _ in node.next_functions if nxt is not None)
+    return list(leaves.values())
 
 
 def run_plan(

@@ -1,4 +1,5 @@
-"""Schedule builders: GPipe, 1F1B, interleaved 1F1B and ZB-H1 as pure :class:`SchedulePlan` s.
+"""Schedule builders: GPipe, 1F1B, interleaved 1F1B, ZB-H1 and DualPipeV as pure
+:class:`SchedulePlan` s.
 
 Every builder first fixes each rank's *compute* order and then inserts the communication with
 one rule (:func:`with_transfers`): right before a compute action, the receive it needs (if its
@@ -24,8 +25,10 @@ from collections.abc import Sequence
 
 from hp_mpmd.actions import Action, ActionKind, SchedulePlan
 from hp_mpmd.check import Replay, match_of, posted_until, replay
+from hp_mpmd.simulate import simulate
 
 __all__ = [
+    "dualpipev",
     "forward_only",
     "gpipe",
     "interleaved_1f1b",
@@ -323,6 +326,197 @@ def zero_bubble_h1(num_stages: int, num_microbatches: int) -> SchedulePlan:
         order += [Action(W, r, mb) for mb in range(nw, m)]
         compute.append(order)
     return with_transfers("zb_h1", m, range(p), compute)
+
+
+class _DualPipeVOrder:
+    """One rank's compute order of :func:`dualpipev`, built phase by phase.
+
+    Chunk 0 of rank ``r`` is stage ``r`` (the V's way out), chunk 1 stage ``2p - 1 - r`` (its
+    way back). Each of the four passes (forward / backward of either chunk) takes its
+    microbatches in order; deferred weight passes leave in the order their input passes ran.
+    """
+
+    def __init__(self, p: int, r: int) -> None:
+        self.stage = (r, 2 * p - 1 - r)
+        self.forwards = [0, 0]
+        self.backwards = [0, 0]
+        self.deferred: list[tuple[int, int]] = []
+        self.units: list[list[Action]] = []
+
+    @property
+    def order(self) -> list[Action]:
+        """The compute actions in order."""
+        return [a for unit in self.units for a in unit]
+
+    def pair(self) -> None:
+        """Run the last two actions as one unit (DualPipe's overlapped forward-backward
+        pair): the receives of both before it, the sends of both after it."""
+        second = self.units.pop()
+        self.units[-1].extend(second)
+
+    def forward(self, chunk: int) -> None:
+        self.units.append([Action(F, self.stage[chunk], self.forwards[chunk])])
+        self.forwards[chunk] += 1
+
+    def backward(self, chunk: int, split: bool = False) -> None:
+        """A full backward, or (``split``) an input pass whose weight pass is deferred."""
+        s, mb = self.stage[chunk], self.backwards[chunk]
+        self.backwards[chunk] += 1
+        if split:
+            self.units.append([Action(I, s, mb)])
+            self.deferred.append((s, mb))
+        else:
+            self.units.append([Action(B, s, mb)])
+
+    def weight(self) -> None:
+        s, mb = self.deferred.pop(0)
+        self.units.append([Action(W, s, mb)])
+
+
+def _dualpipev_units(p: int, m: int, r: int) -> list[list[Action]]:
+    """Rank ``r``'s compute units of :func:`dualpipev` (its phases 1 to 8, in order)."""
+    o = _DualPipeVOrder(p, r)
+    for _ in range(2 * (p - 1 - r)):
+        o.forward(0)
+    for _ in range(r + 1):
+        o.forward(0)
+        o.forward(1)
+    for _ in range(p - 1 - r):
+        o.backward(1, split=True)
+        o.weight()
+        o.forward(1)
+    for _ in range(m - 2 * p + r + 1):
+        o.forward(0)
+        o.backward(1)
+        o.pair()
+        o.forward(1)
+        o.backward(0)
+        o.pair()
+    for _ in range(p - 1 - r):
+        o.backward(1)
+        o.forward(1)
+        o.backward(0)
+        o.pair()
+    middle = (r + 1) // 2
+    for i in range(r + 1):
+        # From the middle of this phase on, input passes defer their weight passes (the odd
+        # ranks one backward earlier), filling the drain's wait for gradients.
+        o.backward(1, split=i > middle or (i == middle and r % 2 == 1))
+        o.backward(0, split=i >= middle)
+    for _ in range(p - 1 - r):
+        o.weight()
+        o.backward(0, split=True)
+    while o.deferred:
+        o.weight()
+    return o.units
+
+
+def dualpipev(num_ranks: int, num_microbatches: int) -> SchedulePlan:
+    """DualPipeV (DeepSeek's "cut-in-half" DualPipe; torch's ``ScheduleDualPipeV``).
+
+    ``2p`` stages on ``p = num_ranks`` ranks in a V: stage ``s`` runs on rank ``s`` for
+    ``s < p`` and on rank ``2p - 1 - s`` after, so rank 0 holds the first and the last stage
+    and rank ``p - 1`` the two middle ones (their hand-over stays on the rank). With
+    ``m = num_microbatches``, rank ``r`` runs (``F0``/``F1``: forward of its way-out / way-back
+    stage, ``B``: full backward, ``I``: input pass whose weight pass ``W`` is deferred,
+    ``W``: the oldest deferred weight pass):
+
+    1. ``2 (p - 1 - r)`` times ``F0``;
+    2. ``r + 1`` times ``F0, F1``;
+    3. ``p - 1 - r`` times ``I1, W, F1`` (zero bubble: the weight pass fills the wait);
+    4. ``m - 2p + r + 1`` times ``F0, B1, F1, B0`` (the steady phase; DualPipe overlaps each
+       forward with the other chunk's backward: the pairs ``F0 B1`` and ``F1 B0``);
+    5. ``p - 1 - r`` times ``B1``, then the pair ``F1, B0``;
+    6. ``r + 1`` times ``B1, B0``, the input passes from the middle on split (their weight
+       passes deferred);
+    7. ``p - 1 - r`` times ``W, I0``;
+    8. the ``r + 1`` deferred weight passes left.
+
+    Postconditions: every ``(stage, microbatch)`` has one forward and either one ``B`` or one
+    ``I`` followed later by its ``W``; each of a rank's four passes takes microbatches in
+    order; the plan passes :func:`hp_mpmd.check.check_plan`. Activations alive at once (forward
+    done, backward or weight pass not) on rank ``r``: at most ``2p + 1`` (property-tested; the
+    DualPipe report's ``2 x PP + 1`` chunks), against interleaved 1F1B's ``2 (p - 1 - r) + p + 1``
+    at two stages per rank.
+
+    Communication: either :func:`with_transfers`' placement, or DualPipe's, where each pair
+    posts the receives of both its actions before it and their sends after it; both are made
+    deadlock-free by hoisting receives, whose waits then sit on the critical path. The plan is
+    the one with the shorter simulated makespan at unit costs (:func:`hp_mpmd.simulate.simulate`
+    eager, F = I = W = 1, B = 2): bubble 4.0 % at p = 2, m = 4 (interleaved 1F1B at v = 2:
+    11.1 %), 6.8 % at p = 4, m = 16 (interleaved 8.6 %, 1F1B 15.8 %, ZB-H1 5.9 %); the compute
+    order alone, with receives never hoisted, would reach 3.0 % there.
+
+    Raises:
+        ValueError: a count that is not a positive integer, or ``num_microbatches < 2 x
+            num_ranks`` (the warm-up alone runs ``2p - 1`` way-out forwards on rank 0).
+    """
+    p = _positive("num_ranks", num_ranks)
+    m = _positive("num_microbatches", num_microbatches)
+    if m < 2 * p:
+        raise ValueError(
+            f"dualpipev needs num_microbatches >= 2 x num_ranks: got {m} microbatches for "
+            f"{p} ranks; use at least {2 * p}"
+        )
+    units = [_dualpipev_units(p, m, r) for r in range(p)]
+    stage_to_rank = [s if s < p else 2 * p - 1 - s for s in range(2 * p)]
+    paired = _unit_transfers("dualpipev", m, stage_to_rank, units)
+    single = with_transfers(
+        "dualpipev", m, stage_to_rank, [[a for unit in u for a in unit] for u in units]
+    )
+    # Both placements are deadlock-free under rendezvous; the receives hoisted to get there
+    # cost waits on the critical path, fewer with the paired placement from p = 3 on (e.g.
+    # p = 4, m = 16: 6.8 % against 47 % bubble) and more at p = 2 (m = 8: 4.0 % against 2.0 %).
+    return min((paired, single), key=lambda plan: simulate(plan).makespan)
+
+
+def _unit_transfers(
+    name: str,
+    num_microbatches: int,
+    stage_to_rank: Sequence[int],
+    units: Sequence[Sequence[Sequence[Action]]],
+) -> SchedulePlan:
+    """:func:`with_transfers` over units of compute actions run back to back: every receive
+    a unit's actions need sits right before the unit, every send they produce right after it
+    (so one batch pairs a unit's sends with the next unit's receives, as DualPipe posts
+    them); receives hoisted as in :func:`with_transfers` where that would deadlock."""
+    plain = with_transfers(
+        name,
+        num_microbatches,
+        stage_to_rank,
+        [[a for unit in rank_units for a in unit] for rank_units in units],
+        resolve_deadlocks=False,
+    )
+    per_rank: list[list[Action]] = []
+    for rank, rank_units in enumerate(units):
+        own = _transfers_by_compute(plain.actions[rank])
+        out: list[Action] = []
+        for unit in rank_units:
+            out += [c for a in unit for c in own[a][0]]
+            out += list(unit)
+            out += [c for a in unit for c in own[a][1]]
+        per_rank.append(out)
+    return _hoist_receives(_replace_actions(plain, per_rank))
+
+
+def _transfers_by_compute(
+    actions: Sequence[Action],
+) -> dict[Action, tuple[list[Action], list[Action]]]:
+    """For each compute action of a :func:`with_transfers` list (no hoisting), the receives
+    right before it and the sends right after it."""
+    out: dict[Action, tuple[list[Action], list[Action]]] = {}
+    pending: list[Action] = []
+    last: Action | None = None
+    for a in actions:
+        if a.kind in (ActionKind.RECV_ACT, ActionKind.RECV_GRAD):
+            pending.append(a)
+        elif a.kind in (ActionKind.SEND_ACT, ActionKind.SEND_GRAD):
+            assert last is not None
+            out[last][1].append(a)
+        else:
+            out[a] = (pending, [])
+            pending, last = [], a
+    return out
 
 
 def looped_bfs(num_ranks: int, stages_per_rank: int, num_microbatches: int) -> SchedulePlan:
