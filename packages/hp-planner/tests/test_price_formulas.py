@@ -77,7 +77,8 @@ GROUP_AXES = {
 GRIDS = [
     JobDims(dp_shard=6, tp=4),
     JobDims(dp_replicate=2, dp_shard=3, tp=2, pp=2),
-    JobDims(dp_shard=6, tp=2, cp=2, ep=3),
+    JobDims(dp_shard=6, tp=2, cp=2, ep=6),
+    JobDims(dp_shard=3, cp=2, ep=2, tp=4),
     JobDims(dp_replicate=3, dp_shard=4, ep=2, tp=2),
     JobDims(dp_shard=4, cp=3, tp=2),
     JobDims(dp_replicate=4, dp_shard=3, pp=2),
@@ -86,15 +87,25 @@ DEVICE = Device("test", peak_flops=1e14, efficiency=0.5, host_bandwidth=1e10)
 
 
 def _sizes(parallel: JobDims) -> dict[str, int]:
+    """The layout's axis sizes: ``ep`` is carved from the shard axis ``dp_shard x cp``,
+    innermost, so with ``cp > 1`` it takes whole cp groups: its own axis holds ``ep / cp``."""
     p = parallel
+    carved = p.ep > 1 and p.cp > 1
     return {
         "pp": p.pp,
         "dp_replicate": p.dp_replicate,
-        "expert_shard": p.dp_shard // p.ep,
-        "ep": p.ep,
+        "expert_shard": p.dp_shard * p.cp // p.ep if carved else p.dp_shard // p.ep,
+        "ep": p.ep // p.cp if carved else p.ep,
         "cp": p.cp,
         "tp": p.tp,
     }
+
+
+def _group_axes(parallel: JobDims) -> dict[str, tuple[str, ...]]:
+    """:data:`GROUP_AXES`, an expert-parallel group spanning the cp axis it is carved over."""
+    if parallel.ep > 1 and parallel.cp > 1:
+        return {**GROUP_AXES, "ep": ("ep", "cp")}
+    return GROUP_AXES
 
 
 def _groups(parallel: JobDims, axes: tuple[str, ...]) -> list[list[int]]:
@@ -144,7 +155,7 @@ def test_collectives_are_alpha_beta_rings_on_the_slowest_tier_of_any_group(
     grid = RankGrid.build(parallel, THREE_TIERS)
     nbytes = 3_000_017
     kinds = [k for k in Collective if k is not Collective.BROADCAST]  # the pricing's kinds
-    for name, axes in GROUP_AXES.items():
+    for name, axes in _group_axes(parallel).items():
         groups = _groups(parallel, axes)
         size = len(groups[0])
         tier = _slowest_tier(THREE_TIERS, groups)
@@ -465,3 +476,24 @@ def test_dry_run_bubble_is_the_uniform_stage_formula() -> None:
         assert [s.layers for s in run.stages] == [(0, 2), (2, 4), (4, 6)]
         slowest = max(s.microbatch_time for s in run.stages)
         assert run.time.bubble == pytest.approx(2 * slowest, rel=1e-9)
+
+
+def test_accumulated_pipeline_steps_fill_and_drain_each_time() -> None:
+    """``grad_accum`` pipeline steps of ``m`` microbatches: the same microbatches, compute and
+    memory as one schedule of ``m x steps`` (1F1B keeps ``min(p - s, m)`` in flight either
+    way), and one fill and drain per schedule: a bubble of ``steps (p - 1)`` slowest
+    microbatches."""
+    model = HFPriced(llama_config(num_hidden_layers=6, num_key_value_heads=4))
+    topology = Topology.single_host(3)
+    one = dry_run(model, JobDims(pp=3), topology, StepShape(12, 64, 6, optimizer="adamw"))
+    both = StepShape(12, 64, 3, pipeline_steps=2, optimizer="adamw")
+    accumulated = dry_run(model, JobDims(pp=3), topology, both)
+    assert both.passes == 6
+    assert both.microbatch_size(1) == 2
+    assert accumulated.time.compute == one.time.compute
+    assert [s.memory for s in accumulated.stages] == [s.memory for s in one.stages]
+    slowest = max(s.microbatch_time for s in accumulated.stages)
+    assert accumulated.time.bubble == pytest.approx(2 * 2 * slowest, rel=1e-9)
+    assert one.time.bubble == pytest.approx(2 * slowest, rel=1e-9)
+    with pytest.raises(PricingError, match="pipeline_steps"):
+        StepShape(12, 64, 3, pipeline_steps=0)

@@ -28,7 +28,7 @@ from hp_dtensor.parallel import (
     transformer_tp_plan,
 )
 from hp_layout import Topology
-from hp_planner import JobDims, ModelParallelism, TrainingPolicy
+from hp_planner import JobDims, ModelParallelism, PlanInputError, TrainingPolicy
 from hp_planner.price import (
     DryRun,
     MoEDims,
@@ -139,10 +139,15 @@ def _every_configuration() -> dict[Key, DryRun]:
     for r, shard, tp, pp, cp in itertools.product(degrees, repeat=5):
         if r * shard * tp * pp * cp != 4:
             continue
-        for ep in (e for e in degrees if shard % e == 0 and MODEL.n_experts % e == 0):
+        # Every expert-parallel degree the layout can carve from dp_shard x cp (the rest is
+        # refused by JobDims, which the search must not return either).
+        for ep in (e for e in degrees if (shard * cp) % e == 0 and MODEL.n_experts % e == 0):
             for variant in ("ring", "ulysses") if cp > 1 else ("ring",):
                 for ep_tp in (False, True) if ep > 1 and tp > 1 else (False,):
-                    parallel = JobDims(r, shard, tp, pp, cp, variant, ep, ep_tp)
+                    try:
+                        parallel = JobDims(r, shard, tp, pp, cp, variant, ep, ep_tp)
+                    except PlanInputError:
+                        continue
                     for m, (ac, swap) in itertools.product(MICROBATCHES, POLICIES):
                         if pp > 1 and m < pp:
                             continue

@@ -20,14 +20,41 @@ from dataclasses import dataclass
 
 from hp_dtensor.parallel import ParallelStyle
 
-__all__ = ["CP_VARIANTS", "JobDims", "ModelParallelism", "PlanInputError", "TrainingPolicy"]
+__all__ = [
+    "CP_VARIANTS",
+    "DEFAULT_VIRTUAL_STAGES",
+    "JobDims",
+    "ModelParallelism",
+    "PlanInputError",
+    "TrainingPolicy",
+    "check_virtual_stages",
+    "expert_carving_problem",
+]
 
 #: Context-parallel attentions (``hp_dtensor.parallel.ContextParallel``'s variants).
 CP_VARIANTS = ("ring", "ulysses")
 #: Optimizers a plan knows how to split parameters for.
 OPTIMIZERS = ("muon", "adamw")
-#: Pipeline schedules with one stage per pipeline rank (``hp_mpmd.schedules``).
-SCHEDULES = ("1f1b", "gpipe")
+#: Pipeline schedules (``hp_mpmd.schedules``): ``gpipe``, ``1f1b`` and ``zbh1`` (ZB-H1, split
+#: backward) run one stage per pipeline rank; ``interleaved`` (interleaved 1F1B) any number of
+#: virtual stages per rank, ``dualpipev`` two (the V: stage ``s`` and ``2 pp - 1 - s``).
+SCHEDULES = ("1f1b", "gpipe", "interleaved", "zbh1", "dualpipev")
+#: Virtual stages per pipeline rank of each schedule when not given.
+DEFAULT_VIRTUAL_STAGES = {"1f1b": 1, "gpipe": 1, "interleaved": 2, "zbh1": 1, "dualpipev": 2}
+
+
+def check_virtual_stages(schedule: str, virtual_stages: int) -> None:
+    """Raise :class:`PlanInputError` unless ``schedule`` runs ``virtual_stages`` stages per
+    pipeline rank: any positive count for ``interleaved``, 2 for ``dualpipev``, 1 for the
+    others (the message names the count that works)."""
+    _positive("virtual_stages", virtual_stages)
+    if schedule == "interleaved" or virtual_stages == DEFAULT_VIRTUAL_STAGES.get(schedule):
+        return
+    raise PlanInputError(
+        f"schedule {schedule!r} runs {DEFAULT_VIRTUAL_STAGES.get(schedule)} stage(s) per "
+        f"pipeline rank, got virtual_stages={virtual_stages}; only 'interleaved' takes another "
+        "count"
+    )
 
 
 class PlanInputError(ValueError):
@@ -40,14 +67,39 @@ def _positive(name: str, value: object) -> None:
         raise PlanInputError(f"{name} must be a positive integer, got {value!r}")
 
 
+def expert_carving_problem(dp_shard: int, cp: int, ep: int) -> str | None:
+    """Why ``ep`` expert-parallel ranks cannot be carved from the FSDP shard axis of
+    ``dp_shard x cp`` ranks (None when they can): ``ep`` must divide ``dp_shard x cp``, and
+    with ``ep > 1`` and ``cp > 1`` be a multiple of ``cp`` (the ep axis is the shard axis's
+    innermost part, so it takes whole context-parallel groups)."""
+    if ep == 1:
+        return None
+    if cp == 1:
+        if dp_shard % ep:
+            return (
+                f"ep={ep} must divide dp_shard={dp_shard}: the expert-parallel ranks are carved "
+                "from the FSDP shard axis"
+            )
+        return None
+    if ep % cp or (dp_shard * cp) % ep:
+        return (
+            f"ep={ep} with cp={cp} must be a multiple of cp dividing dp_shard x cp = "
+            f"{dp_shard * cp}: the expert-parallel ranks are carved from the FSDP shard axis "
+            "dp_shard x cp, each group taking whole context-parallel groups"
+        )
+    return None
+
+
 @dataclass(frozen=True)
 class JobDims:
     """Ranks along each axis: ``pp x dp_replicate x dp_shard x cp x tp``.
 
     The rank grid is ``(pp, dp_replicate, dp_shard, cp, tp)``, ``tp`` innermost (the fastest
     links), axes of size 1 left out. Tensor parallelism and FSDP see ``dp_shard x cp`` as one
-    shard axis (``dp_shard_cp``) when ``cp > 1``; expert parallelism carves ``ep`` from
-    ``dp_shard`` (``(dp_replicate, expert_shard, ep, tp)`` over the same ranks).
+    shard axis (``dp_shard_cp``) when ``cp > 1``; expert parallelism carves ``ep`` from that
+    shard axis, innermost (``(dp_replicate, expert_shard, ep, tp)`` over the same ranks), so
+    under context parallelism each expert-parallel group takes whole context-parallel groups
+    (``cp`` divides ``ep``), as torchtitan lays it out.
 
     Attributes:
         dp_replicate: data-parallel replicas (HSDP's replicate axis).
@@ -56,7 +108,8 @@ class JobDims:
         pp: pipeline stages (the outermost axis).
         cp: context-parallel ranks.
         cp_variant: ``"ring"`` or ``"ulysses"``.
-        ep: expert-parallel ranks, a divisor of ``dp_shard``.
+        ep: expert-parallel ranks, a divisor of ``dp_shard x cp`` and with ``cp > 1`` a
+            multiple of ``cp`` (:func:`expert_carving_problem`).
         ep_tp: each expert's hidden dim split over ``tp`` as well.
     """
 
@@ -76,11 +129,9 @@ class JobDims:
             raise PlanInputError(
                 f"cp_variant must be one of {CP_VARIANTS}, got {self.cp_variant!r}"
             )
-        if self.dp_shard % self.ep:
-            raise PlanInputError(
-                f"ep={self.ep} must divide dp_shard={self.dp_shard}: the expert-parallel ranks "
-                "are carved from the FSDP shard axis"
-            )
+        problem = expert_carving_problem(self.dp_shard, self.cp, self.ep)
+        if problem is not None:
+            raise PlanInputError(problem)
 
     @property
     def world_size(self) -> int:
@@ -138,8 +189,11 @@ class TrainingPolicy:
             ``"selective"``, ``"swap"``...: recorded as given, executed by the trainer).
         offload: what lives on the host (``"none"``, ``"params"``, ``"optimizer"``,
             ``"both"``).
-        schedule: the pipeline schedule with ``pp > 1`` (``"gpipe"`` or ``"1f1b"``).
+        schedule: the pipeline schedule with ``pp > 1`` (one of :data:`SCHEDULES`).
         microbatches: pipeline microbatches per step.
+        virtual_stages: pipeline stages per pipeline rank (the model is cut into
+            ``pp x virtual_stages`` stages): 1 but for ``interleaved`` (any) and
+            ``dualpipev`` (2); None: the schedule's :data:`DEFAULT_VIRTUAL_STAGES`.
     """
 
     optimizer: str = "muon"
@@ -150,6 +204,7 @@ class TrainingPolicy:
     offload: str = "none"
     schedule: str = "1f1b"
     microbatches: int = 1
+    virtual_stages: int | None = None
 
     def __post_init__(self) -> None:
         if self.optimizer not in OPTIMIZERS:
@@ -157,3 +212,12 @@ class TrainingPolicy:
         if self.schedule not in SCHEDULES:
             raise PlanInputError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
         _positive("microbatches", self.microbatches)
+        if self.virtual_stages is None:
+            object.__setattr__(self, "virtual_stages", DEFAULT_VIRTUAL_STAGES[self.schedule])
+        check_virtual_stages(self.schedule, self.stages_per_rank)
+
+    @property
+    def stages_per_rank(self) -> int:
+        """``virtual_stages`` resolved (never None after construction)."""
+        assert self.virtual_stages is not None
+        return self.virtual_stages

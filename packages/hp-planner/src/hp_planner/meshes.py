@@ -16,22 +16,29 @@ Per pipeline stage:
 * the **context mesh** (``cp > 1``): ``(dp_replicate, dp_shard, cp, tp)`` over the stage's
   ranks, whose ``cp`` axis the attention exchanges run on;
 * the **expert mesh** (``ep > 1``): ``(dp_replicate, expert_shard, ep, tp)`` over the stage
-  mesh's ranks in the same order (``ep`` carved from the shard axis, innermost of it), and
-  its FSDP axes ``expert_dp_axes`` (the ranks holding the same experts).
+  mesh's ranks in the same order (``ep`` carved from the shard axis, ``dp_shard`` or
+  ``dp_shard_cp``, innermost of it: with ``cp > 1`` an expert group takes whole context
+  groups), and its FSDP axes ``expert_dp_axes`` (the ranks holding the same experts).
 
 Postconditions (tested): every stage mesh, context mesh and expert mesh of a stage holds the
 same set of ranks; the stages partition the world; the FSDP meshes of a stage partition its
 ranks.
+
+Across stages (:func:`across_stages`): one kind of stage mesh of every stage stacked along a
+leading ``pp`` axis, a mesh over the whole job. Process groups are created collectively over
+the job, so a runtime that creates each stage's groups from that one mesh creates the same
+groups in the same order on every rank, whichever stage it runs.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from hp_layout import Mesh
 from hp_planner.inputs import JobDims
 
-__all__ = ["StageMeshes", "job_grid", "stage_meshes", "stage_of"]
+__all__ = ["StageMeshes", "across_stages", "job_grid", "stage_meshes", "stage_of"]
 
 REPLICATE = "dp_replicate"
 SHARD = "dp_shard"
@@ -124,7 +131,38 @@ def stage_meshes(dims: JobDims, stage: int) -> StageMeshes:
     expert: Mesh | None = None
     expert_dp_axes: tuple[str, ...] = ()
     if dims.ep > 1:
-        shape = (dims.dp_replicate, dims.dp_shard // dims.ep, dims.ep, dims.tp)
+        # Carved from the stage mesh's shard axis (dp_shard x cp under context parallelism).
+        shape = (dims.dp_replicate, dims.dp_shard * dims.cp // dims.ep, dims.ep, dims.tp)
         expert = Mesh(shape, EXPERT_AXES, mesh.ranks)
         expert_dp_axes = (REPLICATE, "expert_shard") if dims.dp_replicate > 1 else ("expert_shard",)
     return StageMeshes(mesh, shard_axis, dp_axes, context, expert, expert_dp_axes)
+
+
+def across_stages(dims: JobDims, part: Callable[[StageMeshes], Mesh | None]) -> Mesh | None:
+    """``part`` of every stage's meshes (e.g. ``lambda m: m.expert``) as one mesh over the job.
+
+    Postconditions: with ``pp == 1`` the result is ``part(stage_meshes(dims, 0))`` itself;
+    with ``pp > 1`` its axes are ``("pp", *part's axes)`` and for every rank ``r`` its
+    sub-mesh over the part's axes through ``r`` equals ``part`` of ``r``'s stage, ranks in the
+    same order. None when ``part`` gives None (every stage has the same kinds of meshes).
+
+    Raises:
+        ValueError: the stages' parts differ in shape or axis names, or are None on some
+            stages only (a ``part`` that does not pick one kind of stage mesh).
+    """
+    parts = [part(stage_meshes(dims, k)) for k in range(dims.pp)]
+    first = parts[0]
+    if first is None:
+        if any(p is not None for p in parts):
+            raise ValueError("the part is None on stage 0 but not on every stage")
+        return None
+    if dims.pp == 1:
+        return first
+    ranks: list[int] = []
+    for k, mesh in enumerate(parts):
+        if mesh is None or (mesh.shape, mesh.axis_names) != (first.shape, first.axis_names):
+            raise ValueError(
+                f"stage {k}'s part {mesh!r} does not have stage 0's shape and axes {first!r}"
+            )
+        ranks.extend(mesh.ranks)
+    return Mesh((dims.pp, *first.shape), ("pp", *first.axis_names), ranks)

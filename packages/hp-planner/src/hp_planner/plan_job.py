@@ -23,7 +23,7 @@ group.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import replace
 from typing import ClassVar
 
@@ -33,7 +33,13 @@ from hp_dtensor.parallel import ParallelPlan, ParallelStyle, resolve
 from hp_dtensor.parallel.plan import match_modules
 from hp_layout import Topology
 from hp_mpmd import SchedulePlan
-from hp_mpmd.schedules import gpipe, one_f_one_b
+from hp_mpmd.schedules import (
+    dualpipev,
+    gpipe,
+    interleaved_1f1b,
+    one_f_one_b,
+    zero_bubble_h1,
+)
 from hp_muon import plan_muon, split_params
 from hp_planner.fsdp_groups import plan_fsdp_groups
 from hp_planner.inputs import JobDims, ModelParallelism, PlanInputError, TrainingPolicy
@@ -42,7 +48,14 @@ from hp_planner.meshes import REPLICATE, StageMeshes, job_grid, stage_meshes
 
 __all__ = ["plan_job", "plan_schedule"]
 
-_SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b}
+# Each builder takes (pipeline ranks, stages per rank, microbatches).
+_SCHEDULES: dict[str, Callable[[int, int, int], SchedulePlan]] = {
+    "gpipe": lambda p, _, m: gpipe(p, m),
+    "1f1b": lambda p, _, m: one_f_one_b(p, m),
+    "zbh1": lambda p, _, m: zero_bubble_h1(p, m),
+    "interleaved": interleaved_1f1b,
+    "dualpipev": lambda p, _, m: dualpipev(p, m),
+}
 
 
 def plan_job(
@@ -78,18 +91,13 @@ def plan_job(
     Raises:
         PlanInputError: the number of stage models is not ``pp``; a pattern of
             ``parallelism`` names no module of any stage; ``ep > 1`` with no expert module or
-            no expert style; ``cp > 1`` with no context module; ``ep > 1`` with ``cp > 1``;
+            no expert style; ``cp > 1`` with no context module;
             ``ranks`` missing a stage's first rank.
         hp_dtensor.parallel.PlanError: a style cannot shard the module it names.
     """
     models = [stages] if isinstance(stages, nn.Module) else list(stages)
     if len(models) != dims.pp:
         raise PlanInputError(f"pp={dims.pp} needs one model per pipeline stage, got {len(models)}")
-    if dims.ep > 1 and dims.cp > 1:
-        raise PlanInputError(
-            f"ep={dims.ep} with cp={dims.cp} is not planned: the expert mesh is carved from "
-            "dp_shard alone; use one of them"
-        )
     match = _Matcher()
     _check_patterns(models, parallelism, dims, match)
     held = None if ranks is None else frozenset(ranks)
@@ -277,9 +285,19 @@ def _plan_stage(
 
 def plan_schedule(dims: JobDims, training: TrainingPolicy) -> SchedulePlan | None:
     """The pipeline's schedule as :func:`plan_job` records it (``JobPlan.schedule``):
-    ``training.schedule`` over ``dims.pp`` stages and ``training.microbatches``
-    microbatches; None without pipelining. A reader that needs only the schedule (a pricing
-    that varies the microbatches) takes it here without planning the whole job."""
+    ``training.schedule`` over ``dims.pp`` ranks, ``training.virtual_stages`` stages each
+    (``pp x virtual_stages`` stages) and ``training.microbatches`` microbatches; None without
+    pipelining. A reader that needs only the schedule (a pricing that varies the
+    microbatches) takes it here without planning the whole job.
+
+    Raises:
+        PlanInputError: a microbatch count the schedule cannot run (``interleaved``: not a
+            multiple of ``pp``; ``dualpipev``: under ``2 pp``), the message naming valid ones.
+    """
     if dims.pp == 1:
         return None
-    return _SCHEDULES[training.schedule](dims.pp, training.microbatches)
+    build = _SCHEDULES[training.schedule]
+    try:
+        return build(dims.pp, training.stages_per_rank, training.microbatches)
+    except ValueError as exc:
+        raise PlanInputError(f"pp_schedule {training.schedule!r}: {exc}") from None

@@ -10,16 +10,24 @@ from __future__ import annotations
 
 import math
 
-from hp_planner.inputs import CP_VARIANTS, SCHEDULES, PlanInputError
+from hp_planner.inputs import (
+    CP_VARIANTS,
+    DEFAULT_VIRTUAL_STAGES,
+    SCHEDULES,
+    PlanInputError,
+    check_virtual_stages,
+)
 
 __all__ = [
     "AC_MODES",
     "CP_VARIANTS",
+    "DEFAULT_VIRTUAL_STAGES",
     "FP8_RECIPES",
     "OFFLOAD_TARGETS",
     "SCHEDULES",
     "SWAP_MIN_BYTES",
     "ac_budget_bytes",
+    "check_virtual_stages",
 ]
 
 #: Activation checkpointing per block (``budget:<MiB>`` is the third, parametrized form).

@@ -36,7 +36,8 @@ __all__ = [
 AXES = ("pp", "dp_replicate", "expert_shard", "ep", "cp", "tp")
 """Mesh axes, outermost first: the runtime's grids (``hp_train.parallel.parallelize.build_layout``)
 in one: ``dp_shard = expert_shard x ep`` (expert parallelism carved from the shard axis, ep
-inner), ``cp`` between the shard axis and ``tp``."""
+inner), ``cp`` between the shard axis and ``tp``. With ``ep`` and ``cp`` together the ``ep`` axis
+holds ``ep / cp`` (an expert-parallel group is that axis times ``cp``: :meth:`RankGrid.axes`)."""
 
 GROUPS: dict[str, tuple[str, ...]] = {
     "pp": ("pp",),
@@ -114,13 +115,25 @@ class RankGrid:
                 f"{p.pp} = {world}; the degrees must multiply to the topology's world size"
             )
         p = parallel
-        shape = (p.pp, p.dp_replicate, p.dp_shard // p.ep, p.ep, p.cp, p.tp)
+        if p.ep > 1 and p.cp > 1:
+            # ep carved from dp_shard x cp, innermost: whole cp groups times ep / cp shards.
+            shards = p.dp_shard * p.cp // p.ep
+            shape = (p.pp, p.dp_replicate, shards, p.ep // p.cp, p.cp, p.tp)
+        else:
+            shape = (p.pp, p.dp_replicate, p.dp_shard // p.ep, p.ep, p.cp, p.tp)
         return RankGrid(parallel, topology, Mesh(shape, AXES))
 
+    def axes(self, group: str) -> tuple[str, ...]:
+        """The mesh axes of the group named ``group`` (:data:`GROUPS`; under expert and
+        context parallelism together an expert-parallel group spans the ``cp`` axis too)."""
+        if group == "ep" and self.parallel.ep > 1 and self.parallel.cp > 1:
+            return ("ep", "cp")
+        return GROUPS[group]
+
     def size(self, axis: str) -> int:
-        """Ranks of a group named ``axis`` (:data:`GROUPS`)."""
+        """Ranks of a group named ``axis`` (:meth:`axes`)."""
         n = 1
-        for a in GROUPS[axis]:
+        for a in self.axes(axis):
             n *= self.mesh.axis_size(a)
         return n
 
@@ -128,7 +141,7 @@ class RankGrid:
         """The tier groups named ``axis`` communicate over (the slowest any of them needs)."""
         tier = self._tiers.get(axis)
         if tier is None:
-            tier = self._tiers[axis] = _group_tier(self.topology, self.mesh, GROUPS[axis])
+            tier = self._tiers[axis] = _group_tier(self.topology, self.mesh, self.axes(axis))
         return tier
 
     def coordinate(self, rank: int) -> dict[str, int]:

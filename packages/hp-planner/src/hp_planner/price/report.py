@@ -22,7 +22,10 @@ def _config(run: DryRun) -> str:
         text += f" ep={p.ep}" + (" ep_tp" if p.ep_tp else "")
     if p.cp > 1:
         text += f" cp={p.cp} ({p.cp_variant})"
-    text += f" microbatches={s.microbatches} ac={s.ac}"
+    text += f" microbatches={s.microbatches}"
+    if s.pipeline_steps > 1:
+        text += f" pipeline_steps={s.pipeline_steps}"
+    text += f" ac={s.ac}"
     extras = [
         "swap" if s.swap else "",
         f"offload={s.offload}" if s.offload != "none" else "",

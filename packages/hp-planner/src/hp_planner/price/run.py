@@ -418,7 +418,7 @@ def _fsdp_group_costs(
     """FSDP's collectives of group ``g`` per step: its all-gather in forward, again in
     backward (not the root's), its reduce-scatter, and the replicas' all-reduce (once per
     step; torch FSDP2: once per microbatch), after the tensor-parallel ``tail``."""
-    prec, m = shape.precision, shape.microbatches
+    prec, m = shape.precision, shape.passes
     fsdp2 = shape.runtime == "torch_fsdp2"
     padded, chunk = g.flat.padded_numel, g.flat.chunk_numel
     # What the all-gather moves: each rank's FP8 record (data, then scales), or the shards.
@@ -490,7 +490,7 @@ def _fsdp_costs(
     """Each group's tensor-parallel tail all-reduce and its data-parallel collectives under
     ``shape``'s runtime (Megatron DDP: :func:`_ddp_group_costs`, else
     :func:`_fsdp_group_costs`)."""
-    prec, m = shape.precision, shape.microbatches
+    prec, m = shape.precision, shape.passes
     records: list[CollectiveRecord | None] = []
     units: dict[str, Unit] = {}
     copies: dict[int | None, tuple[float, float]] = {}
@@ -532,7 +532,7 @@ def _tp_pp_records(
     activation, by phase and collective: the blocks' (again in the recomputed forward), the
     embedding's and the head's of the logits (on the ``first`` and the ``last`` stage); then
     the pipeline sends."""
-    prec, m = shape.precision, shape.microbatches
+    prec, m = shape.precision, shape.passes
     act = tokens * model.shape.dim * prec.compute
     block_calls: dict[tuple[str, str], int] = {}
     for b in blocks:
@@ -575,7 +575,7 @@ def _model_parallel_records(
 ) -> list[CollectiveRecord | None]:
     """The stage's critical-path collectives of a step: tensor-parallel and pipeline
     (:func:`_tp_pp_records`), then expert- and context-parallel."""
-    prec, m = shape.precision, shape.microbatches
+    prec, m = shape.precision, shape.passes
     recomputes = shape.ac != "none"
     moe = model.shape.moe
     moe_layers = sum(1 for b in blocks if moe is not None and moe.is_moe_layer(b))
@@ -656,7 +656,7 @@ def _exposure(
     """The FSDP collectives of ``tree`` simulated in the runtime's order beside its compute
     (``forward_compute``: seconds of one microbatch's forward), the critical-path kinds of
     ``done`` added whole."""
-    m = shape.microbatches
+    m = shape.passes
     fsdp2 = shape.runtime == "torch_fsdp2"
     program = functools.partial(
         microbatch_program,
@@ -820,7 +820,7 @@ def _offload_time(
     moved = sum(
         g.flat.chunk_numel * ((1 if g.is_root else 2) * prec.param + prec.reduce) for g in groups
     )
-    return shape.microbatches * moved / device.host_bandwidth
+    return shape.passes * moved / device.host_bandwidth
 
 
 def _muon_record(grid: RankGrid, muon: MuonTraffic) -> CollectiveRecord:
@@ -961,7 +961,7 @@ def _step_time(
     stage with the longest microbatch), the pipeline bubble with every stage at its
     microbatch times, and the optimizer's and host transfers' time of the stage of
     ``stages`` that takes longest for each."""
-    m = shape.microbatches
+    m = shape.passes
     fsdp_comm = sum(r.total_time for r in slowest.records if r.kind in _FSDP)
     fsdp_comm += slowest.fsdp_overhead
     exposed = dict(slowest.exposed_by_kind)
@@ -969,9 +969,14 @@ def _step_time(
     if pp > 1:
         forward = slowest.microbatch_forward
         timing = pipeline_timing(
-            shape.pp_schedule, pp, m, forward, slowest.microbatch_time - forward, 0.0
+            shape.pp_schedule,
+            pp,
+            shape.microbatches,
+            forward,
+            slowest.microbatch_time - forward,
+            0.0,
         )
-        bubble = timing.bubble
+        bubble = shape.pipeline_steps * timing.bubble  # one fill and drain per schedule
     return StepTime(
         compute=m * slowest.microbatch_compute,
         exposed_comm=m * (slowest.microbatch_exposed - slowest.microbatch_swap_exposed)

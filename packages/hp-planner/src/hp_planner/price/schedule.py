@@ -9,6 +9,12 @@ backward time per microbatch (compute plus exposed communication), every transfe
 stage boundary's send time. The bubble is the makespan less one stage's busy time; the
 microbatches in flight per stage (its activation memory) are the simulator's
 ``peak_in_flight``.
+
+Schedules with ``v`` virtual stages per rank (``interleaved``, ``dualpipev``) time each virtual
+stage at ``1 / v`` of the rank's forward and backward, and count a rank's in-flight
+microbatches in whole-rank units (the simulator's microbatch-stages over ``v``, rounded up).
+Split-backward schedules (``zbh1``, ``dualpipev``) time the input and the weight pass at half
+the backward each.
 """
 
 from __future__ import annotations
@@ -33,7 +39,8 @@ class PipelineTiming:
         makespan: seconds from the first forward to the last backward.
         bubble: idle seconds of the busiest stage (``makespan - m x (forward + backward)``).
         bubble_fraction: the simulator's idle share over all stages.
-        in_flight: per stage, the most microbatches alive at once.
+        in_flight: per pipeline rank, the most microbatches alive at once (in units of the
+            rank's whole share of the model).
     """
 
     schedule: str
@@ -47,10 +54,23 @@ class PipelineTiming:
 def _simulate(
     schedule: str, pp: int, m: int, forward: float, backward: float, comm: float
 ) -> Simulation:
-    plan = plan_schedule(JobDims(pp=pp), TrainingPolicy(schedule=schedule, microbatches=m))
+    training = TrainingPolicy(schedule=schedule, microbatches=m)
+    plan = plan_schedule(JobDims(pp=pp), training)
     if plan is None:
         raise PricingError(f"a pipeline schedule needs pp > 1, got pp={pp}")
-    return simulate(plan, forward=forward, backward=backward, comm=comm)
+    v = training.stages_per_rank
+    return simulate(
+        plan,
+        forward=forward / v,
+        backward=backward / v,
+        backward_input=backward / (2 * v),
+        backward_weight=backward / (2 * v),
+        comm=comm,
+    )
+
+
+def _virtual(schedule: str) -> int:
+    return TrainingPolicy(schedule=schedule).stages_per_rank
 
 
 def pipeline_timing(
@@ -70,7 +90,7 @@ def pipeline_timing(
         makespan=sim.makespan,
         bubble=max(0.0, sim.makespan - busy),
         bubble_fraction=sim.bubble_fraction,
-        in_flight=sim.peak_in_flight,
+        in_flight=tuple(-(-n // _virtual(schedule)) for n in sim.peak_in_flight),
     )
 
 
@@ -78,4 +98,5 @@ def in_flight(schedule: str, pp: int, microbatches: int, stage: int) -> int:
     """The most microbatches alive at once on ``stage`` (1 without pipelining)."""
     if pp == 1:
         return 1
-    return _simulate(schedule, pp, microbatches, 1.0, 2.0, 0.0).peak_in_flight[stage]
+    peak = _simulate(schedule, pp, microbatches, 1.0, 2.0, 0.0).peak_in_flight[stage]
+    return -(-peak // _virtual(schedule))

@@ -1,15 +1,16 @@
 """``--search``: every way to lay a model onto a topology, ranked by predicted step time.
 
 Enumerated (:class:`SearchSpace`, by default every divisor): ``dp_replicate x dp_shard x cp x
-tp x pp == world`` with ``ep`` dividing ``dp_shard`` (and the experts), that the trainer
+tp x pp == world`` with ``ep`` carved from ``dp_shard x cp`` (dividing it and the experts; a
+multiple of ``cp``: :func:`~hp_planner.inputs.expert_carving_problem`), that the trainer
 accepts (``PricedModel.check_fits``: for a trainer's model, ``tp`` dividing the attention
 heads, the KV heads, the dense feed-forward and the vocabulary, ``pp <= n_layers``; and
-``PricedModel.check_accepts``: the pairs the runtime refuses, such as ``ep`` with ``cp``), the
-global batch divisible by ``dp``; microbatch counts that divide the per-rank batch (at least
-``pp`` of them when pipelining); the checkpointing policies of the space. A configuration fits
-when its largest stage's peak memory (:attr:`~hp_planner.price.memory.MemoryBreakdown.total`) is
-at most the limit. Muon traffic is analytic here (fast); pipeline stages are sampled as in
-``dry_run(all_stages=False)``.
+``PricedModel.check_accepts``: the pairs the runtime refuses, such as ``--swap`` with full
+recomputation), the global batch divisible by ``dp``; microbatch counts that divide the
+per-rank batch (at least ``pp`` of them when pipelining); the checkpointing policies of the
+space. A configuration fits when its largest stage's peak memory
+(:attr:`~hp_planner.price.memory.MemoryBreakdown.total`) is at most the limit. Muon traffic is
+analytic here (fast); pipeline stages are sampled as in ``dry_run(all_stages=False)``.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
 from hp_layout import Topology
-from hp_planner.inputs import CP_VARIANTS, JobDims
+from hp_planner.inputs import CP_VARIANTS, JobDims, expert_carving_problem
 from hp_planner.price.devices import Device
 from hp_planner.price.model import PricedModel, PricingError
 from hp_planner.price.run import DryRun, dry_run
@@ -106,8 +107,8 @@ def _layouts(model: PricedModel, world: int, space: SearchSpace) -> Iterator[Job
                 dp = world // (tp * pp * cp)
                 for r in _allowed(space.dp_replicate, dp):
                     shard = dp // r
-                    for ep in _allowed(space.ep, shard):
-                        if experts % ep:
+                    for ep in _allowed(space.ep, shard * cp):
+                        if experts % ep or expert_carving_problem(shard, cp, ep) is not None:
                             continue
                         variants = space.cp_variants if cp > 1 else ("ring",)
                         splits = space.ep_tp if ep > 1 and tp > 1 else (False,)

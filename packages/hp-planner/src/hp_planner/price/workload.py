@@ -148,6 +148,10 @@ class StepShape:
         microbatches: sequential microbatches per data-parallel rank (gradient accumulation,
             the trainer's ``grad_accum``; pipeline microbatches with ``pp > 1``); each runs
             FSDP's gathers and reductions.
+        pipeline_steps: with ``pp > 1``, the pipeline schedules (each of ``microbatches``)
+            one optimizer step runs one after the other (the trainer's ``grad_accum`` under
+            pipelining); 1 otherwise. The step computes :attr:`passes` microbatches and has
+            this many fills and drains of the pipeline.
         ac: activation checkpointing of every block, as ``TrainConfig.ac`` names it:
             ``"none"``, ``"full"``, ``"selective"`` or ``"budget:<MiB>"``
             (:mod:`~hp_planner.price.activation`).
@@ -162,7 +166,8 @@ class StepShape:
         expert_imbalance: rows an expert-parallel rank receives over the rows it sends
             (``top_k`` per token), for the rank the figures are for: 1 for a perfectly
             balanced router; the most loaded rank's ratio bounds the step.
-        pp_schedule: ``"1f1b"`` or ``"gpipe"`` (``hp_train.parallel.pipeline.PIPELINE_SCHEDULES``).
+        pp_schedule: ``"1f1b"``, ``"gpipe"``, ``"zbh1"``, ``"interleaved"`` or
+            ``"dualpipev"`` (``hp_train.parallel.pipeline.PIPELINE_SCHEDULES``).
         runtime: the data-parallel runtime modeled (:data:`RUNTIMES`): ``"hp"`` (hp-fsdp,
             what hp-train runs), ``"torch_fsdp2"`` or ``"megatron_ddp"`` (the baselines of
             :mod:`~hp_planner.price.reproduce`).
@@ -173,6 +178,7 @@ class StepShape:
     global_batch: int
     seq_len: int
     microbatches: int = 1
+    pipeline_steps: int = 1
     ac: str = "none"
     optimizer: str = "muon"
     precision: Precision = BF16_MIXED
@@ -188,7 +194,7 @@ class StepShape:
     swap: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("global_batch", "seq_len", "microbatches"):
+        for name in ("global_batch", "seq_len", "microbatches", "pipeline_steps"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise PricingError(f"{name} must be a positive integer, got {value!r}")
@@ -243,12 +249,19 @@ class StepShape:
                 f"dp_replicate x dp_shard = {dp}"
             )
         local = self.global_batch // dp
-        if local % self.microbatches:
+        if local % self.passes:
             raise PricingError(
                 f"the {local} sequences per data-parallel rank do not split into "
-                f"microbatches={self.microbatches}; choose a divisor of {local}"
+                f"microbatches={self.microbatches} x pipeline_steps={self.pipeline_steps}; "
+                f"choose a divisor of {local}"
             )
-        return local // self.microbatches
+        return local // self.passes
+
+    @property
+    def passes(self) -> int:
+        """The microbatches one optimizer step computes per data-parallel rank
+        (``microbatches x pipeline_steps``)."""
+        return self.microbatches * self.pipeline_steps
 
 
 def _kv_dim(model: TransformerShape) -> int:
