@@ -104,11 +104,11 @@ def test_a_usage_error_is_printed_by_rank_0_only(
     for name in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE"):
         monkeypatch.delenv(name, raising=False)  # no torchrun store to wait on
     with pytest.raises(SystemExit) as info:
-        parse_args(["--pp-schedule", "interleaved"])
+        parse_args(["--pp-schedule", "zigzag"])
     assert info.value.code == 2
     err = capsys.readouterr().err
     if printed:
-        assert "hp-train: error: argument --pp-schedule: invalid choice: 'interleaved'" in err
+        assert "hp-train: error: argument --pp-schedule: invalid choice: 'zigzag'" in err
         assert err.startswith("usage: hp-train")
     else:
         assert err == ""
@@ -137,7 +137,7 @@ def test_a_usage_error_under_torchrun_is_printed_once(tmp_path: Path) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-        str(script), "--pp-schedule", "interleaved", "--out", str(tmp_path / "out"),
+        str(script), "--pp-schedule", "zigzag", "--out", str(tmp_path / "out"),
     ]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode != 0

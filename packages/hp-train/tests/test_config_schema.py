@@ -113,6 +113,8 @@ def _extra(d: Declared) -> list[str]:
         return ["--experts", "4"]
     if d.field.name == "eval_every":
         return ["--eval-fraction", "0.1"]
+    if d.field.name == "pp_virtual_stages":
+        return ["--pp-schedule", "interleaved"]  # the schedule that takes a count
     return []
 
 

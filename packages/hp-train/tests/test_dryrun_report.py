@@ -126,9 +126,9 @@ def test_grad_accum_is_the_trainers_name(capsys: pytest.CaptureFixture[str]) -> 
     code, _, err = _run(capsys, [*tiny, "--microbatches", "2", "--grad-accum", "4"])
     assert code == 2
     assert "give --grad-accum alone" in err
-    # With --pp the trainer refuses accumulation (its microbatches are the pipeline's).
-    code, _, err = _run(
-        capsys, ["--model", "tiny", "--dp-shard", "1", "--pp", "2", "--grad-accum", "2"]
-    )
-    assert code == 2
-    assert "--grad-accum N>1 with --pp N>1" in err
+    # With --pp, accumulation runs --grad-accum pipeline steps of --microbatches each.
+    piped = ["--model", "tiny", "--dp-shard", "1", "--pp", "2", "--microbatches", "2"]
+    code, accumulated, err = _run(capsys, [*piped, "--grad-accum", "2"])
+    assert (code, err) == (0, "")
+    assert "microbatches=2 grad_accum=2" in accumulated
+    assert "grad_accum" not in _run(capsys, piped)[1]

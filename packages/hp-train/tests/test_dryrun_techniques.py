@@ -101,9 +101,8 @@ def test_checkpointing_policies_trade_memory_for_recompute() -> None:
 
 def test_the_trainers_refusals_are_the_dry_runs() -> None:
     cases = [
-        (ParallelConfig(dp_shard=2, ep=2, cp=2), SHAPE, "--cp N>1"),
-        (ParallelConfig(tp=2), replace(SHAPE, fp8="tensorwise"), "--tp N>1"),
-        (ParallelConfig(dp_shard=2), replace(SHAPE, optimizer="muon", offload="both"), "muon"),
+        (ParallelConfig(cp=2), replace(SHAPE, seq_len=66), "--seq-len"),
+        (ParallelConfig(), replace(SHAPE, swap=True, ac="full"), "--ac full"),
     ]
     messages = [r.message() for r in REFUSALS]
     for parallel, shape, second in cases:
@@ -195,7 +194,10 @@ def test_search_covers_the_new_axes_and_defaults_to_device_memory(
     assert any(ep > 1 for ep, _, _ in layouts)
     assert any(cp > 1 for _, cp, _ in layouts)
     assert any(pp > 1 for _, _, pp in layouts)
-    assert not any(r.parallel.ep > 1 and r.parallel.cp > 1 for r in result.fitting)
+    # ep carved from dp_shard x cp: both together, ep a multiple of cp.
+    both = [r.parallel for r in result.fitting if r.parallel.ep > 1 and r.parallel.cp > 1]
+    assert both
+    assert all(p.ep % p.cp == 0 and (p.dp_shard * p.cp) % p.ep == 0 for p in both)
     assert result.refused or result.evaluated
     times = [r.time.total for r in result.fitting]
     assert times == sorted(times)
@@ -229,8 +231,13 @@ def test_cli_takes_the_trainers_flags(capsys: pytest.CaptureFixture[str]) -> Non
     assert re.search(r"^\s+cp\s+\d+", capsys.readouterr().out, re.M)
     assert main(["--model", "tiny", "--dp-shard", "2", "--recompute"]) == 0
     assert "ac=full" in capsys.readouterr().out
-    assert main(["--model", "tiny-moe", "--dp-shard", "2", "--ep", "2", "--cp", "2"]) == 2
-    assert "--ep N>1 with --cp N>1" in capsys.readouterr().err
+    assert main(["--model", "tiny-moe", "--dp-shard", "2", "--ep", "4", "--cp", "2"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^\s+ep\s+\d+", out, re.M)
+    assert re.search(r"^\s+cp\s+\d+", out, re.M)
+    # ep takes whole context-parallel groups: a multiple of cp.
+    assert main(["--model", "tiny-moe", "--dp-shard", "4", "--ep", "2", "--cp", "4"]) == 2
+    assert "ep=2 with cp=4 must be a multiple of cp" in capsys.readouterr().err
     assert "no runtime support" not in build_parser().format_help()
 
 

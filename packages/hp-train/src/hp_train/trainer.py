@@ -130,15 +130,17 @@ from hp_train.observe.tensorboard import (
 )
 from hp_train.optim import build_optimizer, build_schedule
 from hp_train.parallel.context import shard_batch
+from hp_train.parallel.expert import scale_aux_gradient
 from hp_train.parallel.job import plan_run
 from hp_train.parallel.parallelize import (
     build_layout,
     check_model_fits,
     parallelize,
 )
-from hp_train.parallel.pipeline import PipelineRunner, build_pipeline, keep_stage, stage_boundaries
+from hp_train.parallel.pipeline import PipelineRunner, build_pipeline, stage_boundaries
 from hp_train.parallel.rng import seed_dropout
 from hp_train.parallel.run_plan import PLAN_FILE, check_applied, write_plan
+from hp_train.parallel.virtual import StagedTransformer, keep_stages
 from hp_train.recovery.keeper import SnapshotKeeper
 from hp_train.recovery.recover import recover_from_snapshots
 from hp_train.recovery.setup import host_name, run_id, snapshot_root
@@ -446,7 +448,6 @@ class Trainer:
         self.signals: StopSignals | None = None
         self.stop_signal: int | None = None
         self.memory_key = memory_key(runtime.device)
-        self.said_no_probe = False  # that pipelining runs no divergence probe, said once
 
     # ----------------------------------------------------------------------------- build
     def build(self) -> None:
@@ -503,13 +504,22 @@ class Trainer:
 
     def _build_model(self) -> Transformer:
         torch.manual_seed(self.config.seed)
+        # Several stages per pipeline rank run through views of one StagedTransformer.
+        staged = self.job.schedule is not None and self.config.virtual_stages > 1
         with self.runtime.device:
-            model = Transformer(self.model_config, dropout=self.config.dropout)
-        if self.layout.pipeline_mesh is not None:
+            model = (StagedTransformer if staged else Transformer)(
+                self.model_config, dropout=self.config.dropout
+            )
+        if self.layout.pipeline_mesh is not None and self.job.schedule is not None:
             # Every rank initializes the whole model (the same numbers as one device), then
-            # keeps its stage.
-            stage = self.layout.pipeline_mesh.mesh.coordinate(self.runtime.rank)[0]
-            keep_stage(model, stage, stage_boundaries(self.model_config, self.parallel.pp))
+            # keeps its stages (the JobPlan's schedule places them).
+            rank = self.layout.pipeline_mesh.mesh.coordinate(self.runtime.rank)[0]
+            plan = self.job.schedule
+            boundaries = stage_boundaries(self.model_config, plan.num_stages)
+            keep_stages(model, plan.stages_of(rank), boundaries)
+            # The schedule scales each microbatch's loss by 1 / microbatches; the MoE layers'
+            # load-balancing losses enter the gradients alike.
+            scale_aux_gradient(model, 1.0 / self.config.microbatches)
         planned = self.job.stage_of(self.runtime.rank)
         parallelize(model, self.layout, config=self.config, plan=planned)
         if self.options.init_from is not None and not self._will_resume():
@@ -528,6 +538,7 @@ class Trainer:
             schedule=self.config.pp_schedule,
             microbatches=self.config.microbatches,
             device=self.runtime.device,
+            virtual_stages=self.config.virtual_stages,
         )
 
     # ---------------------------------------------------------------------------- resume
@@ -762,7 +773,16 @@ class Trainer:
                 f"{self.local_batch}"
             )
         device = self.runtime.device
-        return Batch(batch.inputs.to(device), batch.targets.to(device))
+        return self._pipeline_columns(Batch(batch.inputs.to(device), batch.targets.to(device)))
+
+    def _pipeline_columns(self, batch: Batch) -> Batch:
+        """Under pipelining with context parallelism, this rank's columns of ``batch``, what
+        the pipeline's stages take (each finds their positions itself:
+        ``Transformer.column_positions``); else ``batch`` (``_loss`` shards it)."""
+        if self.layout.pipeline_mesh is None or self.layout.cp_mesh is None:
+            return batch
+        part = shard_batch(batch, self.layout.cp_mesh)
+        return Batch(part.inputs, part.targets)
 
     def _global_mean(self, local: float) -> float:
         """The mean over the ranks that compute a loss (the last pipeline stage's: the
@@ -797,6 +817,20 @@ class Trainer:
             total += loss.item()
         return total / steps
 
+    def _pipeline_forward_backward(self, batch: Batch) -> float:
+        """Forward and backward of ``batch`` through the pipeline in ``grad_accum`` pipeline
+        steps (each one the schedule over all its microbatches; FSDP divides the summed
+        gradients by the steps, as without pipelining); this rank's mean loss (0.0 off the
+        last stage). Under HSDP the replicas' all-reduce waits for the last step's last
+        microbatch."""
+        assert self.pipeline is not None
+        steps = self.config.grad_accum
+        total = 0.0
+        inputs, targets = batch.inputs.chunk(steps), batch.targets.chunk(steps)
+        for index, (x, y) in enumerate(zip(inputs, targets, strict=True)):
+            total += self.pipeline.step(x, y, final=index == steps - 1)
+        return total / steps
+
     def train_step(self, step: int, monitored: bool) -> dict[str, Any]:
         """Forward, backward and optimizer step of ``step``; its metrics record.
 
@@ -813,7 +847,7 @@ class Trainer:
         if self.pipeline is None:
             local_lm = self._forward_backward(batch)
         else:
-            local_lm = self.pipeline.step(batch.inputs, batch.targets)
+            local_lm = self._pipeline_forward_backward(batch)
         # Steps are 1-based in the record, as on the console and in the plot.
         lrs = dict(zip(self.group_names, self.schedule.get_last_lr(), strict=True))
         record: dict[str, Any] = {"step": step + 1, "lr": lrs}
@@ -972,28 +1006,22 @@ class Trainer:
         """Per-rank training losses, every rank's loss on the step's shared probe batch (a
         warning names each rank off the consensus, :mod:`hp_train.observe.monitor`, unless
         ``warn`` is off: a skipped non-finite step was reported already) and peak memory into
-        ``record``. No probe under pipeline parallelism (no forward-only schedule)."""
-        probe: float | None = None
+        ``record``. Under pipeline parallelism the probe runs through the forward-only
+        schedule and the last stage's ranks report it (the others compute none)."""
         key = 0 if self.layout.cp_mesh is None else self.layout.cp_mesh.get_local_rank(0)
-        if self.pipeline is None:
-            rows = self.local_batch // self.config.grad_accum  # a training micro-step's shape
-            inputs, targets = probe_batch(
-                self.model_config.vocab_size,
-                rows,
-                self.config.seq_len,
-                self.config.seed,
-                int(record["step"]),
-            )
-            (probe,) = self._forward_only_losses([Batch(inputs, targets)])
-        elif self.is_main and not self.said_no_probe:
-            self.said_no_probe = True
-            self.log.info(
-                "no divergence check under pipeline parallelism: the shared probe batch needs "
-                "a forward-only pipeline schedule"
-            )
+        # A training micro-step's shape without pipelining; under it the evaluation's (the
+        # forward-only schedule keeps the shapes of its first batch).
+        rows = self.local_batch // (self.config.grad_accum if self.pipeline is None else 1)
+        inputs, targets = probe_batch(
+            self.model_config.vocab_size,
+            rows,
+            self.config.seq_len,
+            self.config.seed,
+            int(record["step"]),
+        )
+        (probe,) = self._forward_only_losses([Batch(inputs, targets)])
         record["rank_losses"], probes, keys = gather_probes(local_lm, probe, key)
-        if self.pipeline is None:
-            record["probe_losses"] = probes
+        record["probe_losses"] = probes
         for d in probe_divergences(probes, keys, self.config.divergence_threshold):
             if self.is_main and warn:
                 # The run's own report, not a warnings.warn that a process-wide filter can hide.
@@ -1018,12 +1046,15 @@ class Trainer:
                 "the held-out data gives no batch: raise eval_fraction or pass a larger eval_data"
             )
         losses = self._forward_only_losses(batches)
-        return self._global_mean(sum(losses) / len(batches))
+        if self.pipeline is not None and not self.pipeline.is_last:
+            return self._global_mean(0.0)
+        return self._global_mean(sum(v for v in losses if v is not None) / len(batches))
 
     @torch.no_grad()
-    def _forward_only_losses(self, batches: Sequence[Batch]) -> list[float]:
+    def _forward_only_losses(self, batches: Sequence[Batch]) -> list[float | None]:
         """The loss of each of ``batches`` in evaluation mode (no dropout, and none of
-        training's random numbers drawn), forward only.
+        training's random numbers drawn), forward only; under pipeline parallelism through
+        the forward-only schedule, None on the ranks off the last stage.
 
         Postcondition: every FSDP module is resharded, as after a training step. A forward
         without backward leaves the root's parameters (and any kept unsharded after forward)
@@ -1031,12 +1062,16 @@ class Trainer:
         this calls too); a snapshot or checkpoint taken next must see the sharded layout.
         """
         device = self.runtime.device
-        losses: list[float] = []
+        losses: list[float | None] = []
         self.model.eval()
         try:
             for batch in batches:
                 inputs, targets = batch.inputs.to(device), batch.targets.to(device)
-                losses.append(float(self._loss(Batch(inputs, targets))))
+                if self.pipeline is not None:
+                    part = self._pipeline_columns(Batch(inputs, targets))
+                    losses.append(self.pipeline.forward_losses(part.inputs, part.targets))
+                else:
+                    losses.append(float(self._loss(Batch(inputs, targets))))
         finally:
             self.model.train()
             for module in self.model.modules():

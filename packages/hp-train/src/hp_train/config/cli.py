@@ -306,7 +306,9 @@ def parse(
                 f"{parallel.world_size}, or leave --dp-shard out to give it every rank left"
             )
     schedule = config_kwargs(options, args, TrainConfig)
-    schedule.setdefault("microbatches", parallel.pp)
+    # DualPipeV's warm-up needs two microbatches per pipeline rank.
+    fewest = 2 if schedule.get("pp_schedule") == "dualpipev" else 1
+    schedule.setdefault("microbatches", fewest * parallel.pp)
     config = TrainConfig(**schedule)
     if args.wandb:
         check_wandb_available()  # before the data loads: a missing extra fails at once

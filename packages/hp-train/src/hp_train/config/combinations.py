@@ -73,26 +73,6 @@ REFUSALS: tuple[Refusal, ...] = (
         lambda m, p, c: p.ep_tp and m.moe is not None and m.moe.expert_ffn_dim % p.tp != 0,
     ),
     Refusal(
-        "--ep N>1",
-        "--cp N>1",
-        "the experts would be sharded over an axis carved from dp_shard x cp, which hp-train "
-        "does not lay out; use one of the two",
-        lambda m, p, c: p.ep > 1 and p.cp > 1,
-    ),
-    Refusal(
-        "--ep N>1",
-        "--pp N>1",
-        "expert parallelism inside pipeline stages is not composed yet; use --pp 1 with --ep",
-        lambda m, p, c: p.ep > 1 and p.pp > 1,
-    ),
-    Refusal(
-        "--cp N>1",
-        "--pp N>1",
-        "the pipeline hands stages hidden states only, not the global positions of a "
-        "context-parallel rank's columns; use --pp 1 with --cp",
-        lambda m, p, c: p.cp > 1 and p.pp > 1,
-    ),
-    Refusal(
         "--cp N>1",
         "--seq-len not divisible by 2N",
         "the zigzag split gives each rank two of 2N equal chunks of every sequence; choose a "
@@ -107,13 +87,6 @@ REFUSALS: tuple[Refusal, ...] = (
         _ulysses_heads,
     ),
     Refusal(
-        "--fp8 tensorwise|blockwise",
-        "--tp N>1",
-        "the row-parallel plan replaces a linear's forward by its own matmul, which would "
-        "bypass the FP8 one; use --tp 1 with --fp8",
-        lambda m, p, c: c.fp8 != "none" and p.tp > 1,
-    ),
-    Refusal(
         "--swap",
         "--ac full",
         "full recomputation keeps only each block's input, so there is nothing to swap; use "
@@ -126,34 +99,6 @@ REFUSALS: tuple[Refusal, ...] = (
         "the budget decides what stays on the device, not what goes to host memory; use --ac "
         "selective --swap",
         lambda m, p, c: c.swap and c.ac_budget_bytes is not None,
-    ),
-    Refusal(
-        "--compile",
-        "--cp N>1 or --ep N>1",
-        "the context- and expert-parallel forwards exchange tensors of data-dependent sizes "
-        "inside the compiled modules, which is not compiled here yet; drop --compile",
-        lambda m, p, c: c.compile and (p.cp > 1 or p.ep > 1),
-    ),
-    Refusal(
-        "--offload optimizer|both",
-        "--optimizer muon",
-        "the offloaded optimizer steps bucket by bucket, with buckets that differ between ranks, "
-        "while distributed Muon orthogonalizes every matrix of the step in one exchange across "
-        "ranks; use --optimizer adamw or --offload params",
-        lambda m, p, c: c.offload in ("optimizer", "both") and c.optimizer == "muon",
-    ),
-    Refusal(
-        "--grad-accum N>1",
-        "--pp N>1",
-        "the pipeline's microbatches are its accumulation; use --microbatches",
-        lambda m, p, c: c.grad_accum > 1 and p.pp > 1,
-    ),
-    Refusal(
-        "--eval-every N>0",
-        "--pp N>1",
-        "evaluation needs a forward-only pipeline schedule, which hp-train's pipeline does not "
-        "run yet; use --eval-every 0 with --pp",
-        lambda m, p, c: c.eval_every > 0 and p.pp > 1,
     ),
 )
 

@@ -13,13 +13,16 @@ from types import UnionType
 from typing import Any, TypeVar, Union, get_args, get_origin, get_type_hints
 
 from hp_planner import JobDims, PlanInputError
+from hp_planner.inputs import expert_carving_problem
 from hp_planner.recipe import (
     AC_MODES,
     CP_VARIANTS,
+    DEFAULT_VIRTUAL_STAGES,
     FP8_RECIPES,
     OFFLOAD_TARGETS,
     SCHEDULES,
     ac_budget_bytes,
+    check_virtual_stages,
 )
 from hp_train.config.options import option
 
@@ -351,10 +354,11 @@ class ParallelConfig(JobDims):
             FSDP shards over ``dp_shard x cp``.
         cp_variant: ``"ring"`` (key/value blocks passed around the ring) or ``"ulysses"``
             (all-to-all between sequence and heads); both with zigzag load balancing.
-        ep: expert-parallel ranks of the MoE layers, carved from ``dp_shard`` (it divides
-            ``dp_shard``; no ranks of its own): each of ``ep`` neighbouring data-parallel ranks
-            holds ``n_experts / ep`` whole experts, and tokens travel to them by all-to-all.
-            FSDP shards the experts over the ``dp_shard / ep`` ranks holding the same ones.
+        ep: expert-parallel ranks of the MoE layers, carved from the FSDP shard axis
+            ``dp_shard x cp`` (it divides it, and with ``cp > 1`` is a multiple of ``cp``; no
+            ranks of its own): each of ``ep`` neighbouring ranks holds ``n_experts / ep`` whole
+            experts, and tokens travel to them by all-to-all. FSDP shards the experts over the
+            ``dp_shard x cp / ep`` ranks holding the same ones.
             With ``tp > 1`` the ``tp`` ranks of a data-parallel rank route the same tokens:
             each keeps its experts whole (computed ``tp`` times) unless ``ep_tp``.
         ep_tp: expert-tensor parallelism (with ``ep > 1`` and ``tp > 1``): each expert's hidden
@@ -371,7 +375,7 @@ class ParallelConfig(JobDims):
     cp_variant: str = option(
         "ring", "context-parallel attention", table="parallel", choices=CP_VARIANTS
     )
-    ep: int = option(1, "expert parallel (MoE), carved from --dp-shard", table="parallel")
+    ep: int = option(1, "expert parallel (MoE), carved from --dp-shard x --cp", table="parallel")
     ep_tp: bool = option(
         False, "with --ep and --tp: split each expert's hidden dim over tp too", table="parallel"
     )
@@ -381,11 +385,9 @@ class ParallelConfig(JobDims):
             check_positive(name, getattr(self, name))
         if self.cp_variant not in CP_VARIANTS:
             raise ConfigError(f"cp_variant must be one of {CP_VARIANTS}, got {self.cp_variant!r}")
-        if self.dp_shard % self.ep:
-            raise ConfigError(
-                f"ep={self.ep} must divide dp_shard={self.dp_shard}: the expert-parallel ranks "
-                "are carved from the FSDP shard axis (raise --dp-shard or lower --ep)"
-            )
+        problem = expert_carving_problem(self.dp_shard, self.cp, self.ep)
+        if problem is not None:
+            raise ConfigError(f"{problem} (raise --dp-shard or change --ep)")
 
     @staticmethod
     def fill(
@@ -450,7 +452,12 @@ class TrainConfig:
             (healthy ranks agree to rounding; :mod:`hp_train.observe.monitor`).
         microbatches: microbatches per step and data-parallel rank under pipeline parallelism
             (must divide the per-rank batch; 1 without pipelining).
-        pp_schedule: the pipeline schedule, ``"1f1b"`` or ``"gpipe"``.
+        pp_schedule: the pipeline schedule: ``"1f1b"``, ``"gpipe"``, ``"zbh1"`` (zero bubble,
+            split backward), ``"interleaved"`` (interleaved 1F1B over virtual stages) or
+            ``"dualpipev"`` (two stages per rank in a V, split backward in warm-up and drain).
+        pp_virtual_stages: pipeline stages per pipeline rank (the model is cut into
+            ``pp x pp_virtual_stages`` stages); None: the schedule's (2 for ``interleaved``
+            and ``dualpipev``, 1 for the others, the only count those run).
         grad_accum: micro-steps per optimizer step: each rank's batch is split into this many
             slices, run forward and backward one after the other, their gradients summed
             (under HSDP the replicas' all-reduce runs once, after the last).
@@ -544,6 +551,12 @@ class TrainConfig:
     pp_schedule: str = option(
         "1f1b", "the pipeline schedule", table="parallel", choices=PIPELINE_SCHEDULE_NAMES
     )
+    pp_virtual_stages: int | None = option(
+        None,
+        "pipeline stages per pipeline rank (interleaved: any, dualpipev: 2, others: 1)",
+        table="parallel",
+        unset="the schedule's: 2 for interleaved and dualpipev, 1 for the others",
+    )
     grad_accum: int = option(1, "micro-steps per optimizer step", table=_TRAINING)
     clip_grad_norm: float = option(0.0, "max global norm (0: off)", table=_TRAINING)
     skip_nonfinite: int = option(
@@ -601,16 +614,14 @@ class TrainConfig:
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.optimizer not in ("muon", "adamw"):
             raise ConfigError(f"optimizer must be 'muon' or 'adamw', got {self.optimizer!r}")
-        if self.pp_schedule == "zbh1":
-            raise ConfigError(
-                "pp_schedule='zbh1' splits each backward into input and weight passes, which "
-                "hp-fsdp's gradient hooks do not follow yet (they reduce after the input pass); "
-                "use '1f1b' or 'gpipe' (hp_mpmd.PipelineSchedule runs zbh1 without FSDP)"
-            )
         if self.pp_schedule not in PIPELINE_SCHEDULE_NAMES:
             raise ConfigError(
                 f"pp_schedule must be one of {PIPELINE_SCHEDULE_NAMES}, got {self.pp_schedule!r}"
             )
+        try:
+            check_virtual_stages(self.pp_schedule, self.virtual_stages)
+        except PlanInputError as exc:
+            raise ConfigError(f"pp_virtual_stages: {exc}") from None
         if min(self.warmup_steps, self.checkpoint_every, self.eval_every, self.snapshot_every) < 0:
             raise ConfigError(
                 "warmup_steps, checkpoint_every, snapshot_every and eval_every must be >= 0"
@@ -636,6 +647,13 @@ class TrainConfig:
                 f"dropout must be a probability in [0, 1) (0: no dropout; 1 would zero every "
                 f"output), got {self.dropout!r}"
             )
+
+    @property
+    def virtual_stages(self) -> int:
+        """Pipeline stages per pipeline rank: ``pp_virtual_stages``, or the schedule's."""
+        if self.pp_virtual_stages is None:
+            return DEFAULT_VIRTUAL_STAGES.get(self.pp_schedule, 1)
+        return self.pp_virtual_stages
 
     @property
     def ac_budget_bytes(self) -> int | None:

@@ -55,7 +55,6 @@ from hp_planner.price import (
     search,
     topology_preset,
 )
-from hp_train.config.combinations import REFUSALS
 from hp_train.config.options import (
     TABLE_TITLES,
     CliOption,
@@ -253,6 +252,7 @@ def _step_shape(args: argparse.Namespace, batch: int, seq: int) -> StepShape:
         global_batch=batch,
         seq_len=seq,
         microbatches=_microbatches(args),
+        pipeline_steps=args.grad_accum if args.pp > 1 else 1,
         ac="full" if args.recompute else args.ac,
         optimizer=args.optimizer,
         precision=_precision(args),
@@ -267,18 +267,15 @@ def _step_shape(args: argparse.Namespace, batch: int, seq: int) -> StepShape:
 
 
 def _microbatches(args: argparse.Namespace) -> int:
-    """The step's microbatches: the pipeline's ``--microbatches`` with ``--pp > 1``, the
+    """The step's microbatches: the pipeline's ``--microbatches`` with ``--pp > 1`` (each of
+    the ``--grad-accum`` pipeline steps runs that many: ``StepShape.pipeline_steps``), the
     accumulation steps of ``--grad-accum`` without. ``--microbatches N>1`` without ``--pp`` is
     the old spelling of ``--grad-accum``: taken, with a deprecation note on stderr.
 
     Raises:
-        ConfigError: ``--grad-accum N>1`` with ``--pp`` (the trainer's refusal), or both
-            spellings without ``--pp`` with different values.
+        ConfigError: both spellings without ``--pp`` with different values.
     """
     if args.pp > 1:
-        if args.grad_accum > 1:
-            (refusal,) = [r for r in REFUSALS if r.first.startswith("--grad-accum")]
-            raise ConfigError(refusal.message())
         return int(args.microbatches)
     if args.microbatches == 1:
         return int(args.grad_accum)

@@ -14,13 +14,14 @@ from hp_planner import JobDims
 from hp_planner.price import PricingError, StepShape
 from hp_train.config.combinations import check_combination
 from hp_train.config.schema import ConfigError, ModelConfig, TrainConfig
+from hp_train.parallel.virtual import check_virtual_stages_fit
 
 __all__ = ["check_runtime_accepts", "train_config"]
 
 
 def train_config(parallel: JobDims, shape: StepShape) -> TrainConfig:
     """The trainer's configuration of ``shape`` (its microbatches are the pipeline's with
-    ``pp > 1``, gradient accumulation without).
+    ``pp > 1``, its pipeline steps the gradient accumulation; gradient accumulation without).
 
     Raises:
         PricingError: a value the trainer's configuration refuses.
@@ -32,7 +33,7 @@ def train_config(parallel: JobDims, shape: StepShape) -> TrainConfig:
             seq_len=shape.seq_len,
             optimizer=shape.optimizer,
             microbatches=shape.microbatches if pipelined else 1,
-            grad_accum=1 if pipelined else shape.microbatches,
+            grad_accum=shape.pipeline_steps if pipelined else shape.microbatches,
             pp_schedule=shape.pp_schedule,
             ac=shape.ac,
             offload=shape.offload,
@@ -50,10 +51,14 @@ def check_runtime_accepts(model: ModelConfig, parallel: JobDims, shape: StepShap
     """Raise what the trainer raises for a refused pair of options (module doc).
 
     Raises:
-        PricingError: the first :data:`hp_train.config.combinations.REFUSALS` entry that applies.
+        PricingError: the first :data:`hp_train.config.combinations.REFUSALS` entry that applies,
+            or a pipeline schedule whose stages or microbatches do not fit the model
+            (:func:`hp_train.parallel.virtual.check_virtual_stages_fit`).
     """
     try:
-        check_combination(model, parallel, train_config(parallel, shape))
+        config = train_config(parallel, shape)
+        check_combination(model, parallel, config)
+        check_virtual_stages_fit(model, parallel, config)
     except PricingError:
         raise
     except ConfigError as exc:

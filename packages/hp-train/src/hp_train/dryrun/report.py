@@ -118,7 +118,10 @@ def _config(run: DryRun) -> str:
     if p.cp > 1:
         parts.append(f"cp={p.cp} ({p.cp_variant})")
     accumulation = f"microbatches={s.microbatches}" if p.pp > 1 else f"grad_accum={s.microbatches}"
-    parts += [accumulation, f"ac={s.ac}"]
+    parts.append(accumulation)
+    if s.pipeline_steps > 1:
+        parts.append(f"grad_accum={s.pipeline_steps}")
+    parts.append(f"ac={s.ac}")
     extras = [
         "swap" if s.swap else "",
         f"offload={s.offload}" if s.offload != "none" else "",

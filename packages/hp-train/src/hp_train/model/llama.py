@@ -17,6 +17,7 @@ runs in validation mode.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -275,6 +276,10 @@ class Transformer(nn.Module):
         cos, sin = self._rotary_tables()
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
+        # Under context parallelism (hp_train.parallel.context) a rank holds some columns of
+        # each sequence: their global positions, given how many, for a forward called without
+        # them (a pipeline stage's input crosses from the previous stage as hidden states only).
+        self.column_positions: Callable[[int], torch.Tensor] | None = None
 
     def _rotary_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
         inv = rotary_inverse_frequencies(self.config)
@@ -293,9 +298,12 @@ class Transformer(nn.Module):
 
         ``positions``: the global position of each of the ``seq`` columns (int64 ``[seq]``),
         for a rank that holds a slice of longer sequences (context parallelism); default
+        ``column_positions(seq)`` when that is set (context parallelism applied), else
         ``0 .. seq - 1``.
         """
         seq = ids.shape[1]
+        if positions is None and self.column_positions is not None:
+            positions = self.column_positions(seq)
         if positions is None:
             if seq > self.config.max_seq_len:
                 raise ValueError(

@@ -178,6 +178,11 @@ class MoE(nn.Module):
     replicated parameters of this package's production plans) computes the same auxiliary
     loss on each of them: seed it with 1 on one rank of the axis and 0 on the others, so it
     counts once.
+
+    ``aux_grad_scale`` (default 1) multiplies whatever seed the forward gives (this one's or
+    an expert-parallel forward's): a pipeline's schedule scales each microbatch's loss by
+    ``1 / microbatches``, and the auxiliary loss is scaled with it
+    (``hp_train.parallel.expert.scale_aux_gradient``).
     """
 
     def __init__(
@@ -213,6 +218,7 @@ class MoE(nn.Module):
         self.last_counts: torch.Tensor | None = None
         self.last_aux_loss: torch.Tensor | None = None
         self.aux_grad_seed = 1.0
+        self.aux_grad_scale = 1.0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Single device: every token to its top-k experts, weighted sum, plus shared experts."""
@@ -247,4 +253,4 @@ class MoE(nn.Module):
             return out
         aux = self.aux_loss_coef * load_balance_loss(scores, counts, num_tokens, self.top_k)
         self.last_aux_loss = aux.detach()
-        return attach_aux_loss(out, aux, aux_grad)
+        return attach_aux_loss(out, aux, aux_grad * self.aux_grad_scale)

@@ -22,8 +22,8 @@ every rank is named, as no majority says which is right.
 What it cannot see: a corrupted FSDP or tensor-parallel shard reaches every rank through the
 all-gather or the tensor-parallel collectives, so every rank computes the same wrong loss (the
 global loss and the non-finite checks see that); and a rank whose own data is wrong computes the
-probe correctly. Under pipeline parallelism there is no check: hp-train's pipeline has no
-forward-only schedule to run the probe through (as for evaluation).
+probe correctly. Under pipeline parallelism the probe runs through the forward-only schedule
+and only the last stage's ranks have a loss to compare (the others report None).
 """
 
 from __future__ import annotations

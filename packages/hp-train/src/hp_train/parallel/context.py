@@ -3,7 +3,10 @@ across the pieces (ring or Ulysses, ``hp_dtensor.parallel.ContextParallel``).
 
 The ``cp`` ranks of a data-parallel rank read the same sequences; each keeps its
 :func:`hp_dtensor.parallel.shard_sequence` columns of the token ids and targets and the global
-positions of those columns (the rotary tables are looked up at them). Only the attention
+positions of those columns (the rotary tables are looked up at them). The model knows them
+too (:attr:`~hp_train.model.llama.Transformer.column_positions`): a pipeline stage after the
+first receives only hidden states of those columns, from the same ``cp`` rank of the stage
+before (:mod:`hp_train.parallel.pipeline`). Only the attention
 cores (``layers.<i>.attn.core``, parameter-free) are replaced; every parameter stays
 replicated over ``cp`` and FSDP shards and reduces over ``dp_shard x cp`` as one axis. The
 zigzag split gives every rank the same number of tokens, so the mean of the ranks' local
@@ -24,7 +27,7 @@ from hp_dtensor.parallel import (
 from hp_train.data.loader import Batch
 from hp_train.model.llama import Transformer
 
-__all__ = ["CP_AXIS", "ShardedBatch", "apply_context_parallel", "shard_batch"]
+__all__ = ["CP_AXIS", "ColumnPositions", "ShardedBatch", "apply_context_parallel", "shard_batch"]
 
 #: The name of the context-parallel axis (``hp_train.parallel.parallelize.build_layout``).
 CP_AXIS = "cp"
@@ -34,7 +37,9 @@ def apply_context_parallel(model: Transformer, cp_mesh: DeviceMesh, variant: str
     """Replace every block's attention core by ``variant``'s context-parallel attention over
     ``cp_mesh`` (1-d, axis ``cp``), zigzag-balanced: hp-dtensor's production executor applies
     the :class:`~hp_dtensor.parallel.ContextParallel` style to each core (parameter-free; no
-    data axis: FSDP reduces over those)."""
+    data axis: FSDP reduces over those). Afterwards ``model``'s forward, given ``n`` columns
+    without positions, takes them as this rank's columns (:class:`ColumnPositions`)."""
+    model.column_positions = ColumnPositions(cp_mesh)
     style = ContextParallel(variant=variant, balanced=True)
     for block in model.layers.values():
         parallelize_module(
@@ -45,6 +50,27 @@ def apply_context_parallel(model: Transformer, cp_mesh: DeviceMesh, variant: str
             tp_axis=CP_AXIS,
             dp_axes=(),
         )
+
+
+class ColumnPositions:
+    """The global positions of this ``cp`` rank's columns, by how many it holds.
+
+    ``ColumnPositions(cp_mesh)(n)`` is, for ``n`` local columns of sequences of ``n x cp``
+    tokens, the int64 ``[n]`` positions :func:`shard_batch` gives with them, on
+    ``cp_mesh``'s device; computed once per ``n``.
+    """
+
+    def __init__(self, cp_mesh: DeviceMesh) -> None:
+        self.cp_mesh = cp_mesh
+        self._known: dict[int, torch.Tensor] = {}
+
+    def __call__(self, local: int) -> torch.Tensor:
+        found = self._known.get(local)
+        if found is None:
+            seq = local * self.cp_mesh.size()
+            found = local_positions(seq, self.cp_mesh, CP_AXIS, device=self.cp_mesh.device)
+            self._known[local] = found
+        return found
 
 
 class ShardedBatch:

@@ -1,6 +1,8 @@
 """Expert parallelism in the main job: each MoE layer's experts split over the ``ep`` axis
-carved from the FSDP shard axis (``hp_dtensor.parallel.ExpertParallel``), tokens sent to
-their experts' ranks and back by all-to-all, uneven loads as they come.
+carved from the FSDP shard axis (``dp_shard``, ``dp_shard x cp`` under context parallelism:
+the MoE is token-wise, so a context-parallel rank's columns route like any other tokens;
+``hp_dtensor.parallel.ExpertParallel``), tokens sent to their experts' ranks and back by
+all-to-all, uneven loads as they come.
 
 Gradient scale, why the factors below are what they are. The trainer's loss on every rank is
 its local token mean, and FSDP averages gradients over the ``D = dp_replicate x dp_shard``
@@ -21,8 +23,9 @@ data-parallel ranks: the global loss is the mean of the local ones.
 * The load-balancing loss: under expert parallelism each rank adds its additive share of
   the ep group's loss (global expert counts, its own scores), where without it each rank adds
   a whole loss of its own tokens; the coefficient is scaled by ``ep`` so that the two weigh
-  the same after the averaging (with ``ep`` equal to every data-parallel rank, the result is
-  the single-device loss of the whole batch).
+  the same after the averaging (with ``ep`` equal to every data-parallel rank, times ``cp``
+  under context parallelism, the result is the single-device loss of the whole batch: FSDP
+  averages over ``dp_shard x cp``, each rank's loss the mean of its equal share of tokens).
 
 With tensor parallelism. The dense parts' gradients follow the adjoint convention over
 ``tp`` (each tp rank's activation gradients are partial, replicated parameters summed over
@@ -35,6 +38,13 @@ over it (``--ep-tp``: ``ExpertTensorParallel``), router and shared experts get t
 gradient on each. Without expert parallelism the MoE is one more replicated part of the
 tensor-parallel model (adjoint, summed over ``tp`` with the norms); only its load-balancing
 loss, the same on every tp rank, is seeded on one of them (:func:`seed_aux_loss_once`).
+
+Under pipelining. Each stage's MoE layers attach their load-balancing losses to their own
+outputs, so an earlier stage's term gets its gradient when the next stage's input gradient
+comes back through it: no backward of its own is needed. The schedule scales each
+microbatch's language-model loss by ``1 / microbatches`` (the gradients of the step's mean
+loss); the load-balancing terms are scaled alike (:func:`scale_aux_gradient`), so a pipelined
+step has the gradients of the same step in ``microbatches`` accumulation micro-steps.
 """
 
 from __future__ import annotations
@@ -54,6 +64,7 @@ __all__ = [
     "EP_AXIS",
     "apply_expert_parallel",
     "moe_layers",
+    "scale_aux_gradient",
     "seed_aux_loss_once",
 ]
 
@@ -99,3 +110,19 @@ def seed_aux_loss_once(model: Transformer, tp_mesh: DeviceMesh) -> None:
     first = tp_mesh.get_local_rank(_TP_AXIS) == 0
     for moe in moe_layers(model).values():
         moe.aux_grad_seed = 1.0 if first else 0.0
+
+
+def scale_aux_gradient(model: Transformer, factor: float) -> None:
+    """Scale every MoE layer's load-balancing gradient by ``factor`` (``MoE.aux_grad_scale``;
+    under pipelining ``1 / microbatches``: module docstring), whatever seed its forward gives
+    (:func:`seed_aux_loss_once`'s, or the expert-parallel forward's).
+
+    Raises:
+        ValueError: ``factor`` is not a positive finite number.
+    """
+    if isinstance(factor, bool) or not isinstance(factor, int | float):
+        raise ValueError(f"the aux-loss gradient factor must be a number, got {factor!r}")
+    if not 0.0 < factor < float("inf"):
+        raise ValueError(f"the aux-loss gradient factor must be positive and finite, got {factor}")
+    for moe in moe_layers(model).values():
+        moe.aux_grad_scale = float(factor)

@@ -15,14 +15,16 @@ from __future__ import annotations
 import torch
 
 from hp_dtensor.parallel import ExpertParallel, ExpertTensorParallel, ParallelStyle
-from hp_planner import JobDims, JobPlan, ModelParallelism, TrainingPolicy, plan_job
+from hp_mpmd import SchedulePlan
+from hp_planner import JobDims, JobPlan, ModelParallelism, TrainingPolicy, plan_job, plan_schedule
 from hp_planner.meshes import EXPERT_AXES
 from hp_train.config.combinations import check_combination
 from hp_train.config.schema import ModelConfig, ParallelConfig, TrainConfig
 from hp_train.model.llama import Transformer
 from hp_train.optim import ROUTER_PATTERNS
 from hp_train.parallel.parallelize import check_model_fits, tp_plan
-from hp_train.parallel.pipeline import keep_stage, stage_boundaries
+from hp_train.parallel.pipeline import stage_boundaries
+from hp_train.parallel.virtual import check_virtual_stages_fit, keep_stages
 
 __all__ = ["BLOCKS", "CONTEXT_MODULES", "model_parallelism", "plan_run", "training_policy"]
 
@@ -69,18 +71,25 @@ def training_policy(config: TrainConfig) -> TrainingPolicy:
         offload=config.offload,
         schedule=config.pp_schedule,
         microbatches=config.microbatches,
+        virtual_stages=config.virtual_stages,
     )
 
 
-def stage_models(model: ModelConfig, pp: int) -> list[Transformer]:
-    """The Transformer on ``meta``, one per pipeline stage (the stage's modules kept)."""
+def stage_models(
+    model: ModelConfig, pp: int, schedule: SchedulePlan | None = None
+) -> list[Transformer]:
+    """The Transformer on ``meta``, one per pipeline rank (the modules of its stages kept:
+    ``schedule.stages_of(rank)`` of the ``schedule.num_stages`` stages, default one stage per
+    rank)."""
     models = []
-    boundaries = stage_boundaries(model, pp) if pp > 1 else ()
+    stages = pp if schedule is None else schedule.num_stages
+    boundaries = stage_boundaries(model, stages) if pp > 1 else ()
     for k in range(pp):
         with torch.device("meta"):
             stage = Transformer(model)
         if pp > 1:
-            keep_stage(stage, k, boundaries)
+            held = (k,) if schedule is None else schedule.stages_of(k)
+            keep_stages(stage, held, boundaries)
         models.append(stage)
     return models
 
@@ -95,9 +104,11 @@ def plan_run(model: ModelConfig, parallel: ParallelConfig, config: TrainConfig) 
     """
     check_model_fits(model, parallel)
     check_combination(model, parallel, config)
+    check_virtual_stages_fit(model, parallel, config)
+    policy = training_policy(config)
     return plan_job(
-        stage_models(model, parallel.pp),
+        stage_models(model, parallel.pp, plan_schedule(parallel, policy)),
         parallel,
         model_parallelism(model, parallel),
-        training_policy(config),
+        policy,
     )

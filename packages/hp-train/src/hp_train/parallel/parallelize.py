@@ -15,6 +15,7 @@ data-parallel rank, so checkpoints and gradient norms take one path at every siz
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,8 +34,8 @@ from hp_dtensor.parallel import (
 from hp_dtensor.parallel.plan import Boundary, PlanError
 from hp_fsdp import CPUOffloadPolicy, fully_shard
 from hp_layout import Mesh, Placement, Replicate, Shard
-from hp_planner import JobDims, StagePlan, job_grid, stage_meshes, stage_of
-from hp_planner.meshes import CP_SHARD
+from hp_planner import JobDims, StageMeshes, StagePlan, stage_meshes, stage_of
+from hp_planner.meshes import CP_SHARD, across_stages
 from hp_planner.price.model import tp_split_problem
 from hp_train.config.schema import ConfigError, ModelConfig, ParallelConfig, TrainConfig
 from hp_train.model.llama import TiedHead, Transformer
@@ -70,7 +71,8 @@ class Layout3D:
         dp_size: data-parallel ranks.
         tp_size: tensor-parallel ranks.
         pipeline_mesh: with ``pp > 1``, the ``(pp, dp_replicate, dp_shard, tp)`` mesh of the
-            job (``mesh`` is then this rank's stage); None without pipelining.
+            job (``dp_shard_cp`` with ``cp > 1``; ``mesh`` is then this rank's stage); None
+            without pipelining.
         cp_mesh: with ``cp > 1``, the 1-d mesh of this rank's context-parallel group.
         expert_mesh: with ``ep > 1``, the ``(dp_replicate, expert_shard, ep, tp)`` mesh of
             the same ranks as ``mesh`` (the MoE layers' expert parallelism is on its ``ep``
@@ -137,8 +139,15 @@ def build_layout(parallel: ParallelConfig, device_type: str) -> Layout3D:
     """The device meshes of the planner's grids (:func:`hp_planner.job_grid`,
     :func:`hp_planner.stage_meshes`) over the initialized default process group.
 
-    Every rank creates the same device meshes in the same order (creating one is collective):
-    with ``pp > 1`` the job's whole grid, of which this rank takes its stage's mesh.
+    Creating a process group is collective over the job, so each kind of mesh is cut from one
+    mesh over the whole job (:func:`hp_planner.meshes.across_stages`: with ``pp > 1`` every
+    stage's stage, context and expert meshes stacked along ``pp``), and with ``pp > 1`` every
+    rank creates all their groups here, in the same order, before any stage runs alone (a
+    group first needed inside a stage's forward would otherwise be created while the other
+    stages wait for activations).
+
+    Postconditions: ``mesh``, ``cp_mesh``'s context mesh and ``expert_mesh`` equal this rank's
+    stage's planned meshes; ``pipeline_mesh`` (``pp > 1``) is the stacked stage mesh.
 
     Raises:
         ConfigError: the world size differs from ``parallel.world_size``.
@@ -151,21 +160,16 @@ def build_layout(parallel: ParallelConfig, device_type: str) -> Layout3D:
             "(or change the dimensions)"
         )
     rank = dist.get_rank()
-    grid = job_grid(parallel)
     planned = stage_meshes(parallel, stage_of(parallel, rank))
-    pipeline_mesh = cp_mesh = None
-    if parallel.pp > 1:
-        pipeline_mesh = DeviceMesh(device_type, grid)
-        mesh = pipeline_mesh[list(planned.stage.axis_names)]
-    else:
-        mesh = DeviceMesh(device_type, planned.stage)
-    if planned.context is not None:
-        cp_mesh = DeviceMesh(device_type, planned.context)["cp"]
+    stacked = _stacked_meshes(parallel, device_type)
+    mesh = stacked["stage"][list(planned.stage.axis_names)]
+    pipeline_mesh = stacked["stage"] if parallel.pp > 1 else None
+    cp_mesh = None if "context" not in stacked else stacked["context"]["cp"]
     # The data-parallel coordinate is (dp_replicate, dp_shard) of the unflattened grid.
     replica, shard = (planned.context or planned.stage).coordinate(rank)[:2]
     expert_mesh = expert_dp_mesh = None
     if planned.expert is not None:
-        expert_mesh = DeviceMesh(device_type, planned.expert)
+        expert_mesh = stacked["expert"][list(planned.expert.axis_names)]
         expert_dp_mesh = expert_mesh[list(planned.expert_dp_axes)]
     return Layout3D(
         mesh,
@@ -180,6 +184,36 @@ def build_layout(parallel: ParallelConfig, device_type: str) -> Layout3D:
         parallel.cp_variant,
         parallel.ep_tp,
     )
+
+
+def _stacked_meshes(parallel: ParallelConfig, device_type: str) -> dict[str, DeviceMesh]:
+    """The job-wide stage, context and expert meshes (those the job has), by kind; with
+    ``pp > 1`` with every group along each of their axes created, and the torch meshes of
+    those that hold parameters (stage, expert) built (collective).
+
+    A checkpoint converts each parameter's mesh to torch's, which builds the job-wide torch
+    mesh it is cut from the first time (``hp_dtensor.DeviceMesh.to_torch``, collective): a
+    stage without MoE layers never converts an expert mesh, so the stages holding them would
+    wait for it there (measured: the save hangs at pp 2 x ep 2 with the MoE blocks in one
+    stage); built here, every rank builds them in the same order.
+    """
+    parts: dict[str, Callable[[StageMeshes], Mesh | None]] = {
+        "stage": lambda m: m.stage,
+        "context": lambda m: m.context,
+        "expert": lambda m: m.expert,
+    }
+    out: dict[str, DeviceMesh] = {}
+    for kind, part in parts.items():
+        whole = across_stages(parallel, part)
+        if whole is None:
+            continue
+        out[kind] = DeviceMesh(device_type, whole)
+        if parallel.pp > 1:
+            for axis in whole.axis_names:
+                out[kind].get_group(axis)
+            if kind != "context":  # the context-parallel attention holds no parameter
+                out[kind].to_torch()
+    return out
 
 
 @dataclass(frozen=True)

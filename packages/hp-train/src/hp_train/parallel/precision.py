@@ -53,7 +53,12 @@ def is_fp8_linear(module: nn.Module, fqn: str) -> bool:
 
 def convert_blocks_to_float8(model: nn.Module, recipe: str) -> None:
     """Swap the linears :func:`is_fp8_linear` selects for ``hp_kernels.float8.Float8Linear``
-    with dynamic ``recipe`` (``"tensorwise"`` or ``"blockwise"``) scaling, in place."""
+    with dynamic ``recipe`` (``"tensorwise"`` or ``"blockwise"``) scaling, in place.
+
+    Called before tensor parallelism: the column- and row-parallel styles then hand each
+    ``Float8Linear`` its weight's piece and tell it its split (``set_tensor_parallel``), so its
+    scales are the whole tensors' (amaxes reduced over tp) and it quantizes exactly what one
+    rank quantizes; the row-parallel forward runs its FP8 product (``linear_with_bias``)."""
     from hp_kernels.float8 import Float8LinearConfig, ScalingGranularity, convert_to_float8
 
     granularity = {

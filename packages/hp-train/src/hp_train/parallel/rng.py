@@ -11,7 +11,7 @@ model is built, :func:`seed_dropout` therefore reseeds the default generator (th
   same replicated residual stream (hp-train's plan is not sequence parallel) and must zero the
   same elements of it, or the replicas would disagree;
 * data-parallel ranks (``dp_replicate x dp_shard``, expert-parallel ranks included: they are
-  carved from ``dp_shard``), context-parallel ranks (which hold different columns of the same
+  carved from ``dp_shard x cp``), context-parallel ranks (which hold different columns of the same
   sequences) and pipeline stages (different blocks) get different seeds.
 
 Data-parallel rank 0 of context-parallel rank 0 and stage 0 gets the seed one device gets, so a

@@ -23,6 +23,7 @@ from torch import nn
 
 from hp_dtensor.contract import parallel_plan_of
 from hp_layout import Mesh
+from hp_mpmd import SchedulePlan
 from hp_muon import ChainedOptimizer
 from hp_planner import JobPlan, StagePlan
 from hp_planner.report import stage_table
@@ -114,13 +115,19 @@ def check_applied(
     )
 
 
-def _held(model: ModelConfig, pp: int, k: int) -> str:
-    boundaries = stage_boundaries(model, pp)
-    first, end = boundaries[k], boundaries[k + 1]
-    held = [f"blocks {first}..{end - 1}" if end - first > 1 else f"block {first}"]
-    if k == 0:
+def _held(model: ModelConfig, schedule: SchedulePlan, k: int) -> str:
+    """What pipeline rank ``k`` keeps: its stages' blocks (``schedule.stages_of(k)``), the
+    embedding with stage 0 and the final norm and head with the last stage."""
+    boundaries = stage_boundaries(model, schedule.num_stages)
+    stages = schedule.stages_of(k)
+    held = []
+    for s in stages:
+        first, end = boundaries[s], boundaries[s + 1]
+        blocks = f"blocks {first}..{end - 1}" if end - first > 1 else f"block {first}"
+        held.append(blocks if len(stages) == 1 else f"stage {s} ({blocks})")
+    if 0 in stages:
         held.insert(0, "the embedding")
-    if k == pp - 1:
+    if schedule.num_stages - 1 in stages:
         held.append("the final norm and the head")
     return ", ".join(held)
 
@@ -153,7 +160,7 @@ def plan_report(model_config: ModelConfig, parallel: ParallelConfig, config: Tra
         ranks = stage.ranks
         parts.append(
             f"=== stage {stage.index} of {parallel.pp}: "
-            f"{_held(model_config, parallel.pp, stage.index)}; ranks {ranks[0]}..{ranks[-1]}"
+            f"{_held(model_config, job.schedule, stage.index)}; ranks {ranks[0]}..{ranks[-1]}"
             f"\n\n{stage_table(stage)}"
         )
     return "\n\n".join(parts)
