@@ -13,6 +13,7 @@ dispatch mode, under which dynamo skips every frame and a "compiled" run is eage
 
 from __future__ import annotations
 
+import gc
 import json
 from pathlib import Path
 from typing import Any
@@ -77,13 +78,22 @@ def _compiled_run(
             if "grad_norm" in record:
                 norms[record["step"]] = record["grad_norm"]
     breaks = {_skipped(reason): n for reason, n in counters["graph_break"].items()}
-    return {
+    result = {
         "losses": summary.losses,
         "norms": norms,
         "graphs": counters["stats"]["unique_graphs"],
         "breaks": breaks,
         "runs": runs[0],
     }
+    _forget_compiled()
+    return result
+
+
+def _forget_compiled() -> None:
+    """Drop what dynamo keeps of this run (guards on its modules, its compiled graphs): the
+    rank pool outlives the test. Inductor's own pattern tables stay for the process's life."""
+    torch._dynamo.reset()
+    gc.collect()
 
 
 def _skipped(reason: str) -> str:
