@@ -1,7 +1,7 @@
 """The trainer's job as hp-planner's inputs, and its :class:`~hp_planner.JobPlan`.
 
 :func:`plan_run` is the one place the trainer's configs become a plan: the Transformer built
-on ``meta`` (one per pipeline stage, :func:`~hp_train.parallel.pipeline.keep_stage`), the
+on ``meta`` (one per pipeline stage, :func:`~hp_train.parallel.virtual.keep_stages`), the
 degrees of :class:`~hp_train.config.schema.ParallelConfig`, the model's parallelism (Megatron's
 tensor-parallel plan :func:`~hp_train.parallel.parallelize.tp_plan`, FSDP on every block then
 the root, the MoE feed-forwards under expert parallelism, the attention cores under context

@@ -49,7 +49,7 @@ from hp_mpmd.schedules import forward_only
 from hp_planner import JobDims, PlanInputError, TrainingPolicy, plan_schedule
 from hp_train.config.schema import PIPELINE_SCHEDULE_NAMES, ConfigError, ModelConfig
 from hp_train.model.llama import Transformer, lm_loss
-from hp_train.parallel.virtual import StagedTransformer, StageView, stage_parts
+from hp_train.parallel.virtual import StagedTransformer, StageView, keep_stages, stage_parts
 
 __all__ = [
     "PIPELINE_SCHEDULES",
@@ -90,17 +90,9 @@ def stage_boundaries(model: ModelConfig, pp: int) -> tuple[int, ...]:
 
 
 def keep_stage(model: Transformer, stage: int, boundaries: tuple[int, ...]) -> Transformer:
-    """Drop from ``model`` (in place) everything stage ``stage`` does not run."""
-    first, end = boundaries[stage], boundaries[stage + 1]
-    for key in list(model.layers.keys()):
-        if not first <= int(key) < end:
-            del model.layers[key]
-    if stage > 0:
-        model.tok_embeddings = None
-    if stage < len(boundaries) - 2:
-        model.norm = None
-        model.output = None
-    return model
+    """Drop from ``model`` (in place) everything stage ``stage`` does not run (one stage per
+    rank: :func:`~hp_train.parallel.virtual.keep_stages` of that stage)."""
+    return keep_stages(model, (stage,), boundaries)
 
 
 class _FinalMicroStep:
