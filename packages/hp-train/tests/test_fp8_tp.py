@@ -47,26 +47,17 @@ from hp_testing import run_on_ranks
 from hp_train.config.schema import ModelConfig, ParallelConfig, TrainConfig
 from hp_train.runtime import init_runtime
 from hp_train.trainer import RunOptions, train
+from test_compositions import DENSE, FP32_LOSS_TOLERANCE, FP32_NORM_TOLERANCE
+from test_compositions import _config as compositions_config
 
-DENSE = ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=32)
-FP32_LOSS_TOLERANCE = 2e-6
-FP32_NORM_TOLERANCE = 1e-6
 STEPS = 4
 #: Linears converted per block (q, k, v, o, w1, w2, w3), each run once per micro-step.
 FP8_LINEARS = 7 * DENSE.n_layers
 
 
 def _config(**kwargs: Any) -> TrainConfig:
-    base: dict[str, Any] = {
-        "steps": STEPS,
-        "global_batch": 8,
-        "seq_len": 16,
-        "data": "synthetic",
-        "log_every": 1,
-        "warmup_steps": 2,
-        "optimizer": "adamw",
-    }
-    return TrainConfig(**{**base, **kwargs})
+    """The composition tests' configuration, over :data:`STEPS` steps."""
+    return compositions_config(**{"steps": STEPS, **kwargs})
 
 
 def _run(

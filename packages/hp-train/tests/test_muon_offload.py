@@ -30,6 +30,7 @@ from hp_train.config.schema import ModelConfig, ParallelConfig, TrainConfig
 from hp_train.dryrun import TrainerModel
 from hp_train.runtime import init_runtime
 from hp_train.trainer import RunOptions, train
+from test_compositions import _config as compositions_config
 
 DENSE = ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=32)
 STEPS = 4
@@ -42,17 +43,9 @@ def _bucket_bytes(rank: int) -> int:
 
 
 def _config(**kwargs: Any) -> TrainConfig:
-    base: dict[str, Any] = {
-        "steps": STEPS,
-        "global_batch": 8,
-        "seq_len": 16,
-        "data": "synthetic",
-        "log_every": 1,
-        "warmup_steps": 1,
-        "optimizer": "muon",
-        "checkpoint_every": 2,
-    }
-    return TrainConfig(**{**base, **kwargs})
+    """The composition tests' configuration with Muon, checkpointed every 2 steps."""
+    base = {"steps": STEPS, "warmup_steps": 1, "optimizer": "muon", "checkpoint_every": 2}
+    return compositions_config(**{**base, **kwargs})
 
 
 def _offloaded_bytes(wrapper: Any) -> int:
