@@ -13,15 +13,19 @@ every group the job hung for 30 minutes).
 
 from __future__ import annotations
 
+import io
 import os
 import re
 import subprocess
 import sys
 import threading
 import time
+from typing import Any
 
 import pytest
 
+from hp_dtensor.collective_errors import CollectiveTimeoutError
+from hp_train.config import cli
 from hp_train.runtime import STALL_ENV, TIMEOUT_ENV
 from test_faults import FAULTS, _pattern
 
@@ -142,3 +146,45 @@ def test_an_unknown_device_type_is_named_before_anything_starts() -> None:
 
     with pytest.raises(ValueError, match=re.escape("use one of ['cpu', 'cuda', 'npu']")):
         init_runtime("tpu")
+
+
+class _Writes(io.RawIOBase):
+    """A console's file descriptor: keeps each write it is given, as the pipe would see it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.writes: list[bytes] = []
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        self.writes.append(bytes(data))
+        return len(data)
+
+
+def test_a_diagnosis_reaches_the_shared_console_in_one_write(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: os.PathLike[str]
+) -> None:
+    """Ranks that time out together print together into torchrun's one console: a diagnosis
+    (several lines) and its last newline must leave in one write, or another rank's line can
+    land between them and no longer begin a line (the world-4 case above once lost rank 0's
+    diagnosis that way). The console is line-buffered, as Python's stderr is on a pipe."""
+    message = (
+        "all_reduce over group 'tp' (ranks [0, 1]) did not complete within the 3 s timeout "
+        "(rank 0, its collective #1 over this group, failed after 3.0 s): rank 1 of the group "
+        "did not arrive\n  rank 1: no report\n  backend error: Timed out waiting 3000ms"
+    )
+
+    def fail(*args: object, **kwargs: object) -> None:
+        raise CollectiveTimeoutError(
+            message, collective="all_reduce", group="'tp' (ranks [0, 1])", ranks=(0, 1),
+            missing=(1,), timeout_s=3.0, elapsed_s=3.0,
+        )  # fmt: skip
+
+    raw = _Writes()
+    console = io.TextIOWrapper(io.BufferedWriter(raw), encoding="utf-8", line_buffering=True)
+    monkeypatch.setattr(cli, "train", fail)
+    monkeypatch.setattr(sys, "stderr", console)
+    assert cli.main([*ARGS, "--out", str(tmp_path)]) == cli.EXIT_COLLECTIVE
+    assert raw.writes == [f"hp-train: {message}\n".encode()]

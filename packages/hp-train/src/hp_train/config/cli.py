@@ -39,7 +39,7 @@ from hp_train.config.options import (
 from hp_train.config.presets import model_configs
 from hp_train.config.schema import ConfigError, ModelConfig, MoEConfig, ParallelConfig, TrainConfig
 from hp_train.config.toml_file import option_tables, read_config_file, resolved_tables
-from hp_train.observe.errors import report_error
+from hp_train.observe.errors import report_error, write_lines
 from hp_train.observe.nonfinite import NonFiniteError
 from hp_train.observe.out_dir import (
     OutDirInUseError,
@@ -460,11 +460,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_CHECKPOINT
     except StoppedBySignalError as exc:
         if runtime.rank == 0:
-            print(f"hp-train: {exc}", file=sys.stderr, flush=True)
+            write_lines([f"hp-train: {exc}"])
         shutdown()
         return exc.exit_code
     except CollectiveError as exc:
-        print(f"hp-train: {exc}", file=sys.stderr, flush=True)
+        write_lines([f"hp-train: {exc}"])
         _abandon_process_group()
         return EXIT_COLLECTIVE
     finally:

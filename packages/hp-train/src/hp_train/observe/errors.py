@@ -38,7 +38,7 @@ from torch._C._distributed_c10d import Store, TCPStore
 
 from hp_train.observe.logs import file_formatter, log_file
 
-__all__ = ["ERROR_PREFIX", "report_error", "torchrun_store"]
+__all__ = ["ERROR_PREFIX", "report_error", "torchrun_store", "write_lines"]
 
 #: The store keys' prefix.
 ERROR_PREFIX = "hp_train/error"
@@ -91,10 +91,17 @@ def _lines(messages: dict[int, str]) -> list[str]:
     ]
 
 
-def _print(lines: list[str], stream: TextIO) -> None:
-    for line in lines:
-        print(line, file=stream)
-    stream.flush()
+def write_lines(lines: list[str], stream: TextIO | None = None) -> None:
+    """Write ``lines`` (each ended by a newline) to ``stream`` (default ``sys.stderr``) in one
+    write and flush it.
+
+    Every rank of a job shares the launcher's console, and ranks that fail together print
+    together: ``print`` writes a message and its ending newline separately, so another rank's
+    message could land between them and begin mid-line. One write of under ``PIPE_BUF`` bytes
+    (4096 on Linux) reaches a pipe whole."""
+    out = stream if stream is not None else sys.stderr
+    out.write("".join(f"{line}\n" for line in lines))
+    out.flush()
 
 
 def report_error(
@@ -129,7 +136,7 @@ def report_error(
     except (RuntimeError, ValueError):  # torchrun's store is gone: nothing to agree with
         found = None
     if found is None:
-        _print([f"hp-train: {message}"], out)
+        write_lines([f"hp-train: {message}"], out)
         return
     store, rank, world = found
     env = os.environ
@@ -145,10 +152,10 @@ def report_error(
     if store.add(f"{prefix}/printer", 1) == 1:
         keys = {r: f"{prefix}/rank/{r}" for r in range(world)}
         messages = {r: store.get(k).decode() for r, k in keys.items() if store.check([k])}
-        _print(_lines(messages), out)
+        write_lines(_lines(messages), out)
         store.set(printed, "1")
         return
     try:
         store.wait([printed], timedelta(seconds=wait_s))
     except RuntimeError:  # the printer is gone: never leave the job silent
-        _print([f"hp-train: {message} (rank {rank})"], out)
+        write_lines([f"hp-train: {message} (rank {rank})"], out)
