@@ -22,11 +22,12 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
 import threading
 import time
 from collections.abc import Callable
 from types import FrameType, TracebackType
+
+from hp_train.observe.errors import write_lines
 
 __all__ = ["MIN_GRACE_S", "SAME_SIGNAL_S", "STOP_SIGNALS", "StopSignals", "StoppedBySignalError"]
 
@@ -83,12 +84,12 @@ class StopSignals:
 
     def _give_up(self, seconds: float) -> None:
         name = signal.Signals(self.signum or signal.SIGTERM).name
-        print(
-            f"hp-train: got {name} but did not reach the step where the ranks agree to stop "
-            f"within {seconds:.1f} s (a collective that does not complete?); stopping now, "
-            "without a checkpoint",
-            file=sys.stderr,
-            flush=True,
+        write_lines(
+            [
+                f"hp-train: got {name} but did not reach the step where the ranks agree to stop "
+                f"within {seconds:.1f} s (a collective that does not complete?); stopping now, "
+                "without a checkpoint"
+            ]
         )
         os.kill(os.getpid(), signal.SIGKILL)
 
