@@ -395,7 +395,7 @@ def test_hsdp_selects_wire_dtype_per_tier() -> None:
 # Quantized once per step ----------------------------------------------------------------------
 
 
-def _cached(steps: int) -> dict[str, Any]:
+def _cached(steps: int, foreach: bool) -> dict[str, Any]:
     torch.set_num_threads(1)
     world, rank = dist.get_world_size(), dist.get_rank()
     mesh = DeviceMesh("cpu", Mesh((world,), ("shard",)))
@@ -404,8 +404,9 @@ def _cached(steps: int) -> dict[str, Any]:
     for index in (0, 2):
         fully_shard(model[index], mesh=mesh, comm_policy=comm)
     fully_shard(model, mesh=mesh, comm_policy=comm)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=foreach)
     x = torch.randn(4 * world, 40, generator=torch.Generator().manual_seed(0))
+    # Under a dispatch mode, as a profiler or a FLOP counter would run the step.
     with CountingMode() as counts:
         for _ in range(steps):
             opt.zero_grad()
@@ -419,18 +420,27 @@ def _cached(steps: int) -> dict[str, Any]:
     return {
         "quantizations": [g.param_quantizations for g in groups],
         "all_gathers": len(gathers),
+        "params": [p.detach().clone() for p in model.parameters()],
     }
 
 
 @pytest.mark.multiprocess
 def test_shard_is_quantized_once_per_step() -> None:
+    """Quantized again after every optimizer step, the loop's or foreach's: under a dispatch
+    mode torch's foreach updates leave the shard's version counter where it was, and a cache on
+    the counter alone trained on the first step's FP8 shard. Oracle: the loop's parameters,
+    bit for bit (foreach AdamW computes the same values)."""
     steps = 3
-    for out in run_on_ranks(2, _cached, steps):
-        # Each block: gathered in forward and again in backward (reshard_after_forward), over
-        # steps + 2 passes; quantized once per optimizer step plus once for the accumulation
-        # passes after the last step.
-        assert out["all_gathers"] == 2 * 2 * (steps + 2)
-        assert out["quantizations"] == [steps + 1, steps + 1], out
+    runs = {foreach: run_on_ranks(2, _cached, steps, foreach) for foreach in (False, True)}
+    for foreach, outs in runs.items():
+        for rank, out in enumerate(outs):
+            # Each block: gathered in forward and again in backward (reshard_after_forward),
+            # over steps + 2 passes; quantized once per optimizer step plus once for the
+            # accumulation passes after the last step.
+            assert out["all_gathers"] == 2 * 2 * (steps + 2)
+            assert out["quantizations"] == [steps + 1, steps + 1], (foreach, out)
+            for got, want in zip(out["params"], runs[False][rank]["params"], strict=True):
+                assert torch.equal(got, want), foreach
 
 
 # Bad configuration ----------------------------------------------------------------------------

@@ -14,9 +14,10 @@ writes this rank's reduced chunk into a view of the root's gradient arena, whose
 sharded parameters' gradients.
 
 With a :class:`LowPrecisionCommPolicy`, the all-gather may move this rank's shard as
-block-scaled FP8 (quantized once per optimizer step: cached on the shard's version counter,
-which every in-place update of a sharded parameter bumps) and dequantize it into the unsharded
-buffer; the reduce-scatter may move bf16/FP8 records and sum them in fp32 (``_lowp_comm``).
+block-scaled FP8 (quantized once per optimizer step: cached on the shard's version counter
+and the process's count of optimizer steps, ``_optimizer_steps``, since torch's foreach ops do
+not always bump the counter) and dequantize it into the unsharded buffer; the reduce-scatter
+may move bf16/FP8 records and sum them in fp32 (``_lowp_comm``).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from hp_dtensor.watchdog import watch, watch_async
 from hp_fsdp._collectives import ReduceScatterPrimitive, reduce_scatter, reduce_scatter_primitive
 from hp_fsdp._lowp_comm import Deferred, WireCodec, all_gather_records, reduce_scatter_lowp
 from hp_fsdp._mesh import FSDPMesh
+from hp_fsdp._optimizer_steps import optimizer_steps
 from hp_fsdp._purpose import collective_purpose
 from hp_fsdp._rows import as_torch_dtensor, copy_in, copy_out, local_shape, pack_rows
 from hp_fsdp.group_plan import GroupPlan, torch_dtype
@@ -227,8 +229,8 @@ class FSDPParamGroup:
         self.owner = owner
         self.policy = policy
         self.comm_policy = comm_policy or LowPrecisionCommPolicy()
-        # The quantized shard and the version of ``sharded_flat`` it was made from.
-        self._gather_cache: tuple[int, torch.Tensor] | None = None
+        # The quantized shard, and the (shard version, optimizer steps) it was made at.
+        self._gather_cache: tuple[tuple[int, int], torch.Tensor] | None = None
         owners = members if members is not None else [0] * len(params)
         member_of = {id(param): m for (_, _, _, param), m in zip(params, owners, strict=True)}
         ordered = _in_plan_order(params, plan)
@@ -487,6 +489,7 @@ class FSDPParamGroup:
                     f"{self.storage_dtype}; leave param_all_gather_dtype None for this module"
                 )
             self.gather_codec = WireCodec(comm.param_all_gather_dtype, chunk, comm.block_size)
+            optimizer_steps()  # starts the count before any step this cache must see
         self.reduce_codec: WireCodec | None = None
         # Chosen at the first reduce-scatter (the process group exists by then, not always at
         # construction, e.g. for meta-device planning).
@@ -634,10 +637,12 @@ class FSDPParamGroup:
 
     def quantized_shard(self) -> torch.Tensor:
         """This rank's shard as an FP8 record (``uint8``: data, then scales), quantized only
-        when the shard changed since the last call (its version counter moved)."""
+        when the shard may have changed since the last call: its version counter moved, or an
+        optimizer stepped (:mod:`hp_fsdp._optimizer_steps`: foreach updates under a dispatch
+        mode leave the counter where it was)."""
         codec = self.gather_codec
         assert codec is not None
-        version = self.sharded_flat._version
+        version = (self.sharded_flat._version, optimizer_steps())
         if self._gather_cache is not None and self._gather_cache[0] == version:
             return self._gather_cache[1]
         # No all-gather reading the previous record is in flight: they complete within the
@@ -649,7 +654,7 @@ class FSDPParamGroup:
         )
         codec.encode(self.sharded_flat, record)
         self.param_quantizations += 1
-        self._gather_cache = (self.sharded_flat._version, record)
+        self._gather_cache = (version, record)
         return record
 
     def _unshard_quantized(self, codec: WireCodec) -> Deferred:

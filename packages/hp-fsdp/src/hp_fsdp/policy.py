@@ -60,11 +60,12 @@ class LowPrecisionCommPolicy:
     Attributes:
         param_all_gather_dtype: None: all-gather the parameters in the compute dtype (the
             default, FSDP2's behaviour); ``torch.float8_e4m3fn`` (or ``float8_e5m2``): quantize
-            this rank's shard once per optimizer step (cached on the shard's version counter, so
-            the re-gather in backward reuses it), all-gather FP8 bytes and scales, and dequantize
-            into the unsharded parameter buffer (compute dtype). Needs floating-point parameters.
-            Updates must go through the parameters (torch optimizers, ``load_state_dict``): a
-            write through ``param.data`` does not move the version counter and would leave the
+            this rank's shard once per optimizer step (cached on the shard's version counter and
+            the count of ``torch.optim.Optimizer`` steps, so the re-gather in backward reuses
+            it), all-gather FP8 bytes and scales, and dequantize into the unsharded parameter
+            buffer (compute dtype). Needs floating-point parameters. Updates must go through a
+            torch optimizer or the parameters (``load_state_dict``, ``param.copy_``): a write
+            through ``param.data`` outside an optimizer step moves neither and would leave the
             cached FP8 shard stale.
         shard_reduce_dtype: wire dtype of the gradient reduce-scatter over the shard (fast)
             axis. None or ``torch.float32``: the backend's own reduce-scatter in the reduce
