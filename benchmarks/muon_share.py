@@ -15,8 +15,11 @@ that ``benchmarks/train_vs_torchtitan.py`` trains (dim 256, 6 blocks, 16 heads, 
 vocabulary 2048; 4 sequences of 256 tokens per data-parallel rank), fp32:
 
 * ``forward+backward``: the model's forward, cross-entropy and backward on one rank's batch;
-* ``AdamW (all)``: ``torch.optim.AdamW`` (foreach, as hp-train runs it) over every parameter,
-  the AdamW-only step's optimizer;
+* ``AdamW (all)``: ``torch.optim.AdamW`` with torch's default implementation, as hp-train runs
+  it (the for-loop on the CPU, foreach on CUDA), over every parameter: the AdamW-only step's
+  optimizer; ``AdamW (all, foreach)`` and ``AdamW (all, fused)`` beside it, the implementations
+  hp-train does not pick on the CPU (foreach computes the loop's values bit for bit but is slower
+  here; fused is faster but rounds differently, by about 2e-7);
 * ``AdamW (rest)``: the same over what Muon + AdamW leaves to AdamW (embeddings, norms, head);
 * ``Newton-Schulz (all)``: ``hp_muon.orthogonalize`` in bf16 (``torch.optim.Muon``'s
   iteration: 5 steps, Keller Jordan's coefficients) over every block matrix, one by one;
@@ -82,8 +85,10 @@ def main() -> None:
 
     forward_backward()
     every = list(model.parameters())
-    adamw_all = torch.optim.AdamW(every, lr=1e-4, foreach=True)
-    adamw_rest = torch.optim.AdamW(split.adamw_params, lr=1e-4, foreach=True)
+    adamw_all = torch.optim.AdamW(every, lr=1e-4)
+    adamw_foreach = torch.optim.AdamW(every, lr=1e-4, foreach=True)
+    adamw_fused = torch.optim.AdamW(every, lr=1e-4, fused=True)
+    adamw_rest = torch.optim.AdamW(split.adamw_params, lr=1e-4)
     muon = Muon(split.muon_params, lr=1e-4, adjust_lr_fn="match_rms_adamw")
     schedule = coefficient_schedule(KELLER, NS_STEPS)
     matrices = [p.grad.detach().clone() for p in split.muon_params if p.grad is not None]
@@ -95,6 +100,8 @@ def main() -> None:
     times = {
         "forward+backward": _median_ms(forward_backward),
         "AdamW (all)": _median_ms(adamw_all.step),
+        "AdamW (all, foreach)": _median_ms(adamw_foreach.step),
+        "AdamW (all, fused)": _median_ms(adamw_fused.step),
         "AdamW (rest)": _median_ms(adamw_rest.step),
         "Newton-Schulz (all)": _median_ms(newton_schulz),
         "Muon step (1 rank)": _median_ms(muon.step),
