@@ -33,6 +33,10 @@ DIM, LINEARS, BATCH, STEPS, LR = 5, 8, 12, 2, 0.1
 LOSS_TOL, GRAD_TOL = 1e-6, 2e-6
 
 
+# The kinds with two stages per rank.
+MULTI = ("interleaved", "bfs", "dualpipev")
+
+
 def _model() -> nn.Sequential:
     torch.manual_seed(0)
     layers: list[nn.Module] = []
@@ -74,12 +78,15 @@ def _build(
     api: ModuleType, kind: str, n_mb: int, loss_fn: Callable[..., torch.Tensor] | None, **kw: Any
 ) -> tuple[Any, dict[int, nn.Module]]:
     """This rank's stages and schedule of ``kind`` (``gpipe``, ``1f1b``: one stage per rank;
-    ``zb``: one, passed as a list; ``interleaved``, ``bfs``: two)."""
+    ``zb``: one, passed as a list; ``interleaved``, ``bfs``: two, looped; ``dualpipev``: two,
+    in a V)."""
     world, rank = dist.get_world_size(), dist.get_rank()
-    multi = kind in ("interleaved", "bfs")
+    multi = kind in MULTI
     num_stages = 2 * world if multi else world
     model = _model()
     indices = [rank, rank + world] if multi else [rank]
+    if kind == "dualpipev":
+        indices = [rank, 2 * world - 1 - rank]
     modules: dict[int, nn.Module] = {
         s: copy.deepcopy(_stage_module(model, s, num_stages)) for s in indices
     }
@@ -91,6 +98,7 @@ def _build(
         "interleaved": api.ScheduleInterleaved1F1B,
         "bfs": api.ScheduleLoopedBFS,
         "zb": api.ScheduleInterleavedZeroBubble,
+        "dualpipev": api.ScheduleDualPipeV,
     }[kind]
     schedule = cls(stages if multi or kind == "zb" else stages[0], n_mb, loss_fn=loss_fn, **kw)
     return schedule, modules
@@ -163,7 +171,7 @@ def _both(kind: str, n_mb: int, scale_grads: bool, weight: float) -> dict[str, d
 def _global_name(key: str, kind: str, world: int) -> str:
     """``"<stage>.<i>.weight"`` of a stage module as the whole model's parameter name."""
     stage, index, what = key.split(".")
-    num_stages = 2 * world if kind in ("interleaved", "bfs") else world
+    num_stages = 2 * world if kind in MULTI else world
     per = LINEARS // num_stages
     return f"{2 * int(stage) * per + int(index)}.{what}"
 
@@ -179,6 +187,9 @@ CASES = [
     ("bfs", 2, 4, False),
     ("zb", 2, 3, True),  # ZB-H1: split backward, weight passes deferred
     ("zb", 4, 4, True),
+    # DualPipeV: stage 2p - 1 on rank 0 too (rank 0 is first and last), split backward.
+    ("dualpipev", 2, 4, True),
+    ("dualpipev", 4, 12, False),
 ]
 PLAN_NAMES = {
     "gpipe": "gpipe",
@@ -186,6 +197,7 @@ PLAN_NAMES = {
     "interleaved": "interleaved_1f1b",
     "bfs": "looped_bfs",
     "zb": "zb_h1",
+    "dualpipev": "dualpipev",
 }
 # loss_kwargs reach the loss function: weight 3 on one case (the others pass none).
 WEIGHT = {("1f1b", 2, 6, True): 3.0}
@@ -321,6 +333,12 @@ def _errors(api_name: str) -> dict[str, tuple[str, str]]:
     out["1f1b_few"] = _outcome(lambda: api.Schedule1F1B(stage, world - 1, loss_fn=_loss))
     # 5 microbatches on 2 ranks make 2 rounds of zero bubble, which 5 is not a multiple of.
     out["zb_count"] = _outcome(lambda: api.ScheduleInterleavedZeroBubble([stage], 5, _loss))
+    v_pair = [
+        api.PipelineStage(_stage_module(_model(), s, 2 * world), s, 2 * world, cpu)
+        for s in (rank, 2 * world - 1 - rank)
+    ]
+    out["dualpipev_few"] = _outcome(lambda: api.ScheduleDualPipeV(v_pair, 2 * world - 1, _loss))
+    out["dualpipev_one_stage"] = _outcome(lambda: api.ScheduleDualPipeV([stage], 8, _loss))
     schedule = api.ScheduleGPipe(stage, 2, loss_fn=_loss)
     out["losses_tuple"] = _outcome(lambda: schedule.step(*args, target=target, losses=()))
     with torch.no_grad():
@@ -331,6 +349,11 @@ def _errors(api_name: str) -> dict[str, tuple[str, str]]:
         # 2.13: not run here); hp-mpmd refuses on every rank before any transfer.
         odd = api.ScheduleGPipe(api.PipelineStage(copy.deepcopy(mod), rank, world, cpu), 5, _loss)
         out["uneven"] = _outcome(lambda: odd.step(*args, target=target))
+        looped = [
+            api.PipelineStage(_stage_module(_model(), s, 2 * world), s, 2 * world, cpu)
+            for s in (rank, rank + world)
+        ]
+        out["dualpipev_looped"] = _outcome(lambda: api.ScheduleDualPipeV(looped, 8, _loss))
     return out
 
 
@@ -347,6 +370,8 @@ def test_bad_input_raises_torchs_exception_types() -> None:
             "group_larger",
             "1f1b_few",
             "zb_count",
+            "dualpipev_few",
+            "dualpipev_one_stage",
             "losses_tuple",
             "no_grad",
         ):
@@ -357,6 +382,10 @@ def test_bad_input_raises_torchs_exception_types() -> None:
         assert "must be greater than or equal to the number of stages" in mine["1f1b_few"][1]
         assert "losses must be a list" in mine["losses_tuple"][1]
         assert "multiple of the number of rounds (2)" in mine["zb_count"][1]
+        assert "at least as many microbatches as stages" in mine["dualpipev_few"][1]
+        assert "exactly 2 stages per rank" in mine["dualpipev_one_stage"][1]
+        assert mine["dualpipev_looped"][0] == "ValueError"
+        assert "places stages in a V" in mine["dualpipev_looped"][1]
         assert "eval()" in mine["no_grad"][1]
         assert mine["uneven"][0] == "ValueError"
         assert "divisible by n_microbatches=5" in mine["uneven"][1]
@@ -440,13 +469,12 @@ def test_unsupported_torch_features_are_refused_naming_the_alternative() -> None
             assert expected in message, (key, message)
 
 
-@pytest.mark.parametrize("name", ["ScheduleZBVZeroBubble", "ScheduleDualPipeV"])
-def test_schedules_without_an_hp_plan_are_refused(name: str) -> None:
+def test_schedules_without_an_hp_plan_are_refused() -> None:
     from torch.distributed import pipelining
 
-    assert hasattr(pipelining, name)  # torch offers it
+    assert hasattr(pipelining, "ScheduleZBVZeroBubble")  # torch offers it
     with pytest.raises(NotImplementedError, match=r"zero_bubble_h1.*ScheduleInterleaved1F1B"):
-        getattr(torch_compat, name)([], 4)
+        torch_compat.ScheduleZBVZeroBubble([], 4)
 
 
 def test_compat_stage_is_an_hp_stage() -> None:

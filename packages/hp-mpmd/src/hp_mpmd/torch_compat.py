@@ -26,10 +26,10 @@ step runs forwards only, under ``torch.no_grad()``.
 Refused, with torch's exception type where torch has one for the case and a message naming
 the alternative: chunk specs other than dim 0 and keyword inputs (``NotImplementedError``),
 batches the microbatch count does not divide (``ValueError``), several tensors crossing a
-stage boundary, DTensor metadata and ``dw_builder`` (``NotImplementedError``), and the
-V-shaped schedule classes (ZBV, DualPipeV) and interleaved zero bubble with several stages
-per rank (``NotImplementedError`` on construction); ``ScheduleInterleavedZeroBubble`` with one
-stage per rank runs ZB-H1.
+stage boundary, DTensor metadata and ``dw_builder`` (``NotImplementedError``), and
+``ScheduleZBVZeroBubble`` and interleaved zero bubble with several stages per rank
+(``NotImplementedError`` on construction); ``ScheduleInterleavedZeroBubble`` with one stage per
+rank runs ZB-H1, and ``ScheduleDualPipeV`` runs hp-mpmd's DualPipeV plan.
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ from torch import nn
 from hp_mpmd.actions import SchedulePlan
 from hp_mpmd.runtime import PipelineSchedule, StepResult
 from hp_mpmd.schedules import (
+    dualpipev,
     forward_only,
     gpipe,
     interleaved_1f1b,
@@ -522,8 +523,32 @@ class ScheduleZBVZeroBubble:
         _not_offered("ScheduleZBVZeroBubble")
 
 
-class ScheduleDualPipeV:
-    """Refused on construction (``NotImplementedError``)."""
+class ScheduleDualPipeV(_MultiStage):
+    """DualPipeV (``hp_mpmd.schedules.dualpipev``): two stages per rank placed in a V, stages
+    ``r`` and ``2p - 1 - r`` on pipeline rank ``r`` of ``p``, as torch places them. What torch
+    refuses is refused with its exception type (``ValueError``): other than two stages per rank,
+    fewer microbatches than stages; and so is a rank given other stages than its V pair.
+    Gradients accumulate microbatch by microbatch in order on every stage, as in torch's
+    schedule, so the results are bit-identical to torch's."""
 
-    def __init__(self, *args: object, **kwargs: object) -> None:
-        _not_offered("ScheduleDualPipeV")
+    def _plan(self) -> SchedulePlan:
+        p, n, num_stages = self._ranks, self._n_microbatches, self._ranks * self._per_rank
+        if self._per_rank != 2:
+            raise ValueError(
+                f"ScheduleDualPipeV needs exactly 2 stages per rank (stages r and {2 * p - 1} - r "
+                f"on rank r), got {self._per_rank}"
+            )
+        if n < num_stages:
+            raise ValueError(
+                "DualPipeV requires at least as many microbatches as stages, but got "
+                f"{n} microbatches and {num_stages} stages."
+            )
+        rank = dist.get_rank(self._stages[0].group)
+        mine = sorted(s.stage_index for s in self._stages)
+        v_pair = [rank, 2 * p - 1 - rank]
+        if mine != v_pair:
+            raise ValueError(
+                f"ScheduleDualPipeV places stages in a V: pipeline rank {rank} of {p} runs "
+                f"stages {v_pair}, but it was given stages {mine}"
+            )
+        return dualpipev(p, n)
