@@ -270,7 +270,7 @@ def _build(variant: Variant) -> nn.Module:
 def _communication(mesh_shape: tuple[int, ...]) -> Callable[[], float]:
     """One step of hp-fsdp's collectives for ``mesh_shape``, no compute (``comm`` variants)."""
     from hp_dtensor import DeviceMesh
-    from hp_fsdp._collectives import add_in_rank_order
+    from hp_fsdp._collectives import ReduceScatterPrimitive, reduce_scatter
     from hp_fsdp._state import fsdp_state
     from hp_layout import Mesh
 
@@ -282,7 +282,6 @@ def _communication(mesh_shape: tuple[int, ...]) -> Callable[[], float]:
     states = [fsdp_state(m) for m in (model, *layers)]
     groups = [(g, state is not states[0]) for state in states if state for g in state.groups]
     full = {id(g): torch.empty(g.flat.padded_numel) for g, _ in groups}
-    received = {id(g): torch.empty(g.flat.padded_numel) for g, _ in groups}
     chunks = {id(g): torch.empty(g.plan.chunk_numel) for g, _ in groups}
 
     def step() -> float:
@@ -291,8 +290,8 @@ def _communication(mesh_shape: tuple[int, ...]) -> Callable[[], float]:
         for g, block in reversed(groups):  # backward: blocks again, then every reduce
             if block:
                 dist.all_gather_single(full[id(g)], g.sharded_flat, group=shard)
-            dist.all_to_all_single(received[id(g)], full[id(g)], group=shard)
-            add_in_rank_order(received[id(g)].view(world, -1), chunks[id(g)])
+            a2a = ReduceScatterPrimitive.ALL_TO_ALL
+            reduce_scatter(chunks[id(g)], full[id(g)], shard, world, a2a).wait()
         if replicate is not None:
             dist.all_reduce(torch.cat(list(chunks.values())), group=replicate)
         return 0.0

@@ -14,9 +14,13 @@ first reduce-scatter:
   moves about twice the bytes: measured by ``benchmarks/collectives.py`` on a 2-core AMD EPYC,
   fp32, one thread per rank, median of 15: world 2, 8 MiB of gradient per rank, native
   17.5 ms, all-to-all 8.5 ms; world 4, 16 MiB per rank, native 47.8 ms, all-to-all 17.8 ms.
-  Its receive buffer is as large as the unsharded gradient, but the group's unsharded
-  parameters are freed before it is allocated, so the step's peak stays at torch FSDP2's
-  (``tests/test_memory.py``). Over two ranks the sums are bit-equal to gloo's own
+  A rank whose own chunk is the first or the last (both ranks of a pair, the two end ranks of a
+  larger group) sends the rest of the gradient, one contiguous run, and receives only its
+  peers' copies: its receive buffer is ``(world - 1) / world`` of the unsharded gradient (half
+  at world 2) and its own chunk is never copied; the other ranks exchange the whole gradient,
+  their own chunk included. The group's unsharded parameters are freed before the buffer is
+  allocated, so the step's peak stays at or below torch FSDP2's (``tests/test_memory.py``).
+  Over two ranks the sums are bit-equal to gloo's own
   (``a + b == b + a``); over more, gloo's ring adds in another order, so the two differ by
   rounding (after 5 AdamW steps at world 4, 1.3e-5 of each tensor's largest entry): tests that
   compare with torch FSDP2 at a tighter bound pin the native primitive.
@@ -35,7 +39,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -119,25 +123,42 @@ def reduce_scatter(
             group,
             dist.reduce_scatter_single(output, source, group=group, async_op=True),
         )
-    received = torch.empty_like(source)
+    me = dist.get_rank(group)
+    chunks = source.view(world, -1)
+    if me not in (0, world - 1):
+        received = torch.empty_like(source)
+        work = watch_async(
+            "all_to_all (FSDP gradient reduce-scatter)",
+            group,
+            dist.all_to_all_single(received, source, group=group, async_op=True),
+        )
+        rows = list(received.view(world, -1))
+        return Deferred(work, lambda: add_in_rank_order(rows, output), received, source)
+    # The own chunk at an end: the rest is one contiguous run, nothing is sent to oneself.
+    others = chunks[1:] if me == 0 else chunks[:-1]
+    received = torch.empty_like(others)
+    splits = [0 if r == me else 1 for r in range(world)]  # in rows of ``others``
     work = watch_async(
         "all_to_all (FSDP gradient reduce-scatter)",
         group,
-        dist.all_to_all_single(received, source, group=group, async_op=True),
-    )
-
-    rows = received.view(world, -1)
+        dist.all_to_all_single(
+            received, others, output_split_sizes=splits, input_split_sizes=splits,
+            group=group, async_op=True,
+        ),
+    )  # fmt: skip
+    peers = list(received)
+    rows = [chunks[0], *peers] if me == 0 else [*peers, chunks[-1]]
     return Deferred(work, lambda: add_in_rank_order(rows, output), received, source)
 
 
-def add_in_rank_order(rows: torch.Tensor, output: torch.Tensor) -> None:
+def add_in_rank_order(rows: Sequence[torch.Tensor], output: torch.Tensor) -> None:
     """``output = ((rows[0] + rows[1]) + rows[2]) + ...``, one rounding per add in ``output``'s
     dtype. Spelled out rather than ``torch.sum(rows, 0)``, whose order of additions depends on
     the kernel (it differs from this one at 5 rows of fp32, and at 3 rows of bf16, which it
     accumulates in fp32)."""
-    if rows.shape[0] == 1:
+    if len(rows) == 1:
         output.copy_(rows[0])
         return
     torch.add(rows[0], rows[1], out=output)
-    for r in range(2, rows.shape[0]):
-        output.add_(rows[r])
+    for row in rows[2:]:
+        output.add_(row)

@@ -274,9 +274,13 @@ class CollectiveCall:
         ranks: global ranks of its process group, in group order.
         nbytes: bytes of its largest tensor argument (the unsharded side: an all-gather's
             output, a reduce-scatter's input, an all-reduce's tensor); for a coalesced
-            collective, the sum over its list of tensors.
+            collective, the sum over its list of tensors; for an all-to-all carrying a
+            gradient reduce-scatter, the unsharded gradient (what it sends plus the chunk
+            this rank keeps).
         dtype: dtype of that tensor (None when it had no tensor).
         purpose: what it was issued for (:func:`collective_purpose`), or None.
+        sent_bytes: for an all-to-all, the bytes this rank sends to the other ranks (its
+            input less what its split sizes keep for itself); None for other kinds.
     """
 
     kind: str
@@ -285,6 +289,7 @@ class CollectiveCall:
     nbytes: int
     dtype: torch.dtype | None
     purpose: str | None = None
+    sent_bytes: int | None = None
 
     @property
     def group_size(self) -> int:
@@ -295,7 +300,11 @@ class CollectiveCall:
     def wire_bytes(self) -> float:
         """Bytes each rank sends under a bandwidth-optimal algorithm (ring or equivalent):
         ``(n - 1) / n * nbytes`` for an all-gather, reduce-scatter or all-to-all, twice that
-        for an all-reduce, ``nbytes`` for anything else (broadcast, point to point)."""
+        for an all-reduce, ``nbytes`` for anything else (broadcast, point to point); what it
+        sends to the others for an all-to-all whose split sizes are known (``sent_bytes``:
+        the same for an even split, and exact for one that keeps nothing for itself)."""
+        if self.sent_bytes is not None:
+            return float(self.sent_bytes)
         n = max(self.group_size, 1)
         share = (n - 1) / n * self.nbytes
         if self.kind in ("all_gather", "reduce_scatter", "all_to_all"):
@@ -331,6 +340,25 @@ def _process_group_ranks(args: Iterable[Any]) -> tuple[int, ...]:
         if group is not None:
             return tuple(dist.get_process_group_ranks(group))
     return ()
+
+
+def _all_to_all_bytes(arguments: Any, ranks: tuple[int, ...]) -> tuple[int, int] | None:
+    """``(sent, share)`` of an ``alltoall_base_`` (``output, input, group,
+    output_split_sizes, input_split_sizes, ...``): the bytes it sends to the other ranks (its
+    input less the rows its input split sizes give this rank; an even split when they are
+    empty) and the largest share one rank receives from it. None when the arguments are not
+    laid out so, or this rank is not in ``ranks``."""
+    args = arguments[0]
+    me = dist.get_rank() if dist.is_initialized() else -1
+    if len(args) < 5 or not isinstance(args[1], torch.Tensor) or me not in ranks:
+        return None
+    source, splits = args[1], [int(k) for k in args[4]]
+    total = source.numel() * source.element_size()
+    if source.dim() == 0 or source.shape[0] == 0:
+        return total, total
+    row = total // source.shape[0]
+    splits = splits or [source.shape[0] // len(ranks)] * len(ranks)
+    return total - splits[ranks.index(me)] * row, max(splits) * row
 
 
 def _largest_tensor(args: Iterable[Any]) -> torch.Tensor | None:
@@ -427,14 +455,26 @@ class CountingMode(TorchDispatchMode):
             first = arguments[0][0] if arguments[0] else []
             tensors = [t for t in tree_flatten(first)[0] if isinstance(t, torch.Tensor)]
             nbytes = sum(t.numel() * t.element_size() for t in tensors)
+        ranks = _process_group_ranks(flat)
+        purpose = current_purpose()
+        sent = None
+        if kind == "all_to_all" and name.endswith("alltoall_base_"):
+            found = _all_to_all_bytes(arguments, ranks)
+            if found is not None:
+                sent, share = found
+                if purpose == "grad_reduce_scatter":
+                    # The unsharded gradient, as for a reduce-scatter, also when the rank
+                    # keeps its own chunk out of the exchange (hp_fsdp._collectives).
+                    nbytes = sent + share
         self.collectives.append(
             CollectiveCall(
                 kind=kind,
                 op=name,
-                ranks=_process_group_ranks(flat),
+                ranks=ranks,
                 nbytes=nbytes,
                 dtype=None if largest is None else largest.dtype,
-                purpose=current_purpose(),
+                purpose=purpose,
+                sent_bytes=sent,
             )
         )
 
