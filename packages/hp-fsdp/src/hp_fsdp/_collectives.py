@@ -125,29 +125,22 @@ def reduce_scatter(
         )
     me = dist.get_rank(group)
     chunks = source.view(world, -1)
-    if me not in (0, world - 1):
-        received = torch.empty_like(source)
-        work = watch_async(
-            "all_to_all (FSDP gradient reduce-scatter)",
-            group,
-            dist.all_to_all_single(received, source, group=group, async_op=True),
-        )
-        rows = list(received.view(world, -1))
-        return Deferred(work, lambda: add_in_rank_order(rows, output), received, source)
-    # The own chunk at an end: the rest is one contiguous run, nothing is sent to oneself.
-    others = chunks[1:] if me == 0 else chunks[:-1]
-    received = torch.empty_like(others)
-    splits = [0 if r == me else 1 for r in range(world)]  # in rows of ``others``
+    # The own chunk at an end stays out of the exchange: the rest is one contiguous run.
+    at_end = me in (0, world - 1)
+    send = (chunks[1:] if me == 0 else chunks[:-1]) if at_end else chunks
+    splits = [0 if r == me else 1 for r in range(world)] if at_end else None  # rows of send
+    received = torch.empty_like(send)
     work = watch_async(
         "all_to_all (FSDP gradient reduce-scatter)",
         group,
         dist.all_to_all_single(
-            received, others, output_split_sizes=splits, input_split_sizes=splits,
+            received, send, output_split_sizes=splits, input_split_sizes=splits,
             group=group, async_op=True,
         ),
     )  # fmt: skip
-    peers = list(received)
-    rows = [chunks[0], *peers] if me == 0 else [*peers, chunks[-1]]
+    rows = list(received)
+    if at_end:
+        rows.insert(me, chunks[me])
     return Deferred(work, lambda: add_in_rank_order(rows, output), received, source)
 
 
