@@ -13,7 +13,6 @@ dispatch mode, under which dynamo skips every frame and a "compiled" run is eage
 
 from __future__ import annotations
 
-import gc
 import json
 from pathlib import Path
 from typing import Any
@@ -32,6 +31,7 @@ from test_compositions import (
     MOE,
     _config,
     _differences,
+    _forget_compiled,
     _launch,
 )
 
@@ -87,13 +87,6 @@ def _compiled_run(
     }
     _forget_compiled()
     return result
-
-
-def _forget_compiled() -> None:
-    """Drop what dynamo keeps of this run (guards on its modules, its compiled graphs): the
-    rank pool outlives the test. Inductor's own pattern tables stay for the process's life."""
-    torch._dynamo.reset()
-    gc.collect()
 
 
 def _skipped(reason: str) -> str:

@@ -128,10 +128,7 @@ def _run(
         for (cls, name), method in originals.items():
             setattr(cls, name, method)
         if config.compile:
-            # What dynamo keeps of this run (guards on its modules, its graphs) must not
-            # outlive it in the rank pool.
-            torch._dynamo.reset()
-            gc.collect()
+            _forget_compiled()
     norms: dict[int, float] = {}
     if runtime.rank == 0:
         for line in (folder / "metrics.jsonl").read_text().splitlines():
@@ -140,6 +137,13 @@ def _run(
                 norms[record["step"]] = record["grad_norm"]
     calls = Counter(c.purpose for c in counting.collectives if c.purpose is not None)
     return {"losses": summary.losses, "norms": norms, "calls": dict(calls), "seen": dict(seen)}
+
+
+def _forget_compiled() -> None:
+    """Drop what dynamo keeps of this run (guards on its modules, its compiled graphs): the
+    rank pool outlives the test. Inductor's own pattern tables stay for the process's life."""
+    torch._dynamo.reset()
+    gc.collect()
 
 
 def _launch(

@@ -26,13 +26,13 @@ from hp_planner.price import StepShape, dry_run
 from hp_testing import run_on_ranks
 from hp_testing.checkpoints import assert_identical, checkpoint_state
 from hp_train.config.combinations import check_combination
-from hp_train.config.schema import ModelConfig, ParallelConfig, TrainConfig
+from hp_train.config.schema import ParallelConfig, TrainConfig
 from hp_train.dryrun import TrainerModel
 from hp_train.runtime import init_runtime
 from hp_train.trainer import RunOptions, train
+from test_compositions import DENSE
 from test_compositions import _config as compositions_config
 
-DENSE = ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=32)
 STEPS = 4
 
 
