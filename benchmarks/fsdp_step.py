@@ -47,9 +47,9 @@ Measured per variant besides time, outside the timed rounds:
 
 This machine is noisy: compare the ratios of one run. Prints a table and one JSON line.
 
-hp-fsdp prefetches in forward only on CPU by default (``hp_fsdp.policy.default_prefetch``);
-``--prefetch`` turns backward prefetch on too, the accelerator default (one more group's
-unsharded parameters at the peak).
+hp-fsdp prefetches in both directions by default, CPU included (``hp_fsdp.policy.
+default_prefetch``); ``--forward-prefetch-only`` turns backward prefetch off, to measure what
+it buys (it costs one more group's unsharded parameters at the peak).
 
 Run: ``nox -s bench -- fsdp_step.py`` (or ``python benchmarks/fsdp_step.py`` with the packages
 importable, e.g. ``PYTHONPATH=packages/hp-layout/src:packages/hp-dtensor/src:...``).
@@ -229,8 +229,8 @@ def _hp(mesh_shape: tuple[int, ...], layout: str = "flat") -> nn.Module:
     for block in model.layers:
         fully_shard(block, mesh=mesh, param_layout=layout)
     fully_shard(model, mesh=mesh, param_layout=layout)
-    if PREFETCH:
-        model.set_implicit_prefetch(True)  # type: ignore[operator]
+    if FORWARD_PREFETCH_ONLY:
+        model.set_implicit_prefetch(True, False)  # type: ignore[operator]
     return model
 
 
@@ -533,7 +533,7 @@ def _short(collectives: dict[str, int]) -> str:
     return " ".join(parts)
 
 
-PREFETCH = "--prefetch" in sys.argv
+FORWARD_PREFETCH_ONLY = "--forward-prefetch-only" in sys.argv
 
 
 def main() -> None:
@@ -553,7 +553,7 @@ def main() -> None:
                 "benchmark": "fsdp_step",
                 "machine": machine_info(),
                 "memory_measure": MEMORY_MEASURE,
-                "hp_prefetch": PREFETCH,
+                "hp_backward_prefetch": not FORWARD_PREFETCH_ONLY,
                 "config": {
                     "dim": c.dim,
                     "n_layers": c.n_layers,

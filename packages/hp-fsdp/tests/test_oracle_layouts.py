@@ -108,20 +108,14 @@ def test_per_param_pack_gather_and_gradients_by_torch_chunk(shard: int) -> None:
         assert torch.equal(chunk, want)
 
 
-def test_hsdp_buckets_close_once_they_hold_bucket_bytes() -> None:
-    def buckets(sizes: list[int], bucket_bytes: int, replicas: int = 2) -> list[list[int]]:
-        arena = GradArena(
-            sizes, torch.float32, torch.device("cpu"), 2, None, replicas, bucket_bytes
-        )
-        return [b.members for b in arena.buckets]
+def test_the_arena_refuses_buckets_that_skip_or_repeat_a_group() -> None:
+    def arena(buckets: list[list[int]]) -> GradArena:
+        return GradArena([10, 10, 30], torch.float32, torch.device("cpu"), 2, None, 2, buckets)
 
-    # float32: 10 elements are 40 bytes.
-    assert buckets([10, 10, 30, 5, 5, 5], 80) == [[0, 1], [2], [3, 4, 5]]
-    assert buckets([10, 10, 30, 5, 5, 5], 81) == [[0, 1, 2], [3, 4, 5]]
-    assert buckets([10, 10, 30, 5, 5, 5], 10_000) == [[0, 1, 2, 3, 4, 5]]
-    assert buckets([25, 1, 1], 100) == [[0], [1, 2]]
-    # Without replicas there is no slow-tier all-reduce to fuse: one group per bucket.
-    assert buckets([10, 10, 30], 10_000, replicas=1) == [[0], [1], [2]]
+    assert [b.members for b in arena([[0, 1], [2]]).buckets] == [[0, 1], [2]]
+    for bad in ([[0], [2]], [[0, 1], [1, 2]], [[1, 0], [2]], [[0, 1, 2, 3]]):
+        with pytest.raises(ValueError, match="must cover the 3 groups once, in order"):
+            arena(bad)
 
 
 def _model() -> nn.Sequential:
@@ -130,38 +124,36 @@ def _model() -> nn.Sequential:
     return nn.Sequential(nn.Linear(5, 7), nn.ReLU(), nn.Linear(7, 3), nn.ReLU(), nn.Linear(3, 2))
 
 
-def _train(mesh_shape: tuple[int, ...], per_param: bool, accumulate: int) -> dict[str, Any]:
+def _train(
+    mesh_shape: tuple[int, ...], per_param: bool, accumulate: int, slow_latency: float = 1e-8
+) -> dict[str, Any]:
     """Three AdamW steps against one device; the largest parameter difference and the slow
-    collectives (with 60-byte HSDP buckets)."""
+    collectives. The replicate axis crosses a tier of 1 GB/s and ``slow_latency`` seconds."""
     from hp_dtensor import DeviceMesh
-    from hp_fsdp import _state
+    from hp_layout import Tier, Topology
 
     torch.set_num_threads(1)
     world, rank = dist.get_world_size(), dist.get_rank()
     names = ("shard",) if len(mesh_shape) == 1 else ("replicate", "shard")
     mesh = DeviceMesh("cpu", Mesh(mesh_shape, names))
+    topology = Topology((Tier("host", 2, 1e10, 1e-9), Tier("cluster", 4, 1e9, slow_latency)))
     ref, model = _model(), _model()
     layout = "per_param" if per_param else "flat"
-    saved = _state._BUCKET_BYTES
-    _state._BUCKET_BYTES = 60  # the pool's processes are reused: restored below
-    try:
-        for index in (0, 2, 4):
-            fully_shard(model[index], mesh=mesh, param_layout=layout)
-        fully_shard(model, mesh=mesh, param_layout=layout)
-        opt = torch.optim.AdamW(model.parameters(), lr=0.05)
-        ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.05)
-        for step in range(3):
-            ref_opt.zero_grad()
-            opt.zero_grad()
-            for micro in range(accumulate):
-                x = torch.randn(4 * world, 5, generator=torch.Generator().manual_seed(step + micro))
-                (ref(x).pow(2).mean() / accumulate).backward()
-                model.set_requires_all_reduce(micro == accumulate - 1)  # type: ignore[operator]
-                (model(x.chunk(world)[rank]).pow(2).mean() / accumulate).backward()
-            ref_opt.step()
-            opt.step()
-    finally:
-        _state._BUCKET_BYTES = saved
+    for index in (0, 2, 4):
+        fully_shard(model[index], mesh=mesh, param_layout=layout, topology=topology)
+    fully_shard(model, mesh=mesh, param_layout=layout, topology=topology)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.05)
+    for step in range(3):
+        ref_opt.zero_grad()
+        opt.zero_grad()
+        for micro in range(accumulate):
+            x = torch.randn(4 * world, 5, generator=torch.Generator().manual_seed(step + micro))
+            (ref(x).pow(2).mean() / accumulate).backward()
+            model.set_requires_all_reduce(micro == accumulate - 1)  # type: ignore[operator]
+            (model(x.chunk(world)[rank]).pow(2).mean() / accumulate).backward()
+        ref_opt.step()
+        opt.step()
     error = 0.0
     for p, q in zip(model.parameters(), ref.parameters(), strict=True):
         whole = cast(Any, p).full_tensor() if per_param else _full(p, mesh)
@@ -178,17 +170,21 @@ def _full(p: torch.Tensor, mesh: Any) -> torch.Tensor:
 
 
 @pytest.mark.multiprocess
-def test_hsdp_with_several_buckets_equals_one_device() -> None:
-    for accumulate in (1, 2):
-        for result in run_on_ranks(4, _train, (2, 2), False, accumulate, timeout=120):
-            # Backward order: Linear(3, 2), Linear(7, 3), Linear(5, 7); each weight and bias
-            # starts on 4 floats: 8 + 4, 24 + 4 and 36 + 8 elements, chunks over 2 shards
-            # rounded up to 4 floats: 32, 64 and 96 bytes. 60-byte buckets are [32 + 64], [96]:
-            # two slow-tier all-reduces per optimizer step.
-            assert result["chunk_bytes"] == [32, 64, 96], result
-            assert result["slow"] == 2 * 3, result
-            # fp32, 3 AdamW steps: rounding only (test_fsdp_basic measured 5e-8).
-            assert result["error"] < 2e-7, result
+def test_hsdp_buckets_follow_the_slow_tier_and_equal_one_device() -> None:
+    """Backward order: Linear(3, 2), Linear(7, 3), Linear(5, 7); each weight and bias starts on
+    4 floats: 8 + 4, 24 + 4 and 36 + 8 elements, chunks over 2 shards rounded up to 4 floats:
+    32, 64 and 96 bytes, 192 in all, over 2 replicas. A bucket closes at sqrt(192 * 2 * latency
+    * bandwidth) bytes: 62 at 10 ns and 1 GB/s, i.e. buckets [32 + 64], [96] (two slow-tier
+    all-reduces a step); 620 at 1 us, more than the gradient: one bucket."""
+    for latency, cap, per_step in ((1e-8, 62, 2), (1e-6, 620, 1)):
+        assert math.ceil(math.sqrt(192 * 2 * latency * 1e9)) == cap
+        for accumulate in (1, 2):
+            results = run_on_ranks(4, _train, (2, 2), False, accumulate, latency, timeout=120)
+            for result in results:
+                assert result["chunk_bytes"] == [32, 64, 96], result
+                assert result["slow"] == per_step * 3, (latency, result)
+                # fp32, 3 AdamW steps: rounding only (test_fsdp_basic measured 5e-8).
+                assert result["error"] < 2e-7, result
 
 
 @pytest.mark.multiprocess

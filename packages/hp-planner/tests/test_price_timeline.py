@@ -175,12 +175,23 @@ def test_hsdp_all_reduces_once_per_bucket_on_the_microbatch_that_reduces() -> No
     skipped = microbatch_program(tree, all_reduce=False)
     reduced = microbatch_program(tree, all_reduce=True)
     assert not [n for n in _issued(skipped) if n.startswith("all-reduce")]
-    # Four chunks of 1 MiB: one bucket below 25 MiB, fired at the root's reduce-scatter.
+    # Four chunks of 1 MiB: one bucket below the default 25 MiB, fired at the root's
+    # reduce-scatter.
     assert [n for n in _issued(reduced) if n.startswith("all-reduce")] == [
         "all-reduce layers.1.ffn"
     ]
     # Its four chunks' all-reduce, issued after the last reduce-scatter: nothing to hide behind.
     assert simulate(reduced).exposed_of("hsdp_all_reduce") == pytest.approx(4 * 2.0)
+    # hp-fsdp's cap at 2 MiB (two 1 MiB chunks a bucket, backward order ffn, layers.1,
+    # layers.0, root): the first bucket's all-reduce runs behind the backward of layers.0.
+    split = microbatch_program(tree, all_reduce=True, hsdp_bucket_bytes=2 << 20)
+    assert [n for n in _issued(split) if n.startswith("all-reduce")] == [
+        "all-reduce layers.1.ffn",
+        "all-reduce layers.0",
+    ]
+    assert simulate(split).exposed_of("hsdp_all_reduce") < simulate(reduced).exposed_of(
+        "hsdp_all_reduce"
+    )
 
 
 def test_torch_fsdp2_keeps_a_reduce_scatter_in_flight() -> None:

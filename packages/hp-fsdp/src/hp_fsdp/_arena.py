@@ -6,9 +6,10 @@ sharded parameters' gradients at the end of backward (the arena keeps no referen
 the gradients frees it). Each reduce-scatter is completed (and its large unsharded input freed)
 when the next one is issued.
 
-For HSDP, groups form buckets (runs in backward order of about ``bucket_bytes``); as soon as the
-reduce-scatters of all groups of a bucket are in, ONE asynchronous all-reduce over the replicate
-(slow) axis is issued for all their chunks (a coalesced collective: NCCL groups it, gloo
+For HSDP, groups form buckets (runs in backward order, cut by
+:func:`hp_fsdp.replicate_buckets.plan_replicate_buckets` from the slow tier's cost); as soon as
+the reduce-scatters of all groups of a bucket are in, ONE asynchronous all-reduce over the
+replicate (slow) axis is issued for all their chunks (a coalesced collective: NCCL groups it, gloo
 flattens it internally), so the slow link works while the backward of earlier layers runs. All
 of them are waited for once, at the end of backward.
 
@@ -83,6 +84,8 @@ class Reduced:
 class GradArena:
     """Reduced gradient chunks of groups of ``sizes`` elements (given in backward order).
 
+    ``buckets``: runs of group indices, in order, each all-reduced over the replicate axis as
+    one collective (:mod:`hp_fsdp.replicate_buckets`; unused without a replicate axis).
     ``replicate_wire``: ``(wire dtype, block size)`` of the replicate-axis all-reduce when it
     is low precision (bf16 or FP8), None for the backend's all-reduce in ``dtype``.
     """
@@ -95,7 +98,7 @@ class GradArena:
         shard_size: int,
         replicate_group: Any,
         replicate_size: int,
-        bucket_bytes: int,
+        buckets: Sequence[Sequence[int]],
         replicate_wire: tuple[torch.dtype, int] | None = None,
     ) -> None:
         self.dtype = dtype
@@ -104,17 +107,19 @@ class GradArena:
         self.shard_size = shard_size
         self.replicate_group = replicate_group
         self.replicate_size = replicate_size
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        limit = bucket_bytes if replicate_size > 1 else 0
+        # A plan that skipped or repeated a group would leave its chunk unreduced or reduce it
+        # twice: refused here, not found in the gradients.
+        covered = [index for bucket in buckets for index in bucket]
+        if covered != list(range(len(sizes))):
+            raise ValueError(
+                f"buckets {list(map(list, buckets))} must cover the {len(sizes)} groups once, "
+                "in order"
+            )
         self.entries: list[_Entry] = []
         self.buckets: list[_Bucket] = []
-        for index, numel in enumerate(sizes):
-            if not self.buckets or self.buckets[-1].numel * itemsize >= max(limit, 1):
-                self.buckets.append(_Bucket())
-            bucket = self.buckets[-1]
-            bucket.members.append(index)
-            self.entries.append(_Entry(len(self.buckets) - 1, numel))
-            bucket.numel += numel
+        for bucket_index, members in enumerate(buckets):
+            self.buckets.append(_Bucket(list(members), sum(sizes[i] for i in members)))
+            self.entries += [_Entry(bucket_index, sizes[i]) for i in members]
         self.slow_collectives = 0
         self._in_flight: list[_Entry] = []
 

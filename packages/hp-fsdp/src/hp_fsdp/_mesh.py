@@ -11,6 +11,7 @@ FSDP2.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from hp_dtensor import DeviceMesh
-from hp_layout import Mesh, Topology
+from hp_layout import Mesh, Tier, Topology
 
 __all__ = ["FSDPMesh", "as_hp_mesh", "default_torch_mesh", "fsdp_axes", "resolve_mesh"]
 
@@ -31,11 +32,15 @@ class FSDPMesh:
         mesh: 1-d (shard) or 2-d (replicate, shard).
         shard_axis: the axis parameters are sharded over (fast tier).
         replicate_axis: the axis shards are replicated over (HSDP, slow tier), or None.
+        replicate_tier: the link tier the replicate axis's groups span (what its all-reduces
+            cost, :mod:`hp_fsdp.replicate_buckets`): the topology's, or, without one, that of
+            the job's hosts (``Topology.from_env``); None without a replicate axis.
     """
 
     mesh: DeviceMesh
     shard_axis: str
     replicate_axis: str | None
+    replicate_tier: Tier | None = None
 
     @property
     def shard_size(self) -> int:
@@ -142,17 +147,29 @@ def resolve_mesh(
         if fast >= world:
             return FSDPMesh(DeviceMesh(device_type, Mesh((world,), ("shard",))), "shard", None)
         grid = Mesh((world // fast, fast), ("replicate", "shard"))
-        return FSDPMesh(DeviceMesh(device_type, grid), "shard", "replicate")
+        tier = topology.axis_tier(grid, "replicate")
+        return FSDPMesh(DeviceMesh(device_type, grid), "shard", "replicate", tier)
     shard_axis, replicate_axis = fsdp_axes(mesh.mesh, mesh)
-    resolved = FSDPMesh(mesh, shard_axis, replicate_axis)
-    if topology is not None and resolved.replicate_axis is not None:
-        shard_tier = topology.axis_tier(mesh.mesh, resolved.shard_axis)
-        replicate_tier = topology.axis_tier(mesh.mesh, resolved.replicate_axis)
-        if topology.tier_level(shard_tier) > topology.tier_level(replicate_tier):
-            raise ValueError(
-                f"{mesh!r} does not match topology {topology.name!r}: the shard axis "
-                f"{resolved.shard_axis!r} spans tier {shard_tier.name!r} but the replicate axis "
-                f"{resolved.replicate_axis!r} only {replicate_tier.name!r}; shard inside the "
-                "fast tier and replicate across the slow one (swap the axes)"
-            )
-    return resolved
+    if replicate_axis is None:
+        return FSDPMesh(mesh, shard_axis, None)
+    links = topology if topology is not None else _job_topology(mesh.mesh)
+    shard_tier = links.axis_tier(mesh.mesh, shard_axis)
+    replicate_tier = links.axis_tier(mesh.mesh, replicate_axis)
+    if topology is not None and topology.tier_level(shard_tier) > topology.tier_level(
+        replicate_tier
+    ):
+        raise ValueError(
+            f"{mesh!r} does not match topology {topology.name!r}: the shard axis "
+            f"{shard_axis!r} spans tier {shard_tier.name!r} but the replicate axis "
+            f"{replicate_axis!r} only {replicate_tier.name!r}; shard inside the "
+            "fast tier and replicate across the slow one (swap the axes)"
+        )
+    return FSDPMesh(mesh, shard_axis, replicate_axis, replicate_tier)
+
+
+def _job_topology(mesh: Mesh) -> Topology:
+    """The links of a job given no topology: hosts of ``LOCAL_WORLD_SIZE`` ranks (torchrun's),
+    the process group's world (or, without one, the mesh's ranks) in all."""
+    world = dist.get_world_size() if dist.is_initialized() else max(mesh.ranks) + 1
+    local = os.environ.get("LOCAL_WORLD_SIZE", str(world))
+    return Topology.from_env({"WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": local})

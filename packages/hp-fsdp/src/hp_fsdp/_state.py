@@ -30,10 +30,9 @@ from hp_fsdp._arena import GradArena
 from hp_fsdp._group import FSDPParamGroup
 from hp_fsdp.policy import PrefetchPolicy, default_prefetch
 from hp_fsdp.prefetch_plan import Direction, decide_prefetch
+from hp_fsdp.replicate_buckets import ReplicateBuckets, bucket_cap_bytes, plan_replicate_buckets
 
 __all__ = ["FSDPState", "TrainingState", "attach_fsdp_state", "fsdp_state"]
-
-_BUCKET_BYTES = 25 * 1024 * 1024
 
 
 class TrainingState(enum.Enum):
@@ -176,6 +175,7 @@ class FSDPState:
             # of frozen parameters in another dtype, FP8 weights say, reduces nothing).
             trainable = [g for g in backward if g.trainable] or backward
             fsdp = first.fsdp
+            wire = _replicate_wire(backward)
             replicate = (
                 fsdp.mesh.get_group(fsdp.replicate_axis)
                 if fsdp.replicate_axis is not None
@@ -188,8 +188,8 @@ class FSDPState:
                 fsdp.shard_size,
                 replicate,
                 fsdp.replicate_size,
-                _BUCKET_BYTES,
-                _replicate_wire(backward),
+                _replicate_buckets(backward, wire).buckets,
+                wire,
             )
             context.arena_index = {id(g): i for i, g in enumerate(backward)}
             context.arena_groups = backward
@@ -389,6 +389,23 @@ def _recomputing() -> bool:
     """Whether this forward runs inside a backward pass (activation checkpointing's recompute):
     autograd's engine has a current graph task only while it executes one."""
     return torch._C._current_graph_task_id() != -1
+
+
+def _replicate_buckets(
+    backward: list[FSDPParamGroup], wire: tuple[torch.dtype, int] | None
+) -> ReplicateBuckets:
+    """The replicate-axis buckets of a root's groups (backward order) whose chunks go on the
+    slow tier as ``wire`` (None: their reduce dtype): cut at the cost model's cap for those
+    bytes (every group alone without HSDP, where nothing is all-reduced)."""
+    fsdp = backward[-1].fsdp
+    tier = fsdp.replicate_tier
+    trainable = [g for g in backward if g.trainable] or backward
+    itemsize = (wire[0] if wire is not None else trainable[-1].reduce_dtype).itemsize
+    sizes = [g.plan.chunk_numel * itemsize for g in backward]
+    if tier is None or fsdp.replicate_size == 1:
+        return plan_replicate_buckets(sizes, 1)
+    cap = bucket_cap_bytes(sum(sizes), fsdp.replicate_size, tier.latency, tier.bandwidth)
+    return plan_replicate_buckets(sizes, cap)
 
 
 def _replicate_wire(groups: list[FSDPParamGroup]) -> tuple[torch.dtype, int] | None:

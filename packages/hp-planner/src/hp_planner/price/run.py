@@ -38,6 +38,7 @@ import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
+from hp_fsdp.replicate_buckets import bucket_cap_bytes
 from hp_layout import Collective, Topology
 from hp_planner.inputs import JobDims
 from hp_planner.price.comm import KINDS, CollectiveRecord, RankGrid
@@ -651,7 +652,11 @@ class _Exposure:
 
 
 def _exposure(
-    tree: Unit, shape: StepShape, forward_compute: float, done: Sequence[CollectiveRecord]
+    tree: Unit,
+    shape: StepShape,
+    forward_compute: float,
+    done: Sequence[CollectiveRecord],
+    grid: RankGrid,
 ) -> _Exposure:
     """The FSDP collectives of ``tree`` simulated in the runtime's order beside its compute
     (``forward_compute``: seconds of one microbatch's forward), the critical-path kinds of
@@ -664,6 +669,7 @@ def _exposure(
         Runtime(shape.runtime),
         prefetch_forward=shape.prefetch,
         prefetch_backward=shape.prefetch,
+        hsdp_bucket_bytes=_hsdp_bucket_bytes(tree, grid),
     )
     # Every microbatch but the last skips the replicas' all-reduce (torch FSDP2: none does).
     regular = simulate(program(all_reduce=fsdp2))
@@ -690,6 +696,17 @@ def _exposure(
         step=last_mb.makespan - regular.makespan,
         by_kind=exposed,
     )
+
+
+def _hsdp_bucket_bytes(tree: Unit, grid: RankGrid) -> int:
+    """Where hp-fsdp closes a replicate-axis bucket for ``tree``'s chunks: its cost model's cap
+    for the bytes the replicated units put on the ``dp_replicate`` tier."""
+    replicas = grid.size("dp_replicate")
+    if replicas == 1:
+        return 1
+    tier = grid.tier("dp_replicate")
+    total = sum(u.chunk_bytes for u in tree.preorder() if u.replicate)
+    return bucket_cap_bytes(total, replicas, tier.latency, tier.bandwidth)
 
 
 def _rank_groups(
@@ -745,7 +762,7 @@ def _stage(
         records.append(_muon_record(grid, muon))
     tree = _unit_tree(fsdp.units, groups, blocks, compute)
     done = tuple(r for r in records if r is not None)
-    exposure = _exposure(tree, shape, compute.forward_total, done)
+    exposure = _exposure(tree, shape, compute.forward_total, done, grid)
     memory = memory_breakdown(
         model.shape,
         groups,

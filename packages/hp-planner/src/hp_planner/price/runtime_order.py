@@ -12,9 +12,10 @@ runtimes do:
   waits, prefetches the next unit in the reverse of the order forwards finish in (backward
   prefetch), then reruns its checkpointed forward (the recompute gathers nested units as it
   reaches them and prefetches nothing). Its backward ends when its parameters' gradients are
-  in: its reduce-scatter is issued. Reduce-scatters go into buckets of
-  :data:`HSDP_BUCKET_BYTES` of reduced chunks in backward order under HSDP (one unit per
-  bucket without); a submitted reduce-scatter completes the one before it, and when a bucket's
+  in: its reduce-scatter is issued. Reduce-scatters go into buckets of reduced chunks in
+  backward order under HSDP, each closed once it holds ``hsdp_bucket_bytes`` (the runtime's
+  cap, :func:`hp_fsdp.replicate_buckets.bucket_cap_bytes`; one unit per bucket without HSDP);
+  a submitted reduce-scatter completes the one before it, and when a bucket's
   last one is in, the bucket's reduce-scatters are waited for and, on the microbatch that
   all-reduces, one all-reduce of the bucket goes to the replicate tier. The end of backward
   waits for every bucket's all-reduce.
@@ -23,8 +24,8 @@ runtimes do:
   collective's kind; a reduce-scatter stays in flight until the next one is issued; its
   replicate all-reduce follows each reduce-scatter, on every microbatch.
 * **Megatron DDP** (modeled baseline). No gathers; each unit's gradient all-reduce is issued
-  when its backward ends (buckets as above), on the microbatch that all-reduces (the last of a
-  step), and waited for at the end of backward.
+  when its backward ends (buckets of :data:`DDP_BUCKET_BYTES`), on the microbatch that
+  all-reduces (the last of a step), and waited for at the end of backward.
 
 * **Activation swap** (``hp_offload.Swapper``, every runtime alike). A block's kept
   activations are copied to host memory on the :data:`SWAP_TIER` stream, taken as issued when its
@@ -48,10 +49,10 @@ from enum import Enum
 
 from hp_planner.price.timeline import Compute, Issue, Mark, Op, Wait
 
-__all__ = ["HSDP_BUCKET_BYTES", "SWAP_KIND", "SWAP_TIER", "Runtime", "Unit", "microbatch_program"]
+__all__ = ["DDP_BUCKET_BYTES", "SWAP_KIND", "SWAP_TIER", "Runtime", "Unit", "microbatch_program"]
 
-HSDP_BUCKET_BYTES = 25 * 1024 * 1024
-"""hp-fsdp's replicate all-reduce bucket (``hp_fsdp._state._BUCKET_BYTES``); also DDP's."""
+DDP_BUCKET_BYTES = 25 * 1024 * 1024
+"""Megatron DDP's gradient bucket (torch DDP's default ``bucket_cap_mb``)."""
 
 FORWARD_END = "forward end"
 """The :class:`~hp_planner.price.timeline.Mark` between forward and backward."""
@@ -142,6 +143,7 @@ class _Writer:
     prefetch_forward: bool
     prefetch_backward: bool
     all_reduce: bool
+    hsdp_bucket_bytes: int
     forward_next: dict[str, Unit]
     backward_next: dict[str, Unit]
     swap_previous: dict[str, Unit]
@@ -281,7 +283,11 @@ class _Writer:
         self.bucket_bytes += unit.chunk_bytes
         # Without a replicate all-reduce every unit is a bucket of its own (the arena's limit
         # is then one byte), so its reduce-scatter is waited for as soon as it is issued.
-        if self.bucket_bytes >= (HSDP_BUCKET_BYTES if unit.replicate else 1):
+        if self.runtime is Runtime.MEGATRON_DDP:
+            cap = DDP_BUCKET_BYTES
+        else:
+            cap = self.hsdp_bucket_bytes if unit.replicate else 1
+        if self.bucket_bytes >= cap:
             self._fire()
 
     def _fire(self) -> None:
@@ -317,10 +323,12 @@ def microbatch_program(
     prefetch_forward: bool = True,
     prefetch_backward: bool = True,
     all_reduce: bool = True,
+    hsdp_bucket_bytes: int = DDP_BUCKET_BYTES,
 ) -> list[Op]:
     """One microbatch's forward and backward over ``root`` (module doc), a
     :data:`FORWARD_END` mark between them; ``all_reduce``: the replicate all-reduce runs on this
-    microbatch (hp-fsdp: the last of a step; torch FSDP2: every one)."""
+    microbatch (hp-fsdp: the last of a step; torch FSDP2: every one); ``hsdp_bucket_bytes``:
+    where hp-fsdp closes a replicate-axis bucket."""
     forward_order = list(root.preorder())
     backward_order = list(reversed(list(root.postorder())))
     names = [u.name for u in forward_order]
@@ -332,6 +340,7 @@ def microbatch_program(
         prefetch_forward,
         prefetch_backward,
         all_reduce,
+        hsdp_bucket_bytes,
         forward_next={a.name: b for a, b in itertools.pairwise(forward_order)},
         backward_next={a.name: b for a, b in itertools.pairwise(backward_order)},
         swap_previous={b.name: a for a, b in itertools.pairwise(swapping)},
