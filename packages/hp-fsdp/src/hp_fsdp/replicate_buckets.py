@@ -24,16 +24,18 @@ the geometric mean of the gradient and ``r`` latency-bandwidth products. A gradi
 than ``r a b`` (a latency's worth of transfer per rank) is one bucket: fusing everything costs
 less than a second message. A large one is cut into ``sqrt``-many buckets: with 20 us and 12.5
 GB/s between hosts (``Topology.two_tier_cluster``'s nominal slow tier) and ``r = 2``, 4 GB of
-chunks make buckets of 45 MB (89 of them), 7.4 MB make buckets of 2.7 MB.
+chunks make buckets of 45 MB (89 of them); over one host's nominal 5 us and 100 GB/s
+(``Topology.single_host``), the benchmark's 7.5 MB below make buckets of 2.7 MB (three).
 
 **Cutting.** Groups are taken in backward order, and a bucket is closed once it holds at least
 ``cap`` bytes, so a group is never split and a bucket may pass ``cap`` by less than its last
 group.
 
-Measured (``benchmarks/fsdp_step.py``'s HSDP 2x2, a 2-core EPYC, gloo; one quiet sitting, 15
-interleaved rounds): the whole gradient as one bucket (the previous fixed 25 MiB cap) 295.0 ms
-a step, the cap above (three buckets) 287.4 ms, every group alone 285.3 ms; torch FSDP2,
-which all-reduces every group alone, 380.9 ms.
+Measured (``benchmarks/fsdp_step.py``'s HSDP 2x2 on a 2-core EPYC, gloo, 15 interleaved rounds,
+two sittings; ms a step): the whole gradient as one bucket (the previous fixed 25 MiB cap) 295.0
+and 322.8, the cap above (three buckets) 287.4 and 318.3, every group alone 285.3 and 337.9;
+torch FSDP2, which all-reduces every group alone, 380.9 and 416.4. The cap was ahead of one
+bucket in both sittings, by 1-3 %, within the machine's noise.
 """
 
 from __future__ import annotations
