@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
 import tarfile
 import time
 import tomllib
@@ -304,6 +305,49 @@ def _run_pytest(session: nox.Session, *tests: Path) -> None:
         "pytest", "-c", str(PYPROJECT), "--rootdir", str(ROOT), "--durations=30",
         *map(str, tests), *session.posargs, env=TEST_ENV,
     )  # fmt: skip
+
+
+def _run_pytest_beside(session: nox.Session, *tests: Path) -> None:
+    """The tests of ``tests`` in two pytest processes at once: the ``multiprocess`` ones in the
+    foreground, the others (one core each, a fifth of the suite's time) in the background, their
+    report printed after. Measured over the whole suite on 2 cores: the machine stood idle 23 %
+    of the time with one process (ranks waiting for each other, for timeouts, for process
+    start-up), which the in-process tests fill. Extra arguments select tests themselves, so with
+    any, one process runs them all (:func:`_run_pytest`).
+
+    Raises:
+        CommandFailed: either process failed.
+    """
+    if session.posargs:
+        _run_pytest(session, *tests)
+        return
+    common = ("-c", str(PYPROJECT), "--rootdir", str(ROOT), "--durations=15", *map(str, tests))
+    report = Path(session.create_tmp()).resolve() / "in_process_tests.log"
+    env = {
+        **os.environ,
+        **TEST_ENV,
+        "PATH": os.pathsep.join([str(session.bin), os.environ.get("PATH", "")]),
+    }
+    pytest = str(Path(session.bin) / "pytest")
+    session.log(f"in-process tests in the background, report: {report}")
+    with report.open("w") as out:
+        # No cache plugin here: the two processes would write .pytest_cache at once.
+        background = subprocess.Popen(
+            [pytest, *common, "-p", "no:cacheprovider", "-m", "not multiprocess"],
+            stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
+        )  # fmt: skip
+        failed: CommandFailed | None = None
+        try:
+            session.run("pytest", *common, "-m", "multiprocess", env=TEST_ENV)
+        except CommandFailed as error:
+            failed = error
+        finally:
+            code = background.wait()
+    session.log(f"in-process tests (exit {code}):\n{report.read_text()}")
+    if code != 0:
+        raise CommandFailed(f"in-process tests failed (exit {code})")
+    if failed is not None:
+        raise failed
 
 
 def _run_mypy(session: nox.Session, targets: list[str], cache: Path | None = None) -> None:
@@ -623,8 +667,9 @@ def integration(session: nox.Session) -> None:
 def tests_all(session: nox.Session) -> None:
     """Every package's tests, tests/integration and mypy --strict over every package, in one
     environment holding all packages (non-editable, with their test extras): one install of
-    torch and the test tools, one pytest process (one torch import, one rank pool per world
-    size) and one mypy cache, instead of one per package. Each package's
+    torch and the test tools, two pytest processes side by side (the multiprocess tests in one,
+    the in-process ones in the other: one torch import each, one rank pool per world size) and
+    one mypy cache, instead of one per package. Each package's
     isolated install (only its DAG closure) is checked by build-<dist>; check-<dist> runs a
     package's tests in such an environment. Every step runs even when one fails."""
     names = _install_order()
@@ -636,11 +681,11 @@ def tests_all(session: nox.Session) -> None:
     install_no_deps_test_tools(session, names)
     failed: list[str] = []
     _check_installed_copy(session, *(PACKAGES[name].import_name for name in names))
-    # One pytest process for every package's tests: torch is imported and the rank pools are
-    # spawned once for the whole run, not once per package (test module names are unique
-    # across packages; tools/tests checks it).
+    # Every package's tests in one pytest process per kind (in-process and multiprocess, side
+    # by side): torch is imported and the rank pools are spawned once for the whole run, not
+    # once per package (test module names are unique across packages; tools/tests checks it).
     try:
-        _run_pytest(session, *[PACKAGES[n].path / "tests" for n in names], INTEGRATION_TESTS)
+        _run_pytest_beside(session, *[PACKAGES[n].path / "tests" for n in names], INTEGRATION_TESTS)
     except CommandFailed:
         failed.append("tests")
     # One cache for every package: torch's stubs are analysed once, not once per package.

@@ -1,7 +1,8 @@
-"""CI runs every package's tests in one pytest process (nox ``tests-all``), where pytest's
-default import mode puts each tests folder on ``sys.path`` and imports its modules by their
-bare names: two modules of one name in different packages would clash (a collection error,
-or one package's helper imported by another's tests). Every module name must be unique."""
+"""CI collects every package's tests in each of its pytest processes (nox ``tests-all``),
+where pytest's default import mode puts each tests folder on ``sys.path`` and imports its
+modules by their bare names: two modules of one name in different packages would clash (a
+collection error, or one package's helper imported by another's tests). Every module name must
+be unique."""
 
 from __future__ import annotations
 
