@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from hp_fsdp.counting import op_name
+from hp_fsdp.counting import current_purpose, op_name
 from hp_fsdp.policy import PrefetchPolicy
 from hp_testing import run_on_ranks
 from hp_testing.llama import Llama, LlamaConfig
@@ -121,12 +121,15 @@ class _GatherLog(TorchDispatchMode):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
-        if op_name(func) == "c10d._allgather_base_":
-            output = args[0]
+        name = op_name(func)
+        # Over a pair of gloo ranks the all-gather is an exchange into the peer's slice.
+        exchanged = name == "c10d.alltoall_base_" and current_purpose() == "param_all_gather"
+        if name == "c10d._allgather_base_" or exchanged:
+            output = args[0].untyped_storage()
             owner = [
                 n
                 for n, g in self.groups.items()
-                if g.unsharded_flat.data_ptr() == output.data_ptr()
+                if g.unsharded_flat.untyped_storage().data_ptr() == output.data_ptr()
             ]
             assert len(owner) == 1, owner
             resident = [

@@ -36,7 +36,12 @@ from hp_dtensor.contract import set_grad_layout, set_materialize_target
 from hp_dtensor.device import local_device
 from hp_dtensor.interop import is_torch_dtensor, torch_dtensor_like
 from hp_dtensor.watchdog import watch, watch_async
-from hp_fsdp._collectives import ReduceScatterPrimitive, reduce_scatter, reduce_scatter_primitive
+from hp_fsdp._collectives import (
+    ReduceScatterPrimitive,
+    all_gather,
+    reduce_scatter,
+    reduce_scatter_primitive,
+)
 from hp_fsdp._lowp_comm import Deferred, WireCodec, all_gather_records, reduce_scatter_lowp
 from hp_fsdp._mesh import FSDPMesh
 from hp_fsdp._optimizer_steps import optimizer_steps
@@ -594,15 +599,11 @@ class FSDPParamGroup:
             else:
                 group = self.fsdp.mesh.get_group(self.fsdp.shard_axis)
                 with collective_purpose("param_all_gather"):
-                    self._pending = watch_async(
-                        "all_gather (FSDP parameters)",
+                    self._pending = all_gather(
+                        _on_wire(self.unsharded_flat),
+                        _on_wire(source),
                         group,
-                        dist.all_gather_single(
-                            _on_wire(self.unsharded_flat),
-                            _on_wire(source),
-                            group=group,
-                            async_op=True,
-                        ),
+                        self.fsdp.shard_size,
                     )
                 self._keep_alive = source
         self.state = ShardedState.UNSHARDING

@@ -81,6 +81,7 @@ __all__ = [
     "PeakMemoryMode",
     "collective_kind",
     "collective_purpose",
+    "current_purpose",
     "extra_counts",
     "is_classified",
     "is_copy_kernel",
@@ -275,8 +276,8 @@ class CollectiveCall:
         nbytes: bytes of its largest tensor argument (the unsharded side: an all-gather's
             output, a reduce-scatter's input, an all-reduce's tensor); for a coalesced
             collective, the sum over its list of tensors; for an all-to-all carrying a
-            gradient reduce-scatter, the unsharded gradient (what it sends plus the chunk
-            this rank keeps).
+            gradient reduce-scatter or a parameter all-gather, the unsharded side (what it
+            sends plus the share it keeps or receives).
         dtype: dtype of that tensor (None when it had no tensor).
         purpose: what it was issued for (:func:`collective_purpose`), or None.
         sent_bytes: for an all-to-all, the bytes this rank sends to the other ranks (its
@@ -462,9 +463,9 @@ class CountingMode(TorchDispatchMode):
             found = _all_to_all_bytes(arguments, ranks)
             if found is not None:
                 sent, share = found
-                if purpose == "grad_reduce_scatter":
-                    # The unsharded gradient, as for a reduce-scatter, also when the rank
-                    # keeps its own chunk out of the exchange (hp_fsdp._collectives).
+                if purpose in ("grad_reduce_scatter", "param_all_gather"):
+                    # The unsharded side, as for a reduce-scatter or an all-gather, also when
+                    # the rank keeps its own chunk out of the exchange (hp_fsdp._collectives).
                     nbytes = sent + share
         self.collectives.append(
             CollectiveCall(
