@@ -17,9 +17,11 @@ with AdamW on gloo ranks of this machine (one thread each), in these layouts:
   compute floor of a step (what a data-parallel step costs if communication were free). Its
   first loss must equal the others'; later ones differ (no gradient averaging).
 * ``comm w2`` / ``comm w4`` (1-d mesh) and ``comm HSDP``: hp-fsdp's collectives of one step
-  alone, no compute: each group's parameter all-gather (the blocks twice, the root once), its
-  gradient reduce-scatter (an all-to-all and the rank-order sum, as on gloo) and, for HSDP, one
-  all-reduce of the gradient chunks over the replicate axis, each waited for at once. On a
+  alone, no compute: each group's parameter all-gather (the blocks twice, the root once; an
+  exchange over a pair of gloo ranks, as hp-fsdp runs it), its gradient reduce-scatter (an
+  all-to-all and the rank-order sum, as on gloo) and, for HSDP, one all-reduce of the gradient
+  chunks over the replicate axis (the same bytes as hp-fsdp's buckets, in one call), each
+  waited for at once. On a
   machine whose cores are all computing (one thread per rank, as many ranks as cores), gloo's
   copies through the loopback compete with compute for the same cores, so ``floor + comm`` is
   what the step costs when nothing overlaps, and the floor is what it costs when everything
@@ -270,7 +272,7 @@ def _build(variant: Variant) -> nn.Module:
 def _communication(mesh_shape: tuple[int, ...]) -> Callable[[], float]:
     """One step of hp-fsdp's collectives for ``mesh_shape``, no compute (``comm`` variants)."""
     from hp_dtensor import DeviceMesh
-    from hp_fsdp._collectives import ReduceScatterPrimitive, reduce_scatter
+    from hp_fsdp._collectives import ReduceScatterPrimitive, all_gather, reduce_scatter
     from hp_fsdp._state import fsdp_state
     from hp_layout import Mesh
 
@@ -286,10 +288,10 @@ def _communication(mesh_shape: tuple[int, ...]) -> Callable[[], float]:
 
     def step() -> float:
         for g, _ in groups:  # forward
-            dist.all_gather_single(full[id(g)], g.sharded_flat, group=shard)
+            all_gather(full[id(g)], g.sharded_flat, shard, world).wait()
         for g, block in reversed(groups):  # backward: blocks again, then every reduce
             if block:
-                dist.all_gather_single(full[id(g)], g.sharded_flat, group=shard)
+                all_gather(full[id(g)], g.sharded_flat, shard, world).wait()
             a2a = ReduceScatterPrimitive.ALL_TO_ALL
             reduce_scatter(chunks[id(g)], full[id(g)], shard, world, a2a).wait()
         if replicate is not None:
