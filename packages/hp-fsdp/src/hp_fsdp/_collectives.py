@@ -138,14 +138,7 @@ def reduce_scatter(
     send = (chunks[1:] if me == 0 else chunks[:-1]) if at_end else chunks
     splits = [0 if r == me else 1 for r in range(world)] if at_end else None  # rows of send
     received = torch.empty_like(send)
-    work = watch_async(
-        "all_to_all (FSDP gradient reduce-scatter)",
-        group,
-        dist.all_to_all_single(
-            received, send, output_split_sizes=splits, input_split_sizes=splits,
-            group=group, async_op=True,
-        ),
-    )  # fmt: skip
+    work = _exchange("FSDP gradient reduce-scatter", received, send, splits, group)
     rows = list(received)
     if at_end:
         rows.insert(me, chunks[me])
@@ -171,16 +164,28 @@ def all_gather(output: torch.Tensor, shard: torch.Tensor, group: Any, world: int
     n = shard.numel()
     splits = [0, n] if me == 0 else [n, 0]  # rows of shard and of the peer's slice
     peer_slice = output[n:] if me == 0 else output[:n]
-    work = watch_async(
-        "all_to_all (FSDP parameter all-gather)",
+    work = _exchange("FSDP parameter all-gather", peer_slice, shard, splits, group)
+    output[me * n : (me + 1) * n].copy_(shard)
+    return work
+
+
+def _exchange(
+    what: str,
+    received: torch.Tensor,
+    send: torch.Tensor,
+    splits: list[int] | None,
+    group: Any,
+) -> Any:
+    """Start the watched ``all_to_all_single`` behind ``what``, the same split sizes (rows)
+    sent and received (None: an even split)."""
+    return watch_async(
+        f"all_to_all ({what})",
         group,
         dist.all_to_all_single(
-            peer_slice, shard, output_split_sizes=splits, input_split_sizes=splits,
+            received, send, output_split_sizes=splits, input_split_sizes=splits,
             group=group, async_op=True,
         ),
     )  # fmt: skip
-    output[me * n : (me + 1) * n].copy_(shard)
-    return work
 
 
 def add_in_rank_order(rows: Sequence[torch.Tensor], output: torch.Tensor) -> None:
