@@ -26,15 +26,17 @@ constrained by ``constraints/ci.txt`` (torch must never be resolved unpinned).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
 import subprocess
 import tarfile
+import threading
 import time
 import tomllib
 import zipfile
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -307,47 +309,65 @@ def _run_pytest(session: nox.Session, *tests: Path) -> None:
     )  # fmt: skip
 
 
-def _run_pytest_beside(session: nox.Session, *tests: Path) -> None:
-    """The tests of ``tests`` in two pytest processes at once: the ``multiprocess`` ones in the
-    foreground, the others (one core each, a fifth of the suite's time) in the background, their
-    report printed after. Measured over the whole suite on 2 cores: the machine stood idle 23 %
-    of the time with one process (ranks waiting for each other, for timeouts, for process
-    start-up), which the in-process tests fill. Extra arguments select tests themselves, so with
-    any, one process runs them all (:func:`_run_pytest`).
+def _run_each(steps: Sequence[tuple[str, Callable[[], None]]]) -> list[str]:
+    """Run every step, even after one fails; returns the labels of those that failed."""
+    failed: list[str] = []
+    for label, step in steps:
+        try:
+            step()
+        except CommandFailed:
+            failed.append(label)
+    return failed
 
-    Raises:
-        CommandFailed: either process failed.
-    """
-    if session.posargs:
-        _run_pytest(session, *tests)
-        return
+
+def _run_beside(
+    session: nox.Session, tests: Sequence[Path], checks: Sequence[tuple[str, list[str]]]
+) -> list[str]:
+    """The tests of ``tests`` and the commands of ``checks`` on two processes at once: the
+    ``multiprocess`` tests in the foreground; in the background, one after another, the other
+    tests (one core each, a fifth of the suite's time) and then ``checks`` (``(label,
+    command)`` pairs, run in the session's environment), their report printed after. Measured
+    over the whole suite on 2 cores: the machine stood idle 23 % of the time with one process
+    (ranks waiting for each other, for timeouts, for process start-up), which the background
+    fills. Returns the labels of what failed ("multiprocess tests", "in-process tests", a
+    check's label); every command runs even when one fails."""
     common = ("-c", str(PYPROJECT), "--rootdir", str(ROOT), "--durations=15", *map(str, tests))
-    report = Path(session.create_tmp()).resolve() / "in_process_tests.log"
+    report = Path(session.create_tmp()).resolve() / "beside.log"
     env = {
         **os.environ,
         **TEST_ENV,
         "PATH": os.pathsep.join([str(session.bin), os.environ.get("PATH", "")]),
     }
-    pytest = str(Path(session.bin) / "pytest")
-    session.log(f"in-process tests in the background, report: {report}")
-    with report.open("w") as out:
-        # No cache plugin here: the two processes would write .pytest_cache at once.
-        background = subprocess.Popen(
-            [pytest, *common, "-p", "no:cacheprovider", "-m", "not multiprocess"],
-            stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
-        )  # fmt: skip
-        failed: CommandFailed | None = None
-        try:
-            session.run("pytest", *common, "-m", "multiprocess", env=TEST_ENV)
-        except CommandFailed as error:
-            failed = error
-        finally:
-            code = background.wait()
-    session.log(f"in-process tests (exit {code}):\n{report.read_text()}")
-    if code != 0:
-        raise CommandFailed(f"in-process tests failed (exit {code})")
-    if failed is not None:
-        raise failed
+    # No cache plugin here: the two pytest processes would write .pytest_cache at once.
+    in_process = [str(Path(session.bin) / "pytest"), *common, "-p", "no:cacheprovider"]
+    background = [("in-process tests", [*in_process, "-m", "not multiprocess"]), *checks]
+    background_failed: list[str] = []
+
+    def run_background() -> None:
+        with report.open("w") as out:
+            for label, command in background:
+                out.write(f"--- {label}: {' '.join(command)}\n")
+                out.flush()
+                code = subprocess.run(
+                    command, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT, check=False
+                ).returncode
+                out.write(f"--- {label}: exit {code}\n")
+                out.flush()
+                if code != 0:
+                    background_failed.append(label)
+
+    session.log(f"in-process tests, then {len(checks)} checks, in the background: {report}")
+    worker = threading.Thread(target=run_background, name="beside")
+    worker.start()
+    failed: list[str] = []
+    try:
+        session.run("pytest", *common, "-m", "multiprocess", env=TEST_ENV)
+    except CommandFailed:
+        failed.append("multiprocess tests")
+    finally:
+        worker.join()
+    session.log(f"the background's report:\n{report.read_text()}")
+    return failed + background_failed
 
 
 def _run_mypy(session: nox.Session, targets: list[str], cache: Path | None = None) -> None:
@@ -365,10 +385,13 @@ def run_mypy(session: nox.Session, pkg: Package) -> None:
 def _mypy(
     session: nox.Session, pkg: Package, cache: Path | None = None, extra: Iterable[str] = ()
 ) -> None:
-    targets = [
+    _run_mypy(session, [*_mypy_targets(pkg), *extra], cache)
+
+
+def _mypy_targets(pkg: Package) -> list[str]:
+    return [
         str(d.relative_to(ROOT)) for d in (pkg.path / "src", pkg.path / "tests") if _has_python(d)
     ]
-    _run_mypy(session, [*targets, *extra], cache)
 
 
 def run_build(session: nox.Session, pkg: Package) -> None:
@@ -667,9 +690,9 @@ def integration(session: nox.Session) -> None:
 def tests_all(session: nox.Session) -> None:
     """Every package's tests, tests/integration and mypy --strict over every package, in one
     environment holding all packages (non-editable, with their test extras): one install of
-    torch and the test tools, two pytest processes side by side (the multiprocess tests in one,
-    the in-process ones in the other: one torch import each, one rank pool per world size) and
-    one mypy cache, instead of one per package. Each package's
+    torch and the test tools, two processes side by side (the multiprocess tests in one; the
+    in-process ones, then mypy, in the other: one torch import per pytest process, one rank
+    pool per world size) and one mypy cache, instead of one per package. Each package's
     isolated install (only its DAG closure) is checked by build-<dist>; check-<dist> runs a
     package's tests in such an environment. Every step runs even when one fails."""
     names = _install_order()
@@ -679,26 +702,24 @@ def tests_all(session: nox.Session) -> None:
     ]
     install_local(session, names, specs, ["mypy"])
     install_no_deps_test_tools(session, names)
-    failed: list[str] = []
     _check_installed_copy(session, *(PACKAGES[name].import_name for name in names))
-    # Every package's tests in one pytest process per kind (in-process and multiprocess, side
-    # by side): torch is imported and the rank pools are spawned once for the whole run, not
-    # once per package (test module names are unique across packages; tools/tests checks it).
-    try:
-        _run_pytest_beside(session, *[PACKAGES[n].path / "tests" for n in names], INTEGRATION_TESTS)
-    except CommandFailed:
-        failed.append("tests")
+    tests = [*[PACKAGES[n].path / "tests" for n in names], INTEGRATION_TESTS]
     # One cache for every package: torch's stubs are analysed once, not once per package.
-    cache = Path(session.create_tmp()) / "mypy_cache"
-    for name in names:
-        try:
-            _mypy(session, PACKAGES[name], cache)
-        except CommandFailed:
-            failed.append(f"mypy {name}")
-    try:
-        _run_mypy(session, [str(INTEGRATION_TESTS.relative_to(ROOT))], cache)
-    except CommandFailed:
-        failed.append("mypy integration")
+    cache = Path(session.create_tmp()).resolve() / "mypy_cache"
+    targets = [(f"mypy {n}", _mypy_targets(PACKAGES[n])) for n in names]
+    targets.append(("mypy integration", [str(INTEGRATION_TESTS.relative_to(ROOT))]))
+    if session.posargs:
+        # Extra arguments select tests themselves: one pytest process runs them, then mypy.
+        steps = [("tests", functools.partial(_run_pytest, session, *tests))]
+        steps += [(label, functools.partial(_run_mypy, session, t, cache)) for label, t in targets]
+        failed = _run_each(steps)
+    else:
+        mypy = str(Path(session.bin) / "mypy")
+        checks = [
+            (label, [mypy, "--config-file", str(PYPROJECT), "--cache-dir", str(cache), *t])
+            for label, t in targets
+        ]
+        failed = _run_beside(session, tests, checks)
     if failed:
         session.error(f"failed: {', '.join(failed)}")
 
