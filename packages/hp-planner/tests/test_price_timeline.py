@@ -126,7 +126,8 @@ def _issued(program: list[Op]) -> list[str]:
 def test_hp_order_of_collectives() -> None:
     """hp-fsdp's order: forward prefetches in the order forwards start, backward in the reverse
     of the order they finish (the root's backward start gathers the last block, a block's its
-    nested experts); each reduce-scatter, without HSDP, waited for as it is issued."""
+    nested experts); without HSDP, the first reduce-scatter of the backward is waited for as it
+    is issued, every later one is held until the next unit's reduction starts (or the end)."""
     program = microbatch_program(_tree())
     assert _issued(program) == [
         "forward gather root",
@@ -141,12 +142,21 @@ def test_hp_order_of_collectives() -> None:
         "reduce-scatter layers.0",
         "reduce-scatter root",
     ]
-    # The reduce-scatter is waited for right after its issue (no HSDP: a bucket each).
-    for index, op in enumerate(program):
-        if isinstance(op, Issue) and op.kind == "fsdp_reduce_scatter":
-            assert program[index + 1] == Wait(op.name)
+    scatters = [
+        (i, op.name)
+        for i, op in enumerate(program)
+        if isinstance(op, Issue) and "reduce-" in op.name
+    ]
+    (first, first_name), *held = scatters
+    assert program[first + 1] == Wait(first_name)
+    for (_, name), after in zip(held, [*(i for i, _ in held[1:]), len(program)], strict=True):
+        # Waited for after the compute that follows its issue, right before the next issue.
+        waits = [i for i, op in enumerate(program) if op == Wait(name)]
+        assert waits == [after - 1], (name, waits, after)
     line = simulate(program)
-    assert line.exposed_of("fsdp_reduce_scatter") == 4.0
+    # The first one exposed whole (1 s); layers.1's hides behind layers.0's 4 s of backward;
+    # layers.0's and the root's have no compute after them before the next reduction: 1 s each.
+    assert line.exposed_of("fsdp_reduce_scatter") == 3.0
     assert line.compute == 3 * (2.0 + 1.0 + 3.0 + 1.0)
 
 
@@ -155,7 +165,9 @@ def test_without_prefetch_every_gather_waits_at_once() -> None:
     gathers = [op for op in program if isinstance(op, Issue) and op.kind == "fsdp_all_gather"]
     assert len(gathers) == 7  # root once, three units twice
     line = simulate(program)
-    assert line.exposed_of("fsdp_all_gather") == 7.0
+    # Each of the 7 seconds of gathers, and layers.0's backward gather waits on its tier
+    # behind the reduce-scatter of layers.1, held in flight: 8.
+    assert line.exposed_of("fsdp_all_gather") == 8.0
     prefetched = simulate(microbatch_program(_tree()))
     assert prefetched.exposed_of("fsdp_all_gather") < 7.0
 

@@ -8,7 +8,7 @@ when the next one is issued.
 
 For HSDP, groups form buckets (runs in backward order, cut by
 :func:`hp_fsdp.replicate_buckets.plan_replicate_buckets` from the slow tier's cost); as soon as
-the reduce-scatters of all groups of a bucket are in, ONE asynchronous all-reduce over the
+the reduce-scatters of all groups of a bucket are complete, ONE asynchronous all-reduce over the
 replicate (slow) axis is issued for all their chunks (a coalesced collective: NCCL groups it, gloo
 flattens it internally), so the slow link works while the backward of earlier layers runs. All
 of them are waited for once, at the end of backward.
@@ -53,6 +53,7 @@ class _Entry:
     release: Callable[[], None] | None = None
     accumulate: torch.Tensor | None = None
     submitted: bool = False
+    completed: bool = False
     all_reduce: bool = True
     pending: torch.Tensor | None = None
 
@@ -137,22 +138,36 @@ class GradArena:
         release: Callable[[], None],
         accumulate: torch.Tensor | None = None,
         all_reduce: bool = True,
+        hold: bool = False,
     ) -> None:
         """Group ``index``'s reduce-scatter was issued (``work``) into its chunk, or into
         ``accumulate`` when its sharded parameters already have gradients; ``release`` frees
         the reduce-scatter's input once it is done. ``all_reduce=False`` (HSDP gradient
         accumulation) keeps the result pending instead of reducing it over the replicate axis
-        and handing it over."""
-        for earlier in self._in_flight:
-            self._complete(earlier)
+        and handing it over. ``hold`` leaves it in flight until :meth:`drain` (the next group's
+        reduction) or :meth:`finish` (:mod:`hp_fsdp.reduce_overlap`); else it is completed
+        now. A reduce-scatter still in flight from an earlier group is completed first."""
+        self.drain()
         entry = self.entries[index]
         entry.work, entry.release, entry.accumulate = work, release, accumulate
         entry.all_reduce = all_reduce or self.replicate_size == 1
         entry.submitted = True
-        self._in_flight = [entry]
-        bucket = self.buckets[entry.bucket]
-        if all(self.entries[i].submitted for i in bucket.members):
-            self._fire(bucket)
+        if hold:
+            self._in_flight = [entry]
+        else:
+            self._complete(entry)
+
+    @property
+    def reduced(self) -> int:
+        """How many groups were submitted in this backward."""
+        return sum(entry.submitted for entry in self.entries)
+
+    def drain(self) -> None:
+        """Complete the reduce-scatter left in flight, if any (freeing its unsharded input),
+        and start its bucket's all-reduce if that completes the bucket."""
+        in_flight, self._in_flight = self._in_flight, []
+        for entry in in_flight:
+            self._complete(entry)
 
     def _complete(self, entry: _Entry) -> None:
         if entry.work is not None:
@@ -161,17 +176,18 @@ class GradArena:
         if entry.release is not None:
             entry.release()
             entry.release = None
+        entry.completed = True
+        bucket = self.buckets[entry.bucket]
+        if all(self.entries[i].completed for i in bucket.members):
+            self._fire(bucket)
 
     def _fire(self, bucket: _Bucket) -> None:
+        """Start the replicate-axis all-reduce of ``bucket``'s submitted groups, all completed
+        (once per backward; nothing without a replicate axis)."""
         if bucket.fired:
             return
         bucket.fired = True
         members = [self.entries[i] for i in bucket.members if self.entries[i].submitted]
-        # Completed now, not at the next submit: keeping a reduce-scatter in flight keeps its
-        # unsharded gradient alive beside the next group's, half a block above torch FSDP2's
-        # peak (tests/test_memory.py), for no measured gain on gloo.
-        for entry in members:
-            self._complete(entry)
         members = [e for e in members if e.all_reduce]
         if self.replicate_size == 1 or not members:
             return
@@ -203,10 +219,10 @@ class GradArena:
         """Fire what is left, wait for everything, divide by ``divide_factor`` (default: the
         number of data-parallel ranks, i.e. average), and hand the chunks over (all but the
         pending ones, see :meth:`submit`)."""
+        self.drain()
         for bucket in self.buckets:
             if any(self.entries[i].submitted for i in bucket.members):
                 self._fire(bucket)
-        self._in_flight = []
         scale = 1.0 / (divide_factor or float(self.shard_size * self.replicate_size))
         out: list[Reduced] = []
         for bucket in self.buckets:
@@ -228,7 +244,7 @@ class GradArena:
                     out.append(Reduced(i, entry.chunk.mul_(scale), False))
                 # The gradients own the chunk now; zero_grad frees it.
                 entry.chunk = None
-                entry.submitted = False
+                entry.submitted = entry.completed = False
                 entry.accumulate = None
             bucket.fired = False
         return out

@@ -16,9 +16,10 @@ first reduce-scatter:
   17.5 ms, all-to-all 8.5 ms; world 4, 16 MiB per rank, native 47.8 ms, all-to-all 17.8 ms.
   A rank whose own chunk is the first or the last (both ranks of a pair, the two end ranks of a
   larger group) sends the rest of the gradient, one contiguous run, and receives only its
-  peers' copies: its receive buffer is ``(world - 1) / world`` of the unsharded gradient (half
-  at world 2) and its own chunk is never copied; the other ranks exchange the whole gradient,
-  their own chunk included. The group's unsharded parameters are freed before the buffer is
+  peers' copies: its receive buffer is ``(world - 1) / world`` of the unsharded gradient and its
+  own chunk is never copied; the other ranks exchange the whole gradient, their own chunk
+  included. Over a pair, the one row received is the output itself (``c1 + c0 == c0 + c1``
+  bit for bit): no receive buffer. The group's unsharded parameters are freed before the buffer is
   allocated, so the step's peak stays at or below torch FSDP2's (``tests/test_memory.py``).
   Over two ranks the sums are bit-equal to gloo's own
   (``a + b == b + a``); over more, gloo's ring adds in another order, so the two differ by
@@ -137,7 +138,12 @@ def reduce_scatter(
     at_end = me in (0, world - 1)
     send = (chunks[1:] if me == 0 else chunks[:-1]) if at_end else chunks
     splits = [0 if r == me else 1 for r in range(world)] if at_end else None  # rows of send
-    received = torch.empty_like(send)
+    if world == 2 and output.dtype == source.dtype and output.is_contiguous():
+        # The peer's one row lands in the output itself: c0 + c1 == c1 + c0 bit for bit, so
+        # the sum is the same and no receive buffer is held while the exchange is in flight.
+        received = output.view(1, -1)
+    else:
+        received = torch.empty_like(send)
     work = _exchange("FSDP gradient reduce-scatter", received, send, splits, group)
     rows = list(received)
     if at_end:

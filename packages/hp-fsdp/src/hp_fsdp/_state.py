@@ -30,6 +30,7 @@ from hp_fsdp._arena import GradArena
 from hp_fsdp._group import FSDPParamGroup
 from hp_fsdp.policy import PrefetchPolicy, default_prefetch
 from hp_fsdp.prefetch_plan import Direction, decide_prefetch
+from hp_fsdp.reduce_overlap import decide_reduce_overlap
 from hp_fsdp.replicate_buckets import ReplicateBuckets, bucket_cap_bytes, plan_replicate_buckets
 
 __all__ = ["FSDPState", "TrainingState", "attach_fsdp_state", "fsdp_state"]
@@ -341,14 +342,17 @@ class FSDPState:
             return
         self._post_backward_done = True
         self.training = TrainingState.POST_BACKWARD
+        root = self.root
+        assert root is not None
+        if root.arena is not None:
+            # The previous group's reduce-scatter, if held, before this one allocates anything.
+            root.arena.drain()
         for group in self.groups:
             # Free the unsharded parameters before the reduce-scatter allocates anything (as
             # FSDP2 does): the gradient no longer needs them.
             if self.reshard_after_backward and not self.is_root:
                 group.reshard()
             if self.requires_gradient_sync and group.has_gradients:
-                root = self.root
-                assert root is not None
                 assert root.arena is not None
                 index = root.arena_index[id(group)]
                 target = root.arena.chunk(index)
@@ -358,9 +362,15 @@ class FSDPState:
                     target_for_rs = accumulate
                 else:
                     target_for_rs = target
+                overlap = decide_reduce_overlap(root.arena.reduced, group.fsdp.shard_size > 1)
                 work = group.reduce_scatter(target_for_rs)
                 root.arena.submit(
-                    index, work, group.release_gradients, accumulate, self.requires_all_reduce
+                    index,
+                    work,
+                    group.release_gradients,
+                    accumulate,
+                    self.requires_all_reduce,
+                    hold=overlap.hold,
                 )
 
     def _final_callback_root(self) -> None:

@@ -15,10 +15,11 @@ runtimes do:
   in: its reduce-scatter is issued. Reduce-scatters go into buckets of reduced chunks in
   backward order under HSDP, each closed once it holds ``hsdp_bucket_bytes`` (the runtime's
   cap, :func:`hp_fsdp.replicate_buckets.bucket_cap_bytes`; one unit per bucket without HSDP);
-  a submitted reduce-scatter completes the one before it, and when a bucket's
-  last one is in, the bucket's reduce-scatters are waited for and, on the microbatch that
-  all-reduces, one all-reduce of the bucket goes to the replicate tier. The end of backward
-  waits for every bucket's all-reduce.
+  the first reduce-scatter of the backward is waited for at once, every later one is held
+  until the next unit's reduction starts (:func:`hp_fsdp.reduce_overlap.decide_reduce_overlap`),
+  and when a bucket's last one is complete, on the microbatch that all-reduces, one all-reduce
+  of the bucket goes to the replicate tier. The end of backward waits for every bucket's
+  all-reduce.
 * **torch FSDP2** (modeled baseline). The same prefetching; its copy-in before each
   all-gather and reduce-scatter and copy-out after each are compute-stream time charged to that
   collective's kind; a reduce-scatter stays in flight until the next one is issued; its
@@ -47,6 +48,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from enum import Enum
 
+from hp_fsdp.reduce_overlap import decide_reduce_overlap
 from hp_planner.price.timeline import Compute, Issue, Mark, Op, Wait
 
 __all__ = ["DDP_BUCKET_BYTES", "SWAP_KIND", "SWAP_TIER", "Runtime", "Unit", "microbatch_program"]
@@ -153,6 +155,8 @@ class _Writer:
     in_flight: list[str] = field(default_factory=list)
     bucket: list[Unit] = field(default_factory=list)
     bucket_bytes: int = 0
+    closed: bool = False  # the bucket is full, its last reduce-scatter still held
+    reduced: int = 0  # reduce-scatters issued in this backward
     replicated: list[str] = field(default_factory=list)
     offloading: list[str] = field(default_factory=list)
 
@@ -271,10 +275,20 @@ class _Writer:
                 )
                 self.replicated.append(reduce)
             return
+        # The arena: the reduce-scatter held from the unit before completes first, and its
+        # bucket's all-reduce starts if that closed the bucket.
         for earlier in self.in_flight:
             self.ops.append(Wait(earlier))
+        self.in_flight = []
+        if self.closed:
+            self._fire()
         self.ops.append(Issue(name, "fsdp_reduce_scatter", unit.tier, unit.scatter))
-        self.in_flight = [name]
+        hold = decide_reduce_overlap(self.reduced, communicates=True).hold
+        self.reduced += 1
+        if hold:
+            self.in_flight = [name]
+        else:
+            self.ops.append(Wait(name))
         self._bucket(unit)
 
     def _bucket(self, unit: Unit) -> None:
@@ -288,15 +302,21 @@ class _Writer:
         else:
             cap = self.hsdp_bucket_bytes if unit.replicate else 1
         if self.bucket_bytes >= cap:
-            self._fire()
+            # hp-fsdp's bucket fires once its last reduce-scatter is complete: now, or when the
+            # next unit's reduction completes a held one (or at the end of backward).
+            if self.in_flight and self.runtime is not Runtime.MEGATRON_DDP:
+                self.closed = True
+            else:
+                self._fire()
 
     def _fire(self) -> None:
         if not self.bucket:
             return
         ddp = self.runtime is Runtime.MEGATRON_DDP
         for name in self.in_flight:
-            self.ops.append(Wait(name))  # the bucket's reduce-scatters, completed at once
+            self.ops.append(Wait(name))  # the bucket's last reduce-scatter, if still held
         self.in_flight = []
+        self.closed = False
         seconds = sum(u.replicate for u in self.bucket)
         if seconds and self.all_reduce:
             name = f"all-reduce {self.bucket[0].name}"
