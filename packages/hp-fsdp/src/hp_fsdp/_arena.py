@@ -3,8 +3,9 @@
 Each group's reduce-scatter writes this rank's chunk into a fresh buffer, allocated when the
 reduce-scatter is issued (memory grows group by group, as in FSDP2) and handed over to the
 sharded parameters' gradients at the end of backward (the arena keeps no reference: dropping
-the gradients frees it). Each reduce-scatter is completed (and its large unsharded input freed)
-when the next one is issued.
+the gradients frees it). A reduce-scatter is completed (and its large unsharded input freed)
+at once, or, when held (:mod:`hp_fsdp.reduce_overlap`), by :meth:`GradArena.drain` when the
+next group's reduction starts, or at the end of backward: at most one is in flight.
 
 For HSDP, groups form buckets (runs in backward order, cut by
 :func:`hp_fsdp.replicate_buckets.plan_replicate_buckets` from the slow tier's cost); as soon as

@@ -22,8 +22,11 @@ group it reduces, the arena carries it out):
 * **Compute to hide behind.** On accelerators the reduce-scatter runs on its own stream; on CPU
   gloo runs it on its own thread. Completing it at once made the next group's backward wait
   for it. Measured with ``benchmarks/fsdp_step.py``'s model on a 2-core EPYC, one thread per
-  rank, 12 interleaved rounds: world 2, 148.1 ms completing each at once, 136.9 ms holding all
-  but the first (torch FSDP2 207.7 ms in that sitting); world 4, 291.7 and 289.3 ms.
+  rank, the same code completing each at once and holding all but the first, interleaved in
+  one process, two sittings (12 and 15 rounds): world 2, 148.1 -> 136.9 ms and 119.5 ->
+  115.3 ms; world 4, 291.7 -> 289.3 ms and 257.0 -> 258.7 ms; HSDP 2x2 239.8 -> 239.5 ms. At
+  world 2 each rank has a core and its wait was idle time; four ranks on two cores leave no
+  idle core to fill (a rank waiting gives its core to the other).
 
 The decision never changes a value: the same reduce-scatter runs on the same data, only its
 wait moves.
