@@ -292,11 +292,12 @@ class _Writer:
         self._bucket(unit)
 
     def _bucket(self, unit: Unit) -> None:
-        """hp-fsdp's arena (and DDP's buckets): a bucket fires when its last unit is in."""
+        """hp-fsdp's arena (and DDP's buckets): a bucket fires when its last unit is in (hp-fsdp:
+        when that unit's reduce-scatter is complete)."""
         self.bucket.append(unit)
         self.bucket_bytes += unit.chunk_bytes
         # Without a replicate all-reduce every unit is a bucket of its own (the arena's limit
-        # is then one byte), so its reduce-scatter is waited for as soon as it is issued.
+        # is then one byte) and firing it issues nothing.
         if self.runtime is Runtime.MEGATRON_DDP:
             cap = DDP_BUCKET_BYTES
         else:
