@@ -348,9 +348,13 @@ def _run_beside(
             for label, command in background:
                 out.write(f"--- {label}: {' '.join(command)}\n")
                 out.flush()
-                code = subprocess.run(
-                    command, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT, check=False
-                ).returncode
+                try:
+                    code = subprocess.run(
+                        command, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT
+                    ).returncode
+                except OSError as error:  # a missing tool fails its step, never silently
+                    out.write(f"--- {label}: could not start: {error}\n")
+                    code = -1
                 out.write(f"--- {label}: exit {code}\n")
                 out.flush()
                 if code != 0:
